@@ -1,0 +1,1 @@
+"""slimserve: compress, evaluate and export Hugging Face causal LMs."""

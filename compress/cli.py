@@ -1,0 +1,120 @@
+"""The `compress` command: `compress run RECIPE`, `compress eval MODEL`.
+
+Exit codes: 0 success (gate passed), 2 bad input (one line on stderr, no traceback),
+3 the perplexity gate failed (the artifact and report are still written and say FAILED).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Compress a Hugging Face causal LM with a recipe, evaluate perplexity, export artifacts.",
+)
+console = Console(stderr=True)
+
+EXIT_BAD_INPUT = 2
+EXIT_GATE_FAILED = 3
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from slimserve.compress.errors import RecipeError, UnsupportedModelError
+    from slimserve.compress.quant.scheme import SchemeError
+    from slimserve.eval.datasets import DatasetError
+    from slimserve.runtime.errors import ArtifactError
+
+    return (RecipeError, UnsupportedModelError, SchemeError, DatasetError, ArtifactError, FileNotFoundError)
+
+
+def _fail(message: str) -> None:
+    first = str(message).strip().splitlines()[0] if str(message).strip() else "unknown error"
+    console.print(f"[bold red]error:[/] {first}", highlight=False, markup=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
+
+
+@app.command()
+def run(
+    recipe: Path = typer.Argument(..., help="recipe YAML file (see recipes/)"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="artifact folder (overrides the recipe's output)"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bars"),
+) -> None:
+    """Run a recipe: baseline ppl, every stage with ppl after it, the gate, export and report."""
+    from slimserve.compress.pipeline import run_recipe
+    from slimserve.compress.recipe import load_recipe
+
+    try:
+        rec = load_recipe(recipe, output)
+        result = run_recipe(rec, log=lambda m: console.print(m, highlight=False), progress=not no_progress)
+    except _user_errors() as e:
+        _fail(str(e))
+    gate = result.summary["gate"]
+    verdict = "[green]PASSED[/]" if result.passed else "[bold red]FAILED[/]"
+    console.print(
+        f"gate {verdict}: ppl {result.summary['baseline']['ppl']:.4f} -> {result.summary['final']['ppl']:.4f} "
+        f"({gate['ppl_increase'] * 100:+.2f}%, limit {gate['max_ppl_increase'] * 100:.2f}%)"
+    )
+    console.print(f"artifact: {result.artifact}  report: {result.artifact / 'report.md'}")
+    if not result.passed:
+        raise typer.Exit(EXIT_GATE_FAILED)
+
+
+@app.command("eval")
+def eval_cmd(
+    model: str = typer.Argument(..., help="HF model id, local HF checkpoint or slimserve artifact"),
+    dataset: str = typer.Option("stdlib", help="stdlib | wikitext2 | text:PATH | jsonl:PATH:FIELD"),
+    seq_len: int = typer.Option(512, "--seq-len", min=2, help="tokens per window"),
+    max_windows: Optional[int] = typer.Option(None, "--max-windows", min=1, help="evaluate at most N windows"),
+    batch_size: int = typer.Option(8, "--batch-size", min=1, help="windows per forward pass"),
+    as_json: bool = typer.Option(False, "--json", help='print {"ppl", "tokens", "seconds"} as JSON'),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code from the model repo"),
+) -> None:
+    """Perplexity of a model or artifact on a dataset (non-overlapping windows)."""
+    import torch
+
+    from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.eval.perplexity import evaluate_perplexity
+    from slimserve.runtime.loader import load_model
+
+    try:
+        spec = parse_dataset(dataset, Path.cwd())
+        loaded = load_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        ids = encode_documents(loaded.tokenizer, load_texts(spec))
+        res = evaluate_perplexity(loaded.model, ids, seq_len, max_windows, batch_size, progress=not as_json)
+    except _user_errors() as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps({"ppl": res.ppl, "tokens": res.tokens, "seconds": round(res.seconds, 3)}))
+    else:
+        console.print(f"{model} on {dataset} (seq_len {seq_len}): ppl {res.ppl:.4f} over {res.tokens} tokens "
+                      f"in {res.seconds:.1f}s", highlight=False)
+
+
+@app.command()
+def stages() -> None:
+    """List the stages a recipe can use and their options."""
+    from slimserve.compress.registry import STAGES
+
+    for name, (options, _) in STAGES.items():
+        fields = ", ".join(f"{k}={v.default!r}" for k, v in options.model_fields.items())
+        print(f"{name}: {fields}")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""`compress run`: recipe -> model -> baseline ppl -> stages (ppl after each) -> gate -> artifact + report.
+
+The model is compressed in float32 (the compute dtype on CPU) while quantization scales and the
+exported tensors use the storage dtype (the checkpoint's, unless the recipe says otherwise), so
+the perplexity measured here is the perplexity of exactly what a loader reads back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from slimserve.compress.errors import UnsupportedModelError
+from slimserve.compress.export.io import export_compressed_tensors, size_bytes
+from slimserve.compress.export.manifest import ArtifactManifest
+from slimserve.compress.quant.primitives import QuantizedWeight
+from slimserve.compress.recipe import Recipe
+from slimserve.compress.registry import STAGES
+from slimserve.compress.stage import CompressionState, StageReport
+from slimserve.eval.datasets import calibration_batches, encode_documents, load_texts, parse_dataset
+from slimserve.eval.perplexity import evaluate_perplexity
+from slimserve.eval.report import write_report
+from slimserve.runtime.loader import load_model
+
+COMPUTE_DTYPE = torch.float32
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    artifact: Path  # the exported artifact folder (also holds report.json/.md/.png)
+    summary: dict  # the content of report.json
+    passed: bool  # whether the perplexity gate passed
+
+
+def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: bool = True) -> RunResult:
+    """Run every stage of `recipe`, gate on perplexity drift, export and report."""
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    loaded = load_model(recipe.model, dtype=COMPUTE_DTYPE)
+    if loaded.quantized:
+        raise UnsupportedModelError(
+            f"model {recipe.model} is already quantized; compress its unquantized base model instead"
+        )
+    model, tok = loaded.model, loaded.tokenizer
+    model.eval()
+    storage = _storage_dtype(recipe, model)
+    ev = recipe.eval
+    eval_spec = parse_dataset(ev.dataset, recipe.base_dir)
+    eval_ids = encode_documents(tok, load_texts(eval_spec))
+
+    def measure(label: str):
+        res = evaluate_perplexity(model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size, progress=progress)
+        log(f"{label}: ppl {res.ppl:.4f} over {res.tokens} tokens ({res.seconds:.1f}s)")
+        return res
+
+    baseline = measure("baseline")
+    base_size = weight_bytes(model, {}, storage)
+    state = CompressionState(model=model, tokenizer=tok, storage_dtype=storage)
+    if recipe.needs_calibration:
+        cal = recipe.calibration
+        state.calibration = calibration_batches(
+            tok, parse_dataset(cal.dataset, recipe.base_dir), cal.num_samples, cal.seq_len, cal.seed
+        )
+    reports = [_run_stage(spec, state, measure, storage) for spec in recipe.stages]
+
+    final_ppl = reports[-1].ppl
+    increase = final_ppl / baseline.ppl - 1.0
+    gate = {"max_ppl_increase": ev.max_ppl_increase, "ppl_increase": increase,
+            "passed": increase <= ev.max_ppl_increase}
+    eval_info = {"dataset": ev.dataset, "seq_len": ev.seq_len, "tokens": baseline.tokens,
+                 "windows": baseline.windows, "baseline_ppl": baseline.ppl, "final_ppl": final_ppl, "gate": gate}
+    manifest = ArtifactManifest(
+        base_model=recipe.model, recipe=recipe.text, stages=[r.to_dict() for r in reports], eval=eval_info
+    )
+    model.to(storage)
+    artifact = export_compressed_tensors(model, tok, state.quantized, recipe.output, manifest)
+    summary = {
+        "model": recipe.model,
+        "recipe": str(recipe.path) if recipe.path else None,
+        "dataset": ev.dataset,
+        "seq_len": ev.seq_len,
+        "tokens": baseline.tokens,
+        "baseline": {"ppl": baseline.ppl, "size_bytes": base_size, "seconds": baseline.seconds},
+        "stages": [r.to_dict() for r in reports],
+        "final": {"ppl": final_ppl, "size_bytes": size_bytes(artifact)},
+        "gate": gate,
+        "seconds": time.perf_counter() - t_start,
+        "artifact": str(artifact),
+    }
+    write_report(artifact, summary)
+    return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
+
+
+def _run_stage(spec, state: CompressionState, measure, storage: torch.dtype) -> StageReport:
+    options_cls, stage_cls = STAGES[spec.name]
+    stage = stage_cls(spec.config)
+    stage.prepare(state)
+    stage.apply(state)
+    report = stage.finalize(state)
+    report.ppl = measure(f"after {spec.name}").ppl
+    report.size_bytes = weight_bytes(state.model, state.quantized, storage)
+    return report
+
+
+def _storage_dtype(recipe: Recipe, model: nn.Module) -> torch.dtype:
+    """The recipe's dtype, or the checkpoint's own (read from config.json, not the loaded copy)."""
+    if recipe.dtype != "auto":
+        return _DTYPES[recipe.dtype]
+    from transformers import AutoConfig
+
+    cfg_dtype = getattr(AutoConfig.from_pretrained(recipe.model), "dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = _DTYPES.get(cfg_dtype)
+    return cfg_dtype if cfg_dtype in _DTYPES.values() else torch.bfloat16
+
+
+def weight_bytes(model: nn.Module, quantized: dict[str, QuantizedWeight], storage: torch.dtype) -> int:
+    """Bytes the model's weights take on disk: packed codes + scales for quantized Linears."""
+    total, seen = 0, set()
+    elem = torch.empty(0, dtype=storage).element_size()
+    for mod_name, module in model.named_modules():
+        for p_name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            qw = quantized.get(mod_name) if p_name == "weight" else None
+            if qw is None:
+                total += p.numel() * elem
+                continue
+            n, k = qw.shape
+            total += n * k * qw.args.num_bits // 8 + qw.scale.numel() * elem
+            if qw.zero_point is not None:
+                total += qw.zero_point.numel() * qw.args.num_bits // 8
+    return total

@@ -1,0 +1,176 @@
+"""Recipes: the YAML a user writes, validated completely before any model is loaded.
+
+pydantic lives only here, at the edge. Every problem is reported with its path in the YAML and,
+for a misspelt key, the closest valid one: `stages[0].rtn.bitz: unknown key; did you mean 'bits'?`
+Relative paths (model, output, dataset files) resolve against the recipe file's folder.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from slimserve.compress.errors import RecipeError
+from slimserve.compress.registry import STAGE_SPECS, STAGES
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CalibrationSpec(_Strict):
+    dataset: str = "stdlib"  # dataset spec (stdlib uses its train split for calibration)
+    num_samples: int = Field(64, gt=0)  # number of calibration sequences
+    seq_len: int = Field(512, gt=1)  # tokens per calibration sequence
+    seed: int = 0  # seed of the window sampler
+
+
+class EvalSpec(_Strict):
+    dataset: str = "stdlib"  # dataset spec for perplexity (stdlib: validation split)
+    seq_len: int = Field(512, gt=1)  # tokens per window
+    max_windows: int | None = Field(None, gt=0)  # None: every window of the split
+    max_ppl_increase: float = Field(0.10, ge=0)  # gate: final/baseline - 1 must not exceed this
+    batch_size: int = Field(8, gt=0)  # windows per forward pass
+
+
+class ExportSpec(_Strict):
+    format: Literal["compressed-tensors"] = "compressed-tensors"  # on-disk format of the artifact
+
+
+class RecipeModel(_Strict):
+    model: str  # HF model id or a path (relative to the recipe file)
+    output: str  # artifact folder (relative to the recipe file)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # storage dtype of the artifact
+    calibration: CalibrationSpec = CalibrationSpec()
+    eval: EvalSpec = EvalSpec()
+    stages: list[dict[str, Any]] = Field(min_length=1)
+    export: ExportSpec = ExportSpec()
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    name: str  # registry key, e.g. 'rtn'
+    config: BaseModel  # the stage's validated options
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    path: Path | None  # the recipe file (None when built in code)
+    text: str  # the YAML verbatim (stored in the artifact manifest)
+    model: str  # resolved model path, or the HF id when no such local path exists
+    output: Path  # resolved artifact folder
+    dtype: str  # storage dtype: auto (the checkpoint's) or an explicit one
+    calibration: CalibrationSpec
+    eval: EvalSpec
+    stages: tuple[StageSpec, ...]
+    export: ExportSpec
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent if self.path else Path.cwd()
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(STAGES[s.name][1].needs_calibration for s in self.stages)
+
+
+def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
+    """Read and validate a recipe file; `output` overrides the recipe's `output`."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe file not found: {p}; pass the path of a .yaml recipe (see recipes/)")
+    return parse_recipe(p.read_text(encoding="utf-8"), p, output)
+
+
+def parse_recipe(text: str, path: Path | None = None, output: str | Path | None = None) -> Recipe:
+    where = str(path) if path else "recipe"
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise RecipeError(f"{where}{line}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: a recipe is a YAML mapping with keys model, output, stages, ...")
+    top = _validate(RecipeModel, raw, "")
+    stages = tuple(_parse_stage(i, s) for i, s in enumerate(top.stages))
+    base = path.parent if path else Path.cwd()
+    return Recipe(
+        path=path,
+        text=text,
+        model=_resolve_model(top.model, base),
+        output=Path(output) if output is not None else base / top.output,
+        dtype=top.dtype,
+        calibration=top.calibration,
+        eval=top.eval,
+        stages=stages,
+        export=top.export,
+    )
+
+
+def _resolve_model(model: str, base: Path) -> str:
+    """A local folder relative to the recipe wins; otherwise the string is a hub id."""
+    local = (base / model).expanduser()
+    if local.exists():
+        return str(local.resolve())
+    if model.startswith((".", "/", "~")):
+        raise RecipeError(f"model: folder {local} does not exist; fix the path (relative to the recipe file)")
+    return model
+
+
+def _parse_stage(i: int, entry: Any) -> StageSpec:
+    names = ", ".join(STAGE_SPECS)
+    if not isinstance(entry, dict) or len(entry) != 1:
+        raise RecipeError(f"stages[{i}]: each stage is a mapping with one key, the stage name ({names})")
+    (name, options), = entry.items()
+    if name not in STAGE_SPECS:
+        hint = difflib.get_close_matches(str(name), list(STAGE_SPECS), n=1)
+        tip = f"did you mean '{hint[0]}'? " if hint else ""
+        raise RecipeError(f"stages[{i}].{name}: unknown stage; {tip}available stages: {names}")
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise RecipeError(f"stages[{i}].{name}: options must be a mapping, got {options!r}")
+    return StageSpec(name, _validate(STAGE_SPECS[name], options, f"stages[{i}].{name}"))
+
+
+def _validate(cls: type[BaseModel], data: dict, prefix: str) -> BaseModel:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) if isinstance(x, str) else f"[{x}]" for x in err["loc"]]
+        path = ".".join(x for x in [prefix, ".".join(loc).replace(".[", "[")] if x)
+        raise RecipeError(f"{path}: {_describe(cls, err)}") from None
+
+
+def _describe(cls: type[BaseModel], err: dict) -> str:
+    if err["type"] == "extra_forbidden":
+        fields = _fields_at(cls, err["loc"][:-1])
+        hint = difflib.get_close_matches(str(err["loc"][-1]), fields, n=1, cutoff=0.5)
+        tip = f"did you mean '{hint[0]}'?" if hint else f"valid keys: {', '.join(fields)}"
+        return f"unknown key; {tip}"
+    if err["type"] == "missing":
+        return "required key is missing"
+    if err["type"] == "value_error":
+        return err["msg"].removeprefix("Value error, ")
+    return f"{err['msg']} (got {err.get('input')!r})"
+
+
+def _fields_at(cls: type[BaseModel], loc: tuple) -> list[str]:
+    """Field names of the (nested) model reached by following `loc` from `cls`."""
+    for key in loc:
+        if not isinstance(key, str) or key not in cls.model_fields:
+            continue
+        ann = cls.model_fields[key].annotation
+        candidates = typing.get_args(ann) if isinstance(ann, types.UnionType) else (ann,)
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if nested:
+            cls = nested[0]
+    return list(cls.model_fields)

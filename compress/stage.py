@@ -1,0 +1,71 @@
+"""The contract between the pipeline and its stages.
+
+A stage is a small stateful wrapper around a pure algorithm (design.md §4.1): it finds the
+modules it works on, hands their tensors to a function, and writes the results back into the
+model and into `CompressionState`. The pipeline measures perplexity and sizes around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from slimserve.compress.quant.primitives import QuantizedWeight
+
+
+@dataclass(slots=True)
+class ModuleReport:
+    name: str  # module name, e.g. model.layers.0.mlp.down_proj
+    error: float  # relative Frobenius error ||W - W_q|| / ||W|| of the weight
+    bits: int  # weight bits after the stage
+
+
+@dataclass(slots=True)
+class StageReport:
+    name: str  # stage name (registry key)
+    seconds: float = 0.0  # wall time of the stage alone (no evaluation)
+    modules: list[ModuleReport] = field(default_factory=list)  # per-module error, where it applies
+    details: dict[str, Any] = field(default_factory=dict)  # stage-specific facts (scheme, dims removed)
+    ppl: float | None = None  # perplexity after the stage (filled by the pipeline)
+    size_bytes: int | None = None  # weight bytes after the stage (filled by the pipeline)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "seconds": round(self.seconds, 3),
+            "ppl": self.ppl,
+            "size_bytes": self.size_bytes,
+            "details": self.details,
+            "modules": [{"name": m.name, "error": m.error, "bits": m.bits} for m in self.modules],
+        }
+
+
+@dataclass(slots=True)
+class CompressionState:
+    model: nn.Module  # the HF causal LM being compressed, in the compute dtype
+    tokenizer: Any  # its tokenizer
+    storage_dtype: torch.dtype  # dtype of the exported tensors and of quantization scales
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # module name -> weight
+    calibration: torch.Tensor | None = None  # [num_samples, seq_len] token ids, when a stage needs them
+
+
+class Stage(Protocol):
+    """What every registered stage provides.
+
+    `needs_calibration`: the pipeline builds `state.calibration` before running it.
+    `layerwise`: the stage runs decoder layer by decoder layer inside the calibration engine
+    (whole-model stages such as `rtn` set it False and do all their work in `apply`).
+    """
+
+    name: str
+    needs_calibration: bool
+    layerwise: bool
+
+    def prepare(self, state: CompressionState) -> None: ...
+
+    def apply(self, state: CompressionState) -> None: ...
+
+    def finalize(self, state: CompressionState) -> StageReport: ...

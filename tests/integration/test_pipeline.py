@@ -1,0 +1,100 @@
+"""`compress run` end to end on a tiny random Llama: report, gate, exit codes, artifact."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimserve.compress.pipeline import run_recipe
+from slimserve.compress.recipe import parse_recipe
+
+RECIPE = """
+model: {model}
+output: {out}
+eval: {{dataset: stdlib, seq_len: 64, max_windows: 6, max_ppl_increase: {gate}}}
+stages:
+  - rtn: {{scheme: {scheme}, group_size: 32}}
+"""
+
+
+def _recipe(tmp_path, model, gate=0.5, scheme="W4A16", name="art"):
+    text = RECIPE.format(model=model, out=tmp_path / name, gate=gate, scheme=scheme)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_run_writes_artifact_and_report(tmp_path, tiny_checkpoint):
+    res = run_recipe(parse_recipe(_recipe(tmp_path, tiny_checkpoint).read_text(), tmp_path / "r.yaml"),
+                     log=lambda m: None, progress=False)
+    art = res.artifact
+    for f in ["config.json", "model.safetensors", "slimserve.json", "report.json", "report.md", "report.png"]:
+        assert (art / f).is_file(), f
+    rep = json.loads((art / "report.json").read_text())
+    assert rep["stages"][0]["name"] == "rtn"
+    assert rep["final"]["ppl"] == rep["stages"][-1]["ppl"]
+    assert rep["gate"]["ppl_increase"] == pytest.approx(rep["final"]["ppl"] / rep["baseline"]["ppl"] - 1)
+    # 4-bit weights: the artifact's weight files are well under the bf16 baseline.
+    assert rep["final"]["size_bytes"] < rep["baseline"]["size_bytes"]
+    assert len(rep["stages"][0]["modules"]) == 2 * 7  # q,k,v,o,gate,up,down per layer; lm_head ignored
+    cfg = json.loads((art / "config.json").read_text())
+    assert cfg["quantization_config"]["ignore"] == ["lm_head"]
+
+
+def test_final_ppl_is_the_artifacts_ppl(tmp_path, tiny_checkpoint):
+    """The ppl the pipeline reports is what a loader measures on the exported artifact."""
+    from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.eval.perplexity import evaluate_perplexity
+    from slimserve.runtime.loader import load_model
+
+    res = run_recipe(parse_recipe(_recipe(tmp_path, tiny_checkpoint).read_text(), tmp_path / "r.yaml"),
+                     log=lambda m: None, progress=False)
+    loaded = load_model(res.artifact, dtype=torch.float32)
+    ids = encode_documents(loaded.tokenizer, load_texts(parse_dataset("stdlib")))
+    ppl = evaluate_perplexity(loaded.model, ids, 64, 6, progress=False).ppl
+    assert ppl == pytest.approx(res.summary["final"]["ppl"], rel=1e-5)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "slimserve.compress.cli", *args], capture_output=True, text=True)
+
+
+def test_cli_gate_failure_exit_3(tmp_path, tiny_checkpoint):
+    p = _recipe(tmp_path, tiny_checkpoint, gate=0.0, scheme="W3A16", name="fail")
+    r = _cli("run", str(p), "--no-progress")
+    assert r.returncode == 3, r.stderr
+    assert "FAILED" in r.stderr
+    assert "FAILED" in (tmp_path / "fail" / "report.md").read_text()
+    assert json.loads((tmp_path / "fail" / "slimserve.json").read_text())["eval"]["gate"]["passed"] is False
+
+
+def test_cli_bad_recipe_one_line_exit_2(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: x\noutput: y\nstages:\n  - rtn: {bitz: 4}\n")
+    r = _cli("run", str(p))
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "stages[0].rtn.bitz: unknown key; did you mean 'bits'?" in lines[0]
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "y").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "nope.yaml"], "recipe file not found"),
+    (["eval", "/no/such/model"], "/no/such/model"),
+    (["eval", "x", "--dataset", "bogus"], "bogus"),
+])
+def test_cli_user_errors(args, needle):
+    r = _cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_eval_json(tiny_checkpoint):
+    r = _cli("eval", str(tiny_checkpoint), "--seq-len", "64", "--max-windows", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"ppl", "tokens", "seconds"} and out["tokens"] == 2 * 63
