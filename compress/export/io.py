@@ -1,0 +1,138 @@
+"""Write an artifact folder atomically: config.json, model.safetensors, tokenizer, slimserve.json.
+
+Everything is written into a temporary sibling folder and moved into place with `os.replace`
+only once complete, so a crash never leaves a folder that looks like a finished artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from slimserve.compress.export.compressed_tensors import linear_tensors, quantization_config
+from slimserve.compress.export.manifest import ArtifactManifest, sha256_file, write_manifest
+from slimserve.compress.quant.primitives import QuantizedWeight
+from slimserve.compress.quant.scheme import QuantScheme
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def size_bytes(directory: str | Path) -> int:
+    """Total bytes of the *.safetensors files in `directory`."""
+    return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
+
+
+def export_compressed_tensors(
+    model: torch.nn.Module,
+    tokenizer,
+    quantized: dict[str, QuantizedWeight],
+    out_dir: Path,
+    manifest: ArtifactManifest,
+    schemes: dict[str, QuantScheme] | None = None,
+) -> Path:
+    """Export `model` as a compressed-tensors artifact at `out_dir` and return that path.
+
+    model: HF causal LM whose quantized Linears hold fake-quantized weights.
+    quantized: module name -> its QuantizedWeight; {} writes a dense (unquantized) artifact.
+    schemes: module name -> full scheme (for input activations, e.g. W8A8); default is
+    weight-only `QuantScheme(qw.args)`.
+    tokenizer: saved with `save_pretrained`; may be None.
+    """
+    out_dir = Path(out_dir)
+    schemes = {n: (schemes or {}).get(n) or QuantScheme(qw.args) for n, qw in quantized.items()}
+    tensors = _artifact_tensors(model, quantized, schemes)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        _write_config(model, tmp, schemes)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.safetensors"))}
+        write_manifest(tmp, dataclasses.replace(manifest, files=files))
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished folder to `out_dir`, replacing an old one only after the new is done."""
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    os.replace(out_dir, old / out_dir.name)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _linear_classes(model: torch.nn.Module) -> dict[str, str]:
+    """Name -> class name of every nn.Linear (or subclass) in the model."""
+    return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _write_config(model: torch.nn.Module, folder: Path, schemes: dict[str, QuantScheme]) -> None:
+    """config.json = the model config (dtype kept) plus `quantization_config` when quantized."""
+    model.config.save_pretrained(folder)
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("quantization_config", None)
+    if schemes:
+        ordered = {n: schemes[n] for n in _linear_classes(model) if n in schemes}
+        config["quantization_config"] = quantization_config(ordered, _linear_classes(model))
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _artifact_tensors(
+    model: torch.nn.Module, quantized: dict[str, QuantizedWeight], schemes: dict[str, QuantScheme]
+) -> dict[str, torch.Tensor]:
+    """Every tensor to save: the model's state dict with quantized weights swapped for CT tensors.
+
+    Tied weights (model.all_tied_weights_keys, e.g. lm_head -> embed_tokens) are written once, as
+    save_pretrained does; any other tensors sharing memory are cloned so safetensors accepts them.
+    """
+    linears = _linear_classes(model)
+    for name, qw in quantized.items():
+        if name not in linears:
+            raise ValueError(f"quantized module {name!r} is not a Linear of the model; pass module "
+                             "names as in model.named_modules(), e.g. 'model.layers.0.self_attn.q_proj'")
+        weight = model.get_submodule(name).weight
+        if tuple(weight.shape) != qw.shape:
+            raise ValueError(f"{name}: quantized shape {qw.shape} != weight shape {tuple(weight.shape)}")
+    skip = {f"{n}.weight" for n in quantized}
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    state = model.state_dict()
+    bad = sorted(k for k in skip if k in tied or k in tied.values())
+    if bad:
+        raise ValueError(f"{bad[0]} is tied to another weight and cannot be quantized alone; "
+                         "ignore that module or untie the embeddings (tie_word_embeddings=false)")
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}  # storage address -> first name written
+    for key, t in state.items():
+        if key in skip:
+            continue
+        if tied.get(key) in state and _same_view(t, state[tied[key]]):
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        t = t.detach().clone() if ptr in seen else t.detach().contiguous()
+        seen.setdefault(ptr, key)
+        tensors[key] = t.cpu()
+    for name, qw in quantized.items():
+        tensors.update({k: v.cpu() for k, v in linear_tensors(name, qw, schemes[name]).items()})
+    return tensors
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and a.storage_offset() == b.storage_offset() and a.shape == b.shape)

@@ -1,0 +1,136 @@
+"""Pure-torch twins of the kernels: the CPU path and the test oracle.
+
+Everything follows compressed-tensors' on-disk layout (formats.md §1.5): codes are stored
+offset-binary, packed 32/b per int32 word along K with the lowest index in the low bits;
+asymmetric zero points are packed the same way along N. Dequantization is done in fp32,
+W[n, k] = (q[n, k] - zp[n, g(k)]) * scale[n, g(k)], and the caller casts once; since
+|q - zp| < 2^8 and the scale has at most 11 significant bits, the fp32 product is exact and
+the single cast matches the fake-quantized weight bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_INT8_ACT_DIV = 127.5  # (qmax - qmin) / 2 for int8: CT's symmetric scale divisor
+_EPS = torch.finfo(torch.float32).eps  # smallest scale, as in compressed-tensors
+
+
+def _unpack(packed: torch.Tensor, num_bits: int, size: int) -> torch.Tensor:
+    """int32 signed codes [R, size] from int32 words [R, W] packed along the last dim."""
+    per_word = 32 // num_bits
+    shifts = torch.arange(per_word, device=packed.device, dtype=torch.int32) * num_bits
+    fields = (packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # arithmetic shift, masked
+    return fields.reshape(packed.shape[0], -1)[:, :size] - (1 << (num_bits - 1))
+
+
+def unpack_int4_weight(weight_packed: torch.Tensor, size: int) -> torch.Tensor:
+    """int32 [N, size] signed codes in [-8, 7] from int32 [N, ceil(size/8)]."""
+    return _unpack(weight_packed, 4, size)
+
+
+def unpack_int8_weight(weight_packed: torch.Tensor, size: int) -> torch.Tensor:
+    """int32 [N, size] signed codes in [-128, 127] from int32 [N, ceil(size/4)]."""
+    return _unpack(weight_packed, 8, size)
+
+
+def unpack_zero_point(weight_zero_point: torch.Tensor, num_bits: int, rows: int) -> torch.Tensor:
+    """int32 [N, G] signed zero points from int32 [ceil(N*b/32), G] packed along N."""
+    return _unpack(weight_zero_point.t().contiguous(), num_bits, rows).t()
+
+
+def _group_index(k: int, groups: int, g_idx: torch.Tensor | None, group_size: int | None,
+                 device: torch.device) -> torch.Tensor:
+    """int64 [K] scale column of each input column."""
+    if g_idx is not None:
+        return g_idx.long()
+    if groups == 1:
+        return torch.zeros(k, dtype=torch.long, device=device)
+    if not group_size:
+        raise ValueError(f"scales have {groups} groups but group_size={group_size}; pass the "
+                         "scheme's group_size or a weight_g_idx")
+    return torch.arange(k, device=device) // group_size
+
+
+def dequantize_codes(
+    codes: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    weight_g_idx: torch.Tensor | None,
+    group_size: int | None,
+) -> torch.Tensor:
+    """fp32 [N, K] from signed codes [N, K], scale [N, G] (or [1]), signed zero point [N, G]."""
+    k = codes.shape[1]
+    scale = weight_scale.float().reshape(weight_scale.shape[0], -1)  # [N, G] or [1, 1]
+    gidx = _group_index(k, scale.shape[1], weight_g_idx, group_size, codes.device)
+    q = codes.float()
+    if weight_zero_point is not None:
+        q = q - weight_zero_point.float().reshape(scale.shape)[:, gidx]
+    return q * scale[:, gidx]
+
+
+def dequantize_packed(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    weight_g_idx: torch.Tensor | None,
+    weight_shape: torch.Tensor | tuple[int, int],
+    num_bits: int,
+    group_size: int | None,
+) -> torch.Tensor:
+    """fp32 [N, K] weight of a pack-quantized Linear (4 or 8 bits); the caller casts it."""
+    n, k = (int(v) for v in weight_shape)
+    codes = _unpack(weight_packed, num_bits, k)
+    zp = unpack_zero_point(weight_zero_point, num_bits, n) if weight_zero_point is not None else None
+    return dequantize_codes(codes, weight_scale, zp, weight_g_idx, group_size)
+
+
+def linear_w4a16(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_shape: torch.Tensor | tuple[int, int],
+    weight_zero_point: torch.Tensor | None = None,
+    weight_g_idx: torch.Tensor | None = None,
+    group_size: int | None = None,
+    bias: torch.Tensor | None = None,
+    num_bits: int = 4,
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W from packed codes (wNa16, N=4 or 8)."""
+    w = dequantize_packed(weight_packed, weight_scale, weight_zero_point, weight_g_idx,
+                          weight_shape, num_bits, group_size)
+    return F.linear(x, w.to(x.dtype), bias)
+
+
+def linear_dequant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None = None,
+    weight_g_idx: torch.Tensor | None = None,
+    group_size: int | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W from unpacked int8 codes [N, K]."""
+    w = dequantize_codes(weight, weight_scale, weight_zero_point, weight_g_idx, group_size)
+    return F.linear(x, w.to(x.dtype), bias)
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 per token: codes int8 [..., K] and scale [..., 1] in x's dtype.
+
+    scale = absmax / 127.5 (CT's symmetric divisor), rounded to x's dtype before the codes are
+    computed; codes = round(clamp(x / scale, -128, 127)).
+    """
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(absmax / _INT8_ACT_DIV, min=_EPS).to(x.dtype)
+    q = torch.round(torch.clamp(xf / scale.float(), -128, 127)).to(torch.int8)
+    return q, scale
+
+
+def fake_quantize_per_token_int8(x: torch.Tensor) -> torch.Tensor:
+    """x quantized to int8 per token and back, in x's dtype (what a W8A8 kernel sees)."""
+    q, scale = quantize_per_token_int8(x)
+    return (q.float() * scale.float()).to(x.dtype)

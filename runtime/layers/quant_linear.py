@@ -1,0 +1,90 @@
+"""A Linear that holds compressed-tensors buffers and dequantizes its weight in every forward.
+
+The buffers have CT's on-disk names, so an artifact's safetensors load straight into
+`model.load_state_dict`. The weight is rebuilt per forward (not cached, so the packed form is
+the only copy in memory) in fp32 and cast once to the activation dtype, which reproduces the
+exporter's fake-quantized weight bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slimserve.compress.quant.scheme import QuantScheme
+from slimserve.kernels import reference
+
+PACKED = "pack-quantized"
+UNPACKED = ("naive-quantized", "int-quantized")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T + b with W stored as CT pack-/naive-/int-quantized buffers."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        scheme: QuantScheme,
+        ct_format: str,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        w = scheme.weights
+        if w.type != "int" or ct_format not in (PACKED, *UNPACKED):
+            raise ValueError(f"QuantLinear supports int weights in formats {PACKED}, "
+                             f"{', '.join(UNPACKED)}; got type={w.type!r}, format={ct_format!r}")
+        if ct_format == PACKED and w.num_bits not in (4, 8):
+            raise ValueError(f"pack-quantized needs 4 or 8 bits, got num_bits={w.num_bits}")
+        if ct_format == PACKED and w.strategy == "tensor" and not w.symmetric:
+            raise ValueError("pack-quantized with one asymmetric zero point per tensor is not "
+                             "supported; use strategy 'channel' or 'group'")
+        acts = scheme.input_activations
+        if acts is not None and not (acts.type == "int" and acts.num_bits == 8 and acts.dynamic
+                                     and acts.strategy == "token" and acts.symmetric):
+            raise ValueError(f"input activations {acts} are not supported; only dynamic symmetric "
+                             "per-token int8 (W8A8) is")
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme, self.ct_format = scheme, ct_format
+        n, k, b = out_features, in_features, w.num_bits
+        groups = -(-k // w.group_size) if w.strategy == "group" else 1
+        qshape = (1,) if w.strategy == "tensor" else (n, groups)  # CT: one scale per tensor is [1]
+        kw = {"device": device}
+        if ct_format == PACKED:
+            self.register_buffer("weight_packed", torch.zeros(n, -(-k * b // 32), dtype=torch.int32, **kw))
+            self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device))
+            zp = torch.zeros(-(-n * b // 32), groups, dtype=torch.int32, **kw)  # packed along N
+        else:
+            self.register_buffer("weight", torch.zeros(n, k, dtype=torch.int8, **kw))
+            zp = torch.zeros(qshape, dtype=torch.int8, **kw)
+        self.register_buffer("weight_scale", torch.ones(qshape, dtype=dtype, **kw))
+        self.register_buffer("weight_zero_point", None if w.symmetric else zp)
+        g_idx = torch.zeros(k, dtype=torch.int32, **kw) if w.actorder == "group" else None
+        self.register_buffer("weight_g_idx", g_idx)
+        self.register_buffer("bias", torch.zeros(n, dtype=dtype, **kw) if bias else None)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] weight in `dtype` (fp32 arithmetic, one cast)."""
+        w = self.scheme.weights
+        if self.ct_format == PACKED:
+            full = reference.dequantize_packed(
+                self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx,
+                (self.out_features, self.in_features), w.num_bits, w.group_size)
+        else:
+            full = reference.dequantize_codes(
+                self.weight, self.weight_scale, self.weight_zero_point, self.weight_g_idx, w.group_size)
+        return full.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        if self.scheme.input_activations is not None:
+            x = reference.fake_quantize_per_token_int8(x)
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return nn.functional.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        w = self.scheme.weights
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.ct_format}, bits={w.num_bits}, strategy={w.strategy}, "
+                f"group_size={w.group_size}, symmetric={w.symmetric}")

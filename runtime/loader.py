@@ -1,0 +1,231 @@
+"""Load a model for serving: a slimserve / compressed-tensors artifact, a plain HF folder or a hub id.
+
+Artifacts are built without transformers' own quantizer: the HF architecture is created from
+config.json with the quantization block removed, every targeted Linear becomes a QuantLinear
+holding the CT buffers, and the safetensors are loaded strictly (no pickle, ever).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from slimserve.compress.export.compressed_tensors import QUANT_METHOD, scheme_from_ct_dict
+from slimserve.compress.export.manifest import ArtifactManifest, read_manifest, verify_files
+from slimserve.compress.quant.scheme import QuantScheme, SchemeError
+from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.layers.quant_linear import QuantLinear
+
+SUPPORTED_QUANT_METHODS = (QUANT_METHOD,)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for inference and what the loader learnt about it."""
+
+    model: nn.Module  # HF causal LM in eval mode, on the requested device
+    tokenizer: object | None  # HF tokenizer, or None when the folder has none
+    manifest: ArtifactManifest | None  # slimserve.json when present (already verified)
+    quantized: bool  # True when Linears were replaced by QuantLinear
+
+
+def _missing(path_or_id: str, cause: Exception | None = None) -> ArtifactError:
+    why = f" ({cause})" if cause else ""
+    return ArtifactError(f"no such model or artifact: {path_or_id}; pass a local folder with "
+                         f"config.json or a Hugging Face model id{why}")
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ArtifactError(f"dtype={dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
+    return resolved
+
+
+def load_model(
+    path_or_id: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load an artifact folder, a plain HF checkpoint folder or a hub id.
+
+    dtype: None keeps the checkpoint's dtype. Raises ArtifactError for a missing path, a
+    checksum mismatch, an unsupported quant_method, or missing/unexpected tensors.
+    """
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise _missing(str(path_or_id))
+        qc = json.loads(config_path.read_text()).get("quantization_config")
+        manifest = read_manifest(path)
+        if manifest is not None:
+            verify_files(path, manifest)
+        if qc:
+            method = qc.get("quant_method")
+            if method not in SUPPORTED_QUANT_METHODS:
+                raise ArtifactError(
+                    f"{config_path}: quant_method {method!r} is not supported yet; supported: "
+                    f"{', '.join(SUPPORTED_QUANT_METHODS)} (export with `compress run` to convert)")
+            model = _load_ct(path, qc, _dtype(dtype), trust_remote_code)
+            return _finish(model, path, manifest, True, device, trust_remote_code)
+        model = _from_pretrained(str(path), _dtype(dtype), trust_remote_code)
+        return _finish(model, path, manifest, False, device, trust_remote_code)
+    if path.exists() or not _HUB_ID.match(str(path_or_id)):
+        raise _missing(str(path_or_id))
+    try:
+        model = _from_pretrained(str(path_or_id), _dtype(dtype), trust_remote_code)
+    except OSError as e:
+        raise _missing(str(path_or_id), e) from e
+    return _finish(model, str(path_or_id), None, False, device, trust_remote_code)
+
+
+def _from_pretrained(name: str, dtype: torch.dtype | None, trust_remote_code: bool) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        name, dtype=dtype or "auto", trust_remote_code=trust_remote_code, use_safetensors=True)
+
+
+def _finish(model: nn.Module, source, manifest, quantized: bool, device, trust_remote_code) -> LoadedModel:
+    model = model.to(device).eval()
+    return LoadedModel(model, _tokenizer(source, trust_remote_code), manifest, quantized)
+
+
+def _tokenizer(source: Path | str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    if isinstance(source, Path) and not any((source / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+
+
+def _load_ct(path: Path, qc: dict, dtype: torch.dtype | None, trust_remote_code: bool) -> nn.Module:
+    """Build the HF architecture, swap targeted Linears for QuantLinear, load tensors strictly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")  # keep transformers' CT quantizer out of it
+    with no_init_weights():  # storage is allocated but not initialized: every tensor is loaded
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype or config.dtype, trust_remote_code=trust_remote_code)
+    model.tie_weights()  # no_init_weights also skips the tying that init_weights does
+    replace_linears(model, qc)
+    load_state_strict(model, read_safetensors(path), path)
+    return model
+
+
+def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:
+    """CT target matching: "re:<regex>" (re.match on the name), an exact name, or a class name."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif p == name or p == type(module).__name__:
+            return True
+    return False
+
+
+def replace_linears(model: nn.Module, qc: dict) -> int:
+    """Replace every Linear targeted by a config group (and not ignored) by a QuantLinear.
+
+    Returns the number replaced. The first matching group wins, as in compressed-tensors.
+    """
+    groups = []
+    for gname, group in (qc.get("config_groups") or {}).items():
+        try:
+            scheme = scheme_from_ct_dict(group)
+        except (SchemeError, KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(f"quantization_config.config_groups.{gname} is not a supported "
+                                f"scheme: {e}") from None
+        fmt = group.get("format") or qc.get("format")
+        groups.append((gname, group.get("targets") or [], scheme, fmt))
+    ignore = qc.get("ignore") or []
+    targets = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and not _matches(n, m, ignore)]
+    count = 0
+    for name, linear in targets:
+        hit = next((g for g in groups if _matches(name, linear, g[1])), None)
+        if hit is None:
+            continue
+        gname, _, scheme, fmt = hit
+        try:
+            q = _quant_linear(linear, scheme, fmt)
+        except ValueError as e:
+            raise ArtifactError(f"{name} (config group {gname}): {e}") from None
+        model.set_submodule(name, q)
+        count += 1
+    return count
+
+
+def _quant_linear(linear: nn.Linear, scheme: QuantScheme, fmt: str) -> QuantLinear:
+    return QuantLinear(linear.in_features, linear.out_features, linear.bias is not None, scheme,
+                       fmt, dtype=linear.weight.dtype, device=linear.weight.device)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an artifact: files from model.safetensors.index.json, else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ArtifactError(f"{path} has no *.safetensors weight files; re-export the artifact")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not (path / f).is_file():
+            raise ArtifactError(f"{path / f} is listed in {index.name} but missing; re-download it")
+        part = load_file(str(path / f))
+        dup = sorted(set(part) & set(tensors))
+        if dup:
+            raise ArtifactError(f"tensor {dup[0]} appears in more than one weight file ({f})")
+        tensors.update(part)
+    return tensors
+
+
+def load_state_strict(model: nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Copy `tensors` into the model; any missing, unexpected or mis-typed tensor is an error.
+
+    A parameter tied to one that is present (e.g. lm_head -> embed_tokens) may be absent.
+    """
+    expected = model.state_dict()
+    for key, t in tensors.items():
+        want = expected.get(key)
+        if want is None:
+            continue
+        both_float = t.is_floating_point() and want.is_floating_point()  # floats cast to dtype
+        if t.shape != want.shape or (t.dtype != want.dtype and not both_float):
+            raise ArtifactError(f"{path}: tensor {key} has {t.dtype} {tuple(t.shape)}, the model "
+                                f"expects {want.dtype} {tuple(want.shape)}; the artifact does not "
+                                "match its config.json")
+    aliases: dict[int, set[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), set()).add(n)
+    tied_ok = {n for names in aliases.values() if names & tensors.keys() for n in names}
+    missing = sorted(k for k in expected if k not in tensors and k not in tied_ok)
+    unexpected = sorted(k for k in tensors if k not in expected)
+    for label, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            more = f" and {len(keys) - 8} more" if len(keys) > 8 else ""
+            raise ArtifactError(f"{path}: {label} tensor(s) {', '.join(keys[:8])}{more}; the weight "
+                                "files do not match config.json (re-export the artifact)")
+    model.load_state_dict(tensors, strict=False)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear) and m.ct_format == "pack-quantized":
+            if m.weight_shape.tolist() != [m.out_features, m.in_features]:
+                raise ArtifactError(f"{path}: {name}.weight_shape is {m.weight_shape.tolist()}, the "
+                                    f"config says [{m.out_features}, {m.in_features}]")
