@@ -15,9 +15,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.errors import UnsupportedModelError
 from slimserve.compress.export.io import export_compressed_tensors, size_bytes
-from slimserve.compress.export.manifest import ArtifactManifest
+from slimserve.compress.export.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.compress.quant.primitives import QuantizedWeight
 from slimserve.compress.recipe import Recipe
 from slimserve.compress.registry import STAGES
@@ -76,9 +77,11 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     eval_info = {"dataset": ev.dataset, "seq_len": ev.seq_len, "tokens": baseline.tokens,
                  "windows": baseline.windows, "baseline_ppl": baseline.ppl, "final_ppl": final_ppl, "gate": gate}
     manifest = ArtifactManifest(
-        base_model=recipe.model, recipe=recipe.text, stages=[r.to_dict() for r in reports], eval=eval_info
+        base_model=recipe.model, base_model_sha256=hash_checkpoint(recipe.model), recipe=recipe.text,
+        stages=[r.to_dict() for r in reports], eval=eval_info,
     )
     model.to(storage)
+    model.config.dtype = storage  # config.json must name the dtype the tensors are stored in
     artifact = export_compressed_tensors(model, tok, state.quantized, recipe.output, manifest)
     summary = {
         "model": recipe.model,
@@ -101,7 +104,10 @@ def _run_stage(spec, state: CompressionState, measure, storage: torch.dtype) -> 
     options_cls, stage_cls = STAGES[spec.name]
     stage = stage_cls(spec.config)
     stage.prepare(state)
-    stage.apply(state)
+    if stage.layerwise:
+        run_layerwise(state, stage)
+    else:
+        stage.apply(state)
     report = stage.finalize(state)
     report.ppl = measure(f"after {spec.name}").ppl
     report.size_bytes = weight_bytes(state.model, state.quantized, storage)

@@ -42,6 +42,9 @@ def test_run_writes_artifact_and_report(tmp_path, tiny_checkpoint):
     assert len(rep["stages"][0]["modules"]) == 2 * 7  # q,k,v,o,gate,up,down per layer; lm_head ignored
     cfg = json.loads((art / "config.json").read_text())
     assert cfg["quantization_config"]["ignore"] == ["lm_head"]
+    assert cfg["dtype"] == "bfloat16"  # the checkpoint's dtype, although compression ran in fp32
+    manifest = json.loads((art / "slimserve.json").read_text())
+    assert manifest["base_model_sha256"] and manifest["recipe"].startswith("\nmodel:")
 
 
 def test_final_ppl_is_the_artifacts_ppl(tmp_path, tiny_checkpoint):

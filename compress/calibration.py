@@ -1,0 +1,135 @@
+"""Layer-sequential calibration: one decoder layer on the compute device at a time.
+
+1. Run the calibration batches through the model up to the first decoder layer and keep that
+   layer's inputs (hidden states + the keyword arguments the model passes: rotary embeddings,
+   masks) on the CPU.
+2. For each layer: move it to the device, let the stage observe and compress it through a
+   `LayerContext` (`ctx.forward()` replays the cached inputs through the layer, firing whatever
+   hooks the stage registered), then replay the inputs through the *compressed* layer to get the
+   next layer's inputs, and move the layer back.
+
+Peak memory is one layer plus the cached activations of one layer, whatever the depth, so a
+model larger than device memory still compresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from slimserve.compress.quant.mappings import ArchMapping, decoder_layers, mapping_for
+from slimserve.compress.stage import CompressionState
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook so the model does not run past the first decoder layer."""
+
+
+@dataclass(slots=True)
+class LayerInputs:
+    hidden: list[torch.Tensor]  # per batch: [batch, seq_len, hidden] on the CPU
+    kwargs: list[dict[str, Any]]  # per batch: keyword arguments of the layer call, on the CPU
+
+
+@dataclass(slots=True)
+class LayerContext:
+    index: int  # decoder layer index
+    prefix: str  # module name prefix, e.g. 'model.layers.3'
+    layer: nn.Module  # the decoder layer, on `device`
+    inputs: LayerInputs  # this layer's cached inputs (CPU)
+    mapping: ArchMapping  # architecture mapping
+    state: CompressionState  # pipeline state (quantized weights are recorded there)
+    device: torch.device  # compute device
+    extra: dict[str, Any] = field(default_factory=dict)  # per-layer scratch space for the stage
+
+    def forward(self, module: nn.Module | None = None) -> list[torch.Tensor]:
+        """Replay every cached batch through the layer (hooks fire); returns outputs on the CPU."""
+        outs = []
+        with torch.no_grad():
+            for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
+                out = (module or self.layer)(h.to(self.device), **_to(kw, self.device))
+                outs.append((out[0] if isinstance(out, tuple) else out).cpu())
+        return outs
+
+    def module(self, rel: str) -> nn.Module:
+        return self.layer.get_submodule(rel)
+
+
+class LayerwiseStage(Protocol):
+    name: str
+
+    def compress_layer(self, ctx: LayerContext) -> None: ...
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to(x, device) for x in obj)
+    if isinstance(obj, list):
+        return [_to(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: list[torch.Tensor],
+                               device: torch.device) -> LayerInputs:
+    """Inputs of decoder layer 0 for each batch of token ids [b, seq_len]."""
+    layers = decoder_layers(model, mapping)
+    cached = LayerInputs([], [])
+
+    def hook(_module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
+        cached.hidden.append(hidden.detach().cpu())
+        cached.kwargs.append(_to(kw, torch.device("cpu")))
+        raise _StopForward
+
+    _move_outside_layers(model, mapping.layers, device)
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for ids in batches:
+                try:
+                    model(input_ids=ids.to(device), use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        handle.remove()
+    return cached
+
+
+def _move_outside_layers(model: nn.Module, layers_path: str, device: torch.device) -> None:
+    """Embeddings, rotary tables and the rest of the trunk go to `device`; decoder layers stay put."""
+    for name, mod in model.named_modules():
+        if name == layers_path or name.startswith(layers_path + "."):
+            continue
+        for key, p in mod.named_parameters(recurse=False):
+            p.data = p.data.to(device)
+        for key, b in mod.named_buffers(recurse=False):
+            mod._buffers[key] = b.to(device)
+
+
+def run_layerwise(state: CompressionState, stage: LayerwiseStage, batch_size: int = 8,
+                  device: torch.device | str = "cpu",
+                  on_layer: Callable[[int, int], None] | None = None) -> None:
+    """Apply a layerwise stage to every decoder layer, feeding each the compressed previous one."""
+    if state.calibration is None:
+        raise RuntimeError("layerwise stages need calibration data; the pipeline builds it first")
+    model, device = state.model, torch.device(device)
+    mapping = mapping_for(model)
+    batches = list(state.calibration.split(batch_size))
+    inputs = capture_first_layer_inputs(model, mapping, batches, device)
+    layers = decoder_layers(model, mapping)
+    for i, layer in enumerate(layers):
+        layer.to(device)
+        ctx = LayerContext(i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device)
+        stage.compress_layer(ctx)
+        inputs = LayerInputs(ctx.forward(), inputs.kwargs)
+        layer.to("cpu")
+        if on_layer:
+            on_layer(i + 1, len(layers))
