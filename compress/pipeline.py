@@ -82,7 +82,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     )
     model.to(storage)
     model.config.dtype = storage  # config.json must name the dtype the tensors are stored in
-    artifact = export_compressed_tensors(model, tok, state.quantized, recipe.output, manifest)
+    artifact = export_compressed_tensors(model, tok, state.quantized, recipe.output, manifest, state.schemes)
     summary = {
         "model": recipe.model,
         "recipe": str(recipe.path) if recipe.path else None,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from slimserve.compress.quant.primitives import QuantizedWeight
+from slimserve.compress.quant.scheme import QuantScheme
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ class CompressionState:
     tokenizer: Any  # its tokenizer
     storage_dtype: torch.dtype  # dtype of the exported tensors and of quantization scales
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # module name -> weight
+    schemes: dict[str, QuantScheme] = field(default_factory=dict)  # module name -> full scheme (W8A8 acts)
+    kv_scales: dict[str, tuple[float, float]] = field(default_factory=dict)  # attention module -> (k, v) fp8 scales
     calibration: torch.Tensor | None = None  # [num_samples, seq_len] token ids, when a stage needs them
 
 

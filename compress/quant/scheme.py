@@ -117,6 +117,11 @@ PRESETS: dict[str, QuantScheme] = {
     "W4A16_ASYM": QuantScheme(_W4.with_(symmetric=False)),
     "W3A16": QuantScheme(_W4.with_(num_bits=3)),
     "W8A16": QuantScheme(QuantArgs(num_bits=8, strategy="channel", group_size=None)),
+    # int8 per-channel weights x dynamic per-token int8 activations (SmoothQuant's target).
+    "W8A8": QuantScheme(
+        QuantArgs(num_bits=8, strategy="channel", group_size=None),
+        QuantArgs(num_bits=8, strategy="token", group_size=None, dynamic=True),
+    ),
 }
 
 

@@ -7,6 +7,7 @@ import time
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from slimserve.compress.quant.activations import attach_input_quant
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.compress.quant.scheme import QuantScheme, SchemeError, preset
 from slimserve.compress.stage import CompressionState, ModuleReport, StageReport
@@ -18,7 +19,7 @@ class WeightQuantOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    scheme: str = "W4A16"  # preset name: W4A16, W4A16_ASYM, W3A16, W8A16
+    scheme: str = "W4A16"  # preset name: W4A16, W4A16_ASYM, W3A16, W8A16, W8A8
     bits: int | None = None  # override the preset's bits (2, 3, 4, 8)
     group_size: int | None = Field(None, ge=-1)  # override the group size; -1 = per output channel
     symmetric: bool | None = None  # override the preset's symmetry
@@ -77,6 +78,9 @@ class RtnStage:
             err = (torch.linalg.norm((w.float() - w_hat.float())) / torch.linalg.norm(w.float())).item()
             lin.weight.data.copy_(w_hat)
             state.quantized[name] = qw
+            state.schemes[name] = self.scheme
+            if self.scheme.input_activations is not None:
+                attach_input_quant(lin, self.scheme.input_activations)
             self.report.modules.append(ModuleReport(name, err, args.num_bits))
         self.report.seconds = time.perf_counter() - t0
 
