@@ -57,6 +57,32 @@ class LayerContext:
     def module(self, rel: str) -> nn.Module:
         return self.layer.get_submodule(rel)
 
+    def capture_calls(self, rel: str, device: torch.device | None = None) -> list[tuple[tuple, dict]]:
+        """Replay the layer once; per batch, the (args, kwargs) submodule `rel` was called with.
+
+        Kept on `device` (default CPU). Lets a stage run e.g. `self_attn` or `mlp` alone on
+        the inputs it sees inside the layer (`run_call`). Other hooks fire during the replay.
+        """
+        calls: list[tuple[tuple, dict]] = []
+        dev = device or torch.device("cpu")
+
+        def hook(_m, args, kwargs):
+            calls.append((_to(args, dev), _to(kwargs, dev)))
+
+        handle = self.module(rel).register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            self.forward()
+        finally:
+            handle.remove()
+        return calls
+
+    def run_call(self, rel: str, call: tuple[tuple, dict]) -> torch.Tensor:
+        """Submodule `rel` on one captured call; its (first) output, on the compute device."""
+        args, kwargs = call
+        with torch.no_grad():
+            out = self.module(rel)(*_to(args, self.device), **_to(kwargs, self.device))
+        return out[0] if isinstance(out, tuple) else out
+
 
 class LayerwiseStage(Protocol):
     name: str

@@ -17,7 +17,8 @@ from torch import nn
 
 from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.errors import UnsupportedModelError
-from slimserve.compress.export.io import export_compressed_tensors, size_bytes
+from slimserve.compress.export.formats import check_exportable, export_artifact
+from slimserve.compress.export.io import size_bytes
 from slimserve.compress.export.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.compress.quant.primitives import QuantizedWeight
 from slimserve.compress.recipe import Recipe
@@ -49,6 +50,9 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
             f"model {recipe.model} is already quantized; compress its unquantized base model instead"
         )
     model, tok = loaded.model, loaded.tokenizer
+    for spec in recipe.stages:  # refuse a scheme the export format cannot store before any work
+        if hasattr(spec.config, "resolve_scheme"):
+            check_exportable(recipe.export.format, spec.config.resolve_scheme())
     model.eval()
     storage = _storage_dtype(recipe, model)
     ev = recipe.eval
@@ -82,7 +86,8 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     )
     model.to(storage)
     model.config.dtype = storage  # config.json must name the dtype the tensors are stored in
-    artifact = export_compressed_tensors(model, tok, state.quantized, recipe.output, manifest, state.schemes)
+    artifact = export_artifact(recipe.export.format, model, tok, state.quantized, recipe.output, manifest,
+                               state.schemes, kv_scales=state.kv_scales)
     summary = {
         "model": recipe.model,
         "recipe": str(recipe.path) if recipe.path else None,

@@ -41,7 +41,7 @@ class EvalSpec(_Strict):
 
 
 class ExportSpec(_Strict):
-    format: Literal["compressed-tensors"] = "compressed-tensors"  # on-disk format of the artifact
+    format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"  # on-disk format of the artifact
 
 
 class RecipeModel(_Strict):

@@ -1,8 +1,10 @@
-"""Load a model for serving: a slimserve / compressed-tensors artifact, a plain HF folder or a hub id.
+"""Load a model for serving: a slimserve / compressed-tensors artifact, a GPTQ or AWQ GEMM
+checkpoint, a plain HF folder or a hub id.
 
 Artifacts are built without transformers' own quantizer: the HF architecture is created from
-config.json with the quantization block removed, every targeted Linear becomes a QuantLinear
-holding the CT buffers, and the safetensors are loaded strictly (no pickle, ever).
+config.json with the quantization block removed, GPTQ/AWQ tensors are converted to CT buffers
+(importers.py), every targeted Linear becomes a QuantLinear holding the CT buffers, and the
+safetensors are loaded strictly (no pickle, ever).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from torch import nn
 
 from slimserve.compress.export.compressed_tensors import QUANT_METHOD, scheme_from_ct_dict
 from slimserve.compress.export.manifest import ArtifactManifest, read_manifest, verify_files
+from slimserve.compress.quant.kv_cache import install_kv_scales
 from slimserve.compress.quant.scheme import QuantScheme, SchemeError
 from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.importers import IMPORTERS, import_checkpoint, read_quant_config
 from slimserve.runtime.layers.quant_linear import QuantLinear
 
-SUPPORTED_QUANT_METHODS = (QUANT_METHOD,)
+SUPPORTED_QUANT_METHODS = (QUANT_METHOD, *IMPORTERS)  # gptq/awq are converted to CT on load
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -68,7 +72,7 @@ def load_model(
         config_path = path / "config.json"
         if not config_path.is_file():
             raise _missing(str(path_or_id))
-        qc = json.loads(config_path.read_text()).get("quantization_config")
+        qc = read_quant_config(path)  # config.json's block, else quantize_config.json / quant_config.json
         manifest = read_manifest(path)
         if manifest is not None:
             verify_files(path, manifest)
@@ -123,9 +127,46 @@ def _load_ct(path: Path, qc: dict, dtype: torch.dtype | None, trust_remote_code:
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype or config.dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # no_init_weights also skips the tying that init_weights does
+    qc, tensors = import_checkpoint(qc, read_safetensors(path), path)  # gptq/awq -> CT buffers
     replace_linears(model, qc)
-    load_state_strict(model, read_safetensors(path), path)
+    kv_scales = pop_kv_scales(model, qc, tensors, path)
+    load_state_strict(model, tensors, path)
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            m.storage_dtype = tensors[f"{name}.weight_scale"].dtype
+    if kv_scales:
+        install_kv_scales(model, kv_scales)  # attention fake-quantizes K/V to fp8 with these scales
     return model
+
+
+def pop_kv_scales(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor],
+                  path: Path) -> dict[str, tuple[float, float]]:
+    """Take the `<attn>.k_scale`/`v_scale` tensors out of `tensors` when kv_cache_scheme is set.
+
+    Returns attention module name -> (k_scale, v_scale); {} without a kv_cache_scheme. Only static
+    per-tensor fp8 scales are supported, and every attention module must have both.
+    """
+    scheme = qc.get("kv_cache_scheme")
+    if not scheme:
+        return {}
+    kind = (scheme.get("num_bits", 8), scheme.get("type", "int"), scheme.get("strategy") or "tensor",
+            scheme.get("dynamic", False))
+    if kind != (8, "float", "tensor", False):
+        raise ArtifactError(f"{path}: kv_cache_scheme {scheme} is not supported; supported: static fp8 "
+                            "per-tensor scales (num_bits 8, type float, strategy tensor, dynamic false)")
+    attention = [n for n, m in model.named_modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj")]
+    scales: dict[str, tuple[float, float]] = {}
+    for name in attention:
+        pair = []
+        for kv in ("k_scale", "v_scale"):
+            t = tensors.pop(f"{name}.{kv}", None)
+            if t is None or t.numel() != 1 or not t.is_floating_point():
+                got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
+                raise ArtifactError(f"{path}: {name}.{kv} is {got}; config.json has a kv_cache_scheme, "
+                                    "which needs one float scale [1] per attention module (re-export)")
+            pair.append(t.float().item())
+        scales[name] = (pair[0], pair[1])
+    return scales
 
 
 def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:

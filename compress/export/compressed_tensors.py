@@ -18,6 +18,7 @@ from slimserve.compress.quant.scheme import QuantArgs, QuantScheme
 QUANT_METHOD = "compressed-tensors"
 PACKED = "pack-quantized"
 MIXED = "mixed-precision"  # CT's global format when groups use different formats
+DENSE = "dense"  # CT's global format when no Linear is quantized (KV-cache scales only)
 SUPPORTED_FORMATS = (PACKED, "naive-quantized", "int-quantized")
 _CT_FALLBACK_VERSION = "0.12.2"
 _ACTORDER_FROM_CT = {None: None, "weight": "static", "static": "static", "group": "group",
@@ -45,15 +46,17 @@ def scheme_dict(scheme: QuantScheme, targets: list[str]) -> dict:
 
 
 def quantization_config(
-    schemes: dict[str, QuantScheme], linears: dict[str, str]
+    schemes: dict[str, QuantScheme], linears: dict[str, str], kv_cache: dict | None = None
 ) -> dict:
     """The `quantization_config` block of config.json.
 
     schemes: quantized module name -> its scheme, in model order.
     linears: every Linear-like module name in the model -> its class name (for targets/ignore).
+    kv_cache: the `kv_cache_scheme` block (see `kv_cache_scheme()`), or None.
     One config group per distinct scheme. With a single group whose modules are all of class
     `Linear`, the target is ["Linear"] and every unquantized Linear is ignored; otherwise the
-    groups list exact module names.
+    groups list exact module names. Without schemes (a KV-cache-only artifact) config_groups is
+    {} and the format "dense", which compressed-tensors' QuantizationConfig accepts.
     """
     groups: dict[QuantScheme, list[str]] = {}
     for name, scheme in schemes.items():
@@ -68,16 +71,38 @@ def quantization_config(
     formats = {s.ct_format() for s in groups}
     return {
         "config_groups": config_groups,
-        "format": formats.pop() if len(formats) == 1 else MIXED,
+        "format": formats.pop() if len(formats) == 1 else MIXED if formats else DENSE,
         "global_compression_ratio": None,
         "ignore": ignore,
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache,
         "quant_method": QUANT_METHOD,
         "quantization_status": "compressed",
         "sparsity_config": {},
         "transform_config": {},
         "version": ct_version(),
     }
+
+
+def kv_cache_scheme() -> dict:
+    """The `kv_cache_scheme` block for static per-tensor fp8 (e4m3) K/V scales (formats.md §1.6).
+
+    Only CT-0.12 `QuantizationArgs` keys, like the weight args.
+    """
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False,
+            "group_size": None, "actorder": None, "block_structure": None, "observer": "minmax",
+            "observer_kwargs": {}}
+
+
+def kv_tensors(kv_scales: dict[str, tuple[float, float]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`<attn>.k_scale` and `<attn>.v_scale`, shape [1] in the model dtype, per attention module.
+
+    kv_scales: attention module name (e.g. model.layers.0.self_attn) -> (k_scale, v_scale).
+    """
+    out = {}
+    for name, (k, v) in kv_scales.items():
+        out[f"{name}.k_scale"] = torch.tensor([k], dtype=dtype)
+        out[f"{name}.v_scale"] = torch.tensor([v], dtype=dtype)
+    return out
 
 
 def linear_tensors(prefix: str, qw: QuantizedWeight, scheme: QuantScheme) -> dict[str, torch.Tensor]:

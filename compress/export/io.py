@@ -2,6 +2,8 @@
 
 Everything is written into a temporary sibling folder and moved into place with `os.replace`
 only once complete, so a crash never leaves a folder that looks like a finished artifact.
+The writing is format-neutral (`write_artifact`, `artifact_tensors`); each on-disk format only
+supplies its per-Linear tensors and its `quantization_config` block (see formats.py).
 """
 
 from __future__ import annotations
@@ -12,16 +14,24 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
 
-from slimserve.compress.export.compressed_tensors import linear_tensors, quantization_config
+from slimserve.compress.export.compressed_tensors import (
+    kv_cache_scheme,
+    kv_tensors,
+    linear_tensors,
+    quantization_config,
+)
 from slimserve.compress.export.manifest import ArtifactManifest, sha256_file, write_manifest
 from slimserve.compress.quant.primitives import QuantizedWeight
 from slimserve.compress.quant.scheme import QuantScheme
 
 WEIGHTS_NAME = "model.safetensors"
+# module name, its QuantizedWeight -> the tensors that replace `<name>.weight` on disk
+LinearTensorsFn = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
 
 
 def size_bytes(directory: str | Path) -> int:
@@ -36,6 +46,7 @@ def export_compressed_tensors(
     out_dir: Path,
     manifest: ArtifactManifest,
     schemes: dict[str, QuantScheme] | None = None,
+    kv_scales: dict[str, tuple[float, float]] | None = None,
 ) -> Path:
     """Export `model` as a compressed-tensors artifact at `out_dir` and return that path.
 
@@ -43,16 +54,40 @@ def export_compressed_tensors(
     quantized: module name -> its QuantizedWeight; {} writes a dense (unquantized) artifact.
     schemes: module name -> full scheme (for input activations, e.g. W8A8); default is
     weight-only `QuantScheme(qw.args)`.
+    kv_scales: attention module name -> static fp8 (k_scale, v_scale); written as
+    `<attn>.k_scale`/`.v_scale` [1] in the model dtype with a `kv_cache_scheme` block.
     tokenizer: saved with `save_pretrained`; may be None.
     """
-    out_dir = Path(out_dir)
     schemes = {n: (schemes or {}).get(n) or QuantScheme(qw.args) for n, qw in quantized.items()}
-    tensors = _artifact_tensors(model, quantized, schemes)
+    tensors = artifact_tensors(model, quantized, lambda n, qw: linear_tensors(n, qw, schemes[n]))
+    qc = None
+    if schemes or kv_scales:
+        linears = linear_classes(model)
+        tensors.update(kv_tensors(kv_scales or {}, model.get_input_embeddings().weight.dtype))
+        qc = quantization_config({n: schemes[n] for n in linears if n in schemes}, linears,
+                                 kv_cache_scheme() if kv_scales else None)
+    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc)
+
+
+def write_artifact(
+    model: torch.nn.Module,
+    tokenizer,
+    tensors: dict[str, torch.Tensor],
+    out_dir: Path,
+    manifest: ArtifactManifest,
+    quant_config: dict | None,
+    extra_json: dict[str, dict] | None = None,
+) -> Path:
+    """Write tensors, config.json (+ `quant_config` as its quantization_config), generation
+    config, tokenizer, `extra_json` files (name -> dict) and the manifest, atomically."""
+    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        _write_config(model, tmp, schemes)
+        _write_config(model, tmp, quant_config)
+        for name, content in (extra_json or {}).items():
+            (tmp / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
@@ -77,32 +112,32 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _linear_classes(model: torch.nn.Module) -> dict[str, str]:
-    """Name -> class name of every nn.Linear (or subclass) in the model."""
+def linear_classes(model: torch.nn.Module) -> dict[str, str]:
+    """Name -> class name of every nn.Linear (or subclass) in the model, in model order."""
     return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def _write_config(model: torch.nn.Module, folder: Path, schemes: dict[str, QuantScheme]) -> None:
+def _write_config(model: torch.nn.Module, folder: Path, quant_config: dict | None) -> None:
     """config.json = the model config (dtype kept) plus `quantization_config` when quantized."""
     model.config.save_pretrained(folder)
     path = folder / "config.json"
     config = json.loads(path.read_text())
     config.pop("quantization_config", None)
-    if schemes:
-        ordered = {n: schemes[n] for n in _linear_classes(model) if n in schemes}
-        config["quantization_config"] = quantization_config(ordered, _linear_classes(model))
+    if quant_config:
+        config["quantization_config"] = quant_config
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _artifact_tensors(
-    model: torch.nn.Module, quantized: dict[str, QuantizedWeight], schemes: dict[str, QuantScheme]
+def artifact_tensors(
+    model: torch.nn.Module, quantized: dict[str, QuantizedWeight], linear_fn: LinearTensorsFn
 ) -> dict[str, torch.Tensor]:
-    """Every tensor to save: the model's state dict with quantized weights swapped for CT tensors.
+    """Every tensor to save: the model's state dict with each quantized `<name>.weight` swapped
+    for `linear_fn(name, qw)`.
 
     Tied weights (model.all_tied_weights_keys, e.g. lm_head -> embed_tokens) are written once, as
     save_pretrained does; any other tensors sharing memory are cloned so safetensors accepts them.
     """
-    linears = _linear_classes(model)
+    linears = linear_classes(model)
     for name, qw in quantized.items():
         if name not in linears:
             raise ValueError(f"quantized module {name!r} is not a Linear of the model; pass module "
@@ -129,7 +164,7 @@ def _artifact_tensors(
         seen.setdefault(ptr, key)
         tensors[key] = t.cpu()
     for name, qw in quantized.items():
-        tensors.update({k: v.cpu() for k, v in linear_tensors(name, qw, schemes[name]).items()})
+        tensors.update({k: v.cpu() for k, v in linear_fn(name, qw).items()})
     return tensors
 
 

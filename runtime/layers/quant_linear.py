@@ -47,6 +47,9 @@ class QuantLinear(nn.Module):
             raise ValueError(f"input activations {acts} are not supported; only dynamic symmetric "
                              "per-token int8 (W8A8) is")
         self.in_features, self.out_features = in_features, out_features
+        # dtype of the checkpoint's scales: the dequantized weight is rounded to it once, so a
+        # float32 model computes with exactly the weight a bf16/fp16 loader would hold.
+        self.storage_dtype = dtype
         self.scheme, self.ct_format = scheme, ct_format
         n, k, b = out_features, in_features, w.num_bits
         groups = -(-k // w.group_size) if w.strategy == "group" else 1
@@ -66,7 +69,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(n, dtype=dtype, **kw) if bias else None)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """[N, K] weight in `dtype` (fp32 arithmetic, one cast)."""
+        """[N, K] weight in `dtype`: fp32 arithmetic, rounded to the storage dtype, then cast."""
         w = self.scheme.weights
         if self.ct_format == PACKED:
             full = reference.dequantize_packed(
@@ -75,7 +78,7 @@ class QuantLinear(nn.Module):
         else:
             full = reference.dequantize_codes(
                 self.weight, self.weight_scale, self.weight_zero_point, self.weight_g_idx, w.group_size)
-        return full.to(dtype)
+        return full.to(self.storage_dtype).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         if self.scheme.input_activations is not None:

@@ -284,7 +284,7 @@ def test_loader_errors(tmp_path):
     with pytest.raises(ArtifactError, match="unexpected tensor.*extra.thing"):
         load_model(out)
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ArtifactError, match="quant_method 'gptq' is not supported.*compressed-tensors"):
+    with pytest.raises(ArtifactError, match="quant_method 'bitsandbytes' is not supported.*compressed-tensors"):
         load_model(out)

@@ -1,0 +1,129 @@
+"""The export formats a recipe can name, and the one entry point that writes any of them.
+
+  compressed-tensors  every scheme we quantize (formats.md §1); vLLM's native format
+  gptq                AutoGPTQ v1 layout (§2): weight-only int 2/4/8-bit, group or channel,
+                      symmetric or not, act-order g_idx; one scheme for every decoder Linear.
+                      An asymmetric zero point of 0, which v1 cannot store (§2.4), switches
+                      the whole artifact to GPTQModel's lossless "gptq_v2" layout
+  awq                 AutoAWQ GEMM layout (§3): weight-only int4 group, asymmetric (a
+                      symmetric scheme is written as asymmetric with zero point 8), no act-order
+
+`check_exportable` refuses a scheme before any work is done; `export_artifact` re-checks every
+module at export time, where shapes and g_idx are known.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from slimserve.compress.export import awq_format, gptq_format
+from slimserve.compress.export.compressed_tensors import SUPPORTED_FORMATS
+from slimserve.compress.export.io import artifact_tensors, export_compressed_tensors, linear_classes, write_artifact
+from slimserve.compress.export.manifest import ArtifactManifest
+from slimserve.compress.quant.primitives import QuantizedWeight
+from slimserve.compress.quant.scheme import QuantScheme, SchemeError
+
+COMPRESSED_TENSORS = "compressed-tensors"
+GPTQ = "gptq"
+AWQ = "awq"
+FORMATS = (COMPRESSED_TENSORS, GPTQ, AWQ)
+GPTQ_CONFIG_FILE = "quantize_config.json"  # AutoGPTQ's side file, read when config.json lacks the block
+
+
+def check_exportable(fmt: str, scheme: QuantScheme) -> None:
+    """Raise SchemeError (naming the scheme's problem and the fix) if `fmt` cannot store `scheme`."""
+    if fmt == COMPRESSED_TENSORS:
+        if scheme.ct_format() not in SUPPORTED_FORMATS:
+            raise SchemeError(f"scheme {scheme} needs compressed-tensors format "
+                              f"{scheme.ct_format()!r}, which is not exported yet; supported: "
+                              f"{', '.join(SUPPORTED_FORMATS)}")
+    elif fmt == GPTQ:
+        gptq_format.check_gptq_scheme(scheme)
+    elif fmt == AWQ:
+        awq_format.check_awq_scheme(scheme)
+    else:
+        raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+
+
+def export_artifact(
+    fmt: str,
+    model: torch.nn.Module,
+    tokenizer,
+    quantized: dict[str, QuantizedWeight],
+    out_dir: Path,
+    manifest: ArtifactManifest,
+    schemes: dict[str, QuantScheme] | None = None,
+    kv_scales: dict[str, tuple[float, float]] | None = None,
+) -> Path:
+    """Export `model` in format `fmt` at `out_dir` (atomically) and return that path.
+
+    Arguments as for `export_compressed_tensors`. gptq and awq need at least one quantized
+    Linear and one weight scheme shared by all of them, and have no place for fp8 KV-cache
+    scales; SchemeError says what to change.
+    """
+    if fmt == COMPRESSED_TENSORS:
+        return export_compressed_tensors(model, tokenizer, quantized, out_dir, manifest, schemes,
+                                         kv_scales=kv_scales)
+    if fmt not in FORMATS:
+        raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    if kv_scales:
+        raise SchemeError(f"fp8 KV-cache scales cannot be stored in a {fmt} checkpoint; export "
+                          "format 'compressed-tensors' or drop the kv_cache stage")
+    for name, qw in quantized.items():
+        try:
+            check_exportable(fmt, (schemes or {}).get(name) or QuantScheme(qw.args))
+        except SchemeError as e:
+            raise SchemeError(f"{name}: {e}") from None
+    unquantized = _check_modules(fmt, model, quantized)
+    if fmt == GPTQ:
+        version = gptq_format.V2 if any(map(gptq_format.needs_v2, quantized.values())) else gptq_format.V1
+        desc_act = any(not gptq_format.is_monotonic(qw.group_index()) for qw in quantized.values())
+        qc = gptq_format.gptq_config(next(iter(quantized.values())).args, desc_act=desc_act,
+                                     checkpoint_format=version)
+        tensors = artifact_tensors(
+            model, quantized, lambda n, qw: gptq_format.gptq_tensors(n, qw, checkpoint_format=version))
+        return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, {GPTQ_CONFIG_FILE: qc})
+    qc = awq_format.awq_config(next(iter(quantized.values())).args, unquantized)
+    tensors = artifact_tensors(model, quantized, awq_format.awq_tensors)
+    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc)
+
+
+def _output_embedding_name(model: torch.nn.Module) -> str | None:
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
+
+
+def _check_modules(fmt: str, model: torch.nn.Module, quantized: dict[str, QuantizedWeight]) -> list[str]:
+    """Check what a single-config format can describe; return the unquantized Linears' names.
+
+    gptq and awq have one global scheme, never quantize the output embedding (lm_head), and
+    gptq loaders quantize every other Linear (awq lists the rest in modules_to_not_convert).
+    """
+    if not quantized:
+        raise SchemeError(f"export format {fmt!r} needs quantized Linears and none were quantized; "
+                          "add a quantization stage (e.g. rtn) or export 'compressed-tensors'")
+    if fmt == GPTQ:  # the whole config is global, so every module needs the same arguments
+        key = lambda a: (a.num_bits, a.symmetric, a.strategy, a.group_size)  # noqa: E731
+    else:  # awq writes symmetric schemes as asymmetric, so only the group size must agree
+        key = lambda a: a.group_size  # noqa: E731
+    first_name, first = next(iter(quantized.items()))
+    for name, qw in quantized.items():
+        if key(qw.args) != key(first.args):
+            raise SchemeError(
+                f"{name} is quantized as {qw.args} but {first_name} as {first.args}; a {fmt} "
+                "checkpoint has one scheme for all Linears, so quantize them alike or export "
+                "'compressed-tensors'")
+    head = _output_embedding_name(model)
+    if head in quantized:
+        raise SchemeError(f"{head} (the output embedding) is quantized, which {fmt} loaders do not "
+                          f"expect; add {head!r} to the stage's ignore list or export 'compressed-tensors'")
+    unquantized = [n for n in linear_classes(model) if n not in quantized]
+    stray = [n for n in unquantized if n != head]
+    if fmt == GPTQ and stray:
+        raise SchemeError(
+            f"{stray[0]} is not quantized, but gptq loaders quantize every Linear of the decoder "
+            "layers; quantize it too, or export 'awq' or 'compressed-tensors' (they can list "
+            "unquantized modules)")
+    return unquantized

@@ -1,0 +1,221 @@
+"""The `awq` stage: activation-aware scaling (and clipping) ahead of a weight quantizer.
+
+It only rescales and clips weights; the quantizer that follows in the recipe (`rtn`, `gptq`)
+quantizes them, so `awq` records nothing in `state.quantized`. Its `scheme` must describe what
+that quantizer will do, because both searches measure the error of exactly that quantizer:
+
+    - awq: {scheme: W4A16, group_size: 128}
+    - rtn: {scheme: W4A16, group_size: 128}
+
+Per decoder layer, for each mapping (prev -> Linears, inspected on a submodule) of
+`mappings.py`: capture the inspected submodule's inputs, grid-search the scale (awq.py), apply
+it (smoothing.py) unless no grid point beats plain RTN (then s = 1; the reference applies the
+best grid point regardless). Then clip every Linear except q/k projections on a sample of its
+inputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
+
+from slimserve.compress.calibration import LayerContext, run_layerwise
+from slimserve.compress.errors import RecipeError
+from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, fake_quantize
+from slimserve.compress.quant.mappings import SmoothMapping, decoder_layers, mapping_for
+from slimserve.compress.quant.scheme import QuantScheme, SchemeError
+from slimserve.compress.quant.smoothing import apply_smooth_scale, refuse_after_quantizer, round_sig, skip_reason
+from slimserve.compress.quant.stages import WeightQuantOptions
+from slimserve.compress.stage import CompressionState, StageReport
+from slimserve.compress.targets import check_patterns, matches
+
+# Linears whose clipping AWQ skips: clipping q/k distorts attention scores (the reference's list).
+_NO_CLIP = ("q_", "k_", "query", "key", "wqkv")
+_CLIP_TOKENS = 512  # input tokens the clip search sees per Linear (reference: 512)
+_CLIP_GRID, _CLIP_MAX_SHRINK = 20, 0.5  # shrink steps i/20 for i < 10 (reference values)
+
+
+class AwqOptions(BaseModel):
+    """Options of the `awq` stage. The scheme fields mirror the quantizer's (rtn/gptq) options."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scheme: str = "W4A16"  # scheme of the following quantizer (W4A16, the rtn/gptq default)
+    bits: int | None = None  # override the preset's bits, as in the quantizer's options
+    group_size: int | None = Field(None, ge=-1)  # override the group size; -1 = per output channel
+    symmetric: bool | None = None  # override the preset's symmetry
+    n_grid: int = Field(20, ge=2)  # scale-search grid points over [0, 1], both ends included
+    duo_scaling: bool = True  # s = x^a / w^(1-a) (True) or s = x^a (False)
+    clip: bool = True  # also search per-(row, group) clipping thresholds
+    ignore: list[str] = []  # modules never rescaled or clipped (a mapping touching one is skipped)
+
+    @model_validator(mode="after")
+    def _check_scheme(self):
+        try:
+            self.resolve_scheme()
+        except SchemeError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    def resolve_scheme(self) -> QuantScheme:
+        return WeightQuantOptions.resolve_scheme(self)  # same preset + override rules as rtn/gptq
+
+
+class AwqStage:
+    """Search and apply AWQ scales and clipping thresholds, layer by layer."""
+
+    name = "awq"
+    needs_calibration = True
+    layerwise = True
+
+    def __init__(self, options: AwqOptions):
+        self.options = options
+        self.scheme = options.resolve_scheme()
+        w = self.scheme.weights
+        self.report = StageReport(self.name, details={
+            "scheme": {"num_bits": w.num_bits, "symmetric": w.symmetric, "strategy": w.strategy,
+                       "group_size": w.group_size},
+            "n_grid": options.n_grid, "duo_scaling": options.duo_scaling, "clip": options.clip,
+            "mappings": [], "skipped": {}, "clipped": [],
+        })
+        self._t0 = 0.0
+
+    def prepare(self, state: CompressionState) -> None:
+        self._t0 = time.perf_counter()
+        check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")
+        refuse_after_quantizer(state, self.name)
+        self._check_group_size(state.model)
+
+    def apply(self, state: CompressionState) -> None:
+        """Run outside the pipeline: the layer-sequential engine on the CPU."""
+        run_layerwise(state, self)
+
+    def compress_layer(self, ctx: LayerContext) -> None:
+        for m in ctx.mapping.smooth:
+            reason = skip_reason(ctx, m, self.options.ignore)
+            if reason:
+                self.report.details["skipped"][m.prev] = reason
+                continue
+            self._scale_mapping(ctx, m)
+        if self.options.clip:
+            self._clip_layer(ctx)
+
+    def finalize(self, state: CompressionState) -> StageReport:
+        self.report.seconds = time.perf_counter() - self._t0
+        return self.report
+
+    def _check_group_size(self, model: nn.Module) -> None:
+        w = self.scheme.weights
+        if w.strategy != "group":
+            return
+        layers = decoder_layers(model, mapping_for(model))
+        for name, lin in layers.named_modules():
+            if isinstance(lin, nn.Linear) and lin.in_features % w.group_size:
+                raise RecipeError(f"stages.{self.name}.group_size: {w.group_size} does not divide the "
+                                  f"{lin.in_features} inputs of {name}; use a group_size that divides it")
+
+    @torch.no_grad()
+    def _scale_mapping(self, ctx: LayerContext, m: SmoothMapping) -> None:
+        prev, lins = ctx.module(m.prev), [ctx.module(r) for r in m.linears]
+        absmean = _AbsMean()
+        handle = lins[0].register_forward_pre_hook(absmean)
+        try:
+            calls = ctx.capture_calls(m.inspect, ctx.device)
+        finally:
+            handle.remove()
+        ref = [ctx.run_call(m.inspect, c) for c in calls]  # outputs of the unquantized submodule
+        orig = [lin.weight.detach().clone() for lin in lins]
+        args, sdt = self.scheme.weights, ctx.state.storage_dtype
+        numel = sum(r.numel() for r in ref)
+
+        def loss(s: torch.Tensor) -> float:
+            """Mean squared error of the inspected output with weights Q(W * s) / s."""
+            try:
+                for lin, w in zip(lins, orig):
+                    lin.weight.copy_((fake_quantize(w * s, args, sdt) / s).to(w.dtype))
+                err = sum((ctx.run_call(m.inspect, c).float() - r.float()).pow(2).sum().item()
+                          for c, r in zip(calls, ref))
+            finally:
+                for lin, w in zip(lins, orig):
+                    lin.weight.copy_(w)
+            return err / numel
+
+        x_mean = absmean.value()
+        loss_before = loss(torch.ones_like(x_mean))
+        group = args.group_size if args.strategy == "group" else None
+        s, ratio, losses = awq_search_scale(x_mean, torch.cat(orig), loss, self.options.n_grid,
+                                            self.options.duo_scaling, group)
+        # Duo scaling has no identity point on its grid; when no candidate beats plain RTN, keep s = 1.
+        applied = min(losses) < loss_before
+        if applied:
+            apply_smooth_scale(prev, lins, s)
+        self.report.details["mappings"].append({
+            "layer": ctx.index, "prev": m.prev, "linears": list(m.linears), "ratio": round_sig(ratio, 4),
+            "applied": applied, "scale_min": round_sig(s.min().item()), "scale_max": round_sig(s.max().item()),
+            "loss_before": round_sig(loss_before), "loss_after": round_sig(min(min(losses), loss_before)),
+        })
+
+    @torch.no_grad()
+    def _clip_layer(self, ctx: LayerContext) -> None:
+        targets = {rel: lin for rel, lin in ctx.layer.named_modules()
+                   if isinstance(lin, nn.Linear) and not _no_clip(rel)
+                   and not matches(f"{ctx.prefix}.{rel}", lin, self.options.ignore)}
+        total = sum(h.shape[0] * h.shape[1] for h in ctx.inputs.hidden)
+        step = max(1, total // _CLIP_TOKENS)
+        samples: dict[str, list[torch.Tensor]] = {rel: [] for rel in targets}
+        handles = [lin.register_forward_pre_hook(_sampler(samples[rel], step)) for rel, lin in targets.items()]
+        try:
+            ctx.forward()  # inputs as the already-scaled layer sees them
+        finally:
+            for h in handles:
+                h.remove()
+        args = self.scheme.weights
+        for rel, lin in targets.items():
+            x = torch.cat(samples[rel])[:_CLIP_TOKENS]
+            w = lin.weight
+            max_val = awq_clip_search(w, x, args, _CLIP_GRID, _CLIP_MAX_SHRINK, ctx.state.storage_dtype)
+            org_max = w.float().abs().reshape(max_val.shape[0], max_val.shape[1], -1).amax(-1)
+            lim = max_val.repeat_interleave(w.shape[1] // max_val.shape[1], dim=1)
+            w.copy_(torch.clamp(w.float(), -lim, lim).to(w.dtype))
+            self.report.details["clipped"].append({
+                "module": f"{ctx.prefix}.{rel}",
+                "clipped_groups": round_sig((max_val < org_max).float().mean().item(), 4),
+                "mean_shrink": round_sig((1 - max_val / org_max.clamp(min=1e-30)).mean().item(), 4),
+            })
+
+
+class _AbsMean:
+    """Forward pre-hook accumulating mean |x| per input channel over every token."""
+
+    def __init__(self):
+        self.total: torch.Tensor | None = None  # [K] sum of |x| in fp32
+        self.count = 0  # tokens seen
+
+    def __call__(self, _module, inputs):
+        x = inputs[0].detach().float()
+        x = x.reshape(-1, x.shape[-1])
+        part = x.abs().sum(dim=0)
+        self.total = part if self.total is None else self.total + part
+        self.count += x.shape[0]
+
+    def value(self) -> torch.Tensor:
+        assert self.total is not None, "the hooked Linear never ran during the replay"
+        return self.total / self.count
+
+
+def _sampler(out: list[torch.Tensor], step: int):
+    """Forward pre-hook keeping every `step`-th input token [*, K] of each call."""
+
+    def hook(_module, inputs):
+        x = inputs[0].detach()
+        out.append(x.reshape(-1, x.shape[-1])[::step])
+
+    return hook
+
+
+def _no_clip(rel: str) -> bool:
+    leaf = rel.rsplit(".", 1)[-1].lower()
+    return any(tag in leaf for tag in _NO_CLIP)

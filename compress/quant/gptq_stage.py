@@ -1,0 +1,189 @@
+"""The `gptq` stage: collect each Linear's input Hessian layer by layer and quantize it with GPTQ.
+
+Inside a decoder layer the Linears are quantized true-sequentially in the architecture mapping's
+groups ([q,k,v], [o], [gate,up], [down]): forward hooks collect H for one group while the cached
+calibration inputs are replayed, the group is quantized and written back as fake-quant weights,
+and only then is the next group's H collected, so it sees the already-quantized earlier groups.
+The calibration engine then feeds the compressed layer's outputs to the next layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from slimserve.compress.calibration import LayerContext, run_layerwise
+from slimserve.compress.quant.activations import attach_input_quant
+from slimserve.compress.quant.gptq import accumulate_hessian, gptq, output_loss
+from slimserve.compress.quant.mappings import mapping_for
+from slimserve.compress.quant.primitives import QuantizedWeight, quantize_weight
+from slimserve.compress.quant.scheme import QuantScheme, SchemeError
+from slimserve.compress.quant.stages import WeightQuantOptions
+from slimserve.compress.stage import CompressionState, ModuleReport, StageReport
+from slimserve.compress.targets import check_patterns, select_linears
+
+
+class GptqOptions(WeightQuantOptions):
+    """Options of the `gptq` stage: the shared weight options plus GPTQ's own."""
+
+    block_size: int = Field(128, gt=0)  # columns per lazy-update block (speed only, not results)
+    dampening_frac: float = Field(0.01, gt=0, le=1)  # added to diag(H), as a fraction of its mean
+    # Column order: 'static' = descending diag(H) with the original groups (no g_idx on disk);
+    # 'group' = groups formed in that order (g_idx on disk); null = natural order.
+    actorder: Literal["static", "group"] | None = "static"
+
+    def resolve_scheme(self) -> QuantScheme:
+        """The preset with overrides; the default act-order applies to group strategies only."""
+        s = super().resolve_scheme()
+        w = s.weights
+        if w.strategy != "group":
+            if self.actorder is not None and "actorder" in self.model_fields_set:
+                raise SchemeError(
+                    f"actorder={self.actorder!r} needs strategy 'group', but scheme {self.scheme} "
+                    f"(group_size={self.group_size}) is per {w.strategy}; remove actorder or set "
+                    "a group_size such as 128")
+            return s
+        return QuantScheme(w.with_(actorder=self.actorder), s.input_activations)
+
+
+class GptqStage:
+    """GPTQ every targeted Linear inside the decoder layers; RTN for targeted ones outside."""
+
+    name = "gptq"
+    needs_calibration = True
+    layerwise = True
+
+    def __init__(self, options: GptqOptions):
+        self.options = options
+        self.scheme = options.resolve_scheme()
+        w = self.scheme.weights
+        self.report = StageReport(self.name, details={
+            "scheme": {"num_bits": w.num_bits, "symmetric": w.symmetric, "strategy": w.strategy,
+                       "group_size": w.group_size, "actorder": w.actorder,
+                       "input_activations": self.scheme.input_activations is not None},
+            "block_size": options.block_size,
+            "dampening_frac": options.dampening_frac,
+        })
+        self._targets: dict[str, nn.Linear] = {}  # targeted Linears, model order
+        self._outside: list[str] = []  # targeted Linears outside the decoder layers (RTN)
+        self._losses: dict[str, dict[str, float]] = {}  # module -> gptq_loss, rtn_loss, damp
+        self._fallbacks: dict[str, str] = {}  # module -> why RTN was used
+        self._notes: list[str] = []  # facts for the report
+        self._t0 = 0.0  # perf_counter at prepare()
+
+    def prepare(self, state: CompressionState) -> None:
+        self._t0 = time.perf_counter()
+        check_patterns(state.model, self.options.targets, f"stages.{self.name}.targets")
+        check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")
+        layers = mapping_for(state.model).layers + "."
+        self._targets = select_linears(state.model, self.options.targets, self.options.ignore)
+        self._outside = [n for n in self._targets if not n.startswith(layers)]
+
+    def apply(self, state: CompressionState) -> None:
+        """Run the stage through the layer-sequential engine (what the pipeline does)."""
+        run_layerwise(state, self)
+
+    @torch.no_grad()
+    def compress_layer(self, ctx: LayerContext) -> None:
+        for group in self._groups(ctx):
+            hessians, counts = _collect_hessians(ctx, group)
+            for rel in group:
+                name = f"{ctx.prefix}.{rel}"
+                if counts[rel] == 0:
+                    self._notes.append(f"{name} received no calibration tokens; its H is 0, so GPTQ = RTN")
+                self._quantize(ctx.state, name, ctx.module(rel), hessians.pop(rel))
+
+    def _groups(self, ctx: LayerContext) -> list[list[str]]:
+        """This layer's targeted Linears (relative names) in true-sequential groups."""
+        head = ctx.prefix + "."
+        targeted = [n[len(head):] for n in self._targets if n.startswith(head)]
+        groups = [[r for r in grp if r in targeted] for grp in ctx.mapping.sequential]
+        covered = {r for grp in ctx.mapping.sequential for r in grp}
+        rest = [r for r in targeted if r not in covered]  # Linears the mapping does not list
+        return [g for g in groups + [rest] if g]
+
+    def _quantize(self, state: CompressionState, name: str, lin: nn.Linear, h: torch.Tensor) -> None:
+        args, opts = self.scheme.weights, self.options
+        w = lin.weight.data
+        res = gptq(w, h, args, state.storage_dtype, opts.block_size, opts.dampening_frac)
+        rtn = quantize_weight(w.cpu(), args, state.storage_dtype)  # RTN's min/max runs on CPU only
+        rtn_loss = output_loss(w, rtn.dequantize(torch.float32).to(w.device), h)
+        self._losses[name] = {"gptq_loss": res.loss, "rtn_loss": rtn_loss, "damp": res.damp}
+        if res.fallback:
+            self._fallbacks[name] = res.fallback
+        self._write(state, name, lin, res.qweight)
+
+    def _write(self, state: CompressionState, name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
+        """Fake-quant weight into the model (what a loader dequantizes), record weight and scheme."""
+        w = lin.weight.data
+        w_hat = qw.dequantize(state.storage_dtype).to(device=w.device, dtype=w.dtype)
+        err = (torch.linalg.norm(w.float() - w_hat.float()) / torch.linalg.norm(w.float())).item()
+        lin.weight.data.copy_(w_hat)
+        state.quantized[name] = _to_cpu(qw)
+        state.schemes[name] = self.scheme
+        if self.scheme.input_activations is not None:
+            attach_input_quant(lin, self.scheme.input_activations)
+        self.report.modules.append(ModuleReport(name, err, qw.args.num_bits))
+
+    @torch.no_grad()
+    def finalize(self, state: CompressionState) -> StageReport:
+        for name in self._outside:
+            lin = self._targets[name]
+            qw = quantize_weight(lin.weight.data.cpu(), self.scheme.weights, state.storage_dtype)
+            self._write(state, name, lin, qw)
+            self._notes.append(f"{name} is outside the decoder layers (no calibrated inputs): quantized with RTN")
+        d = self.report.details
+        d["modules_quantized"] = len(self.report.modules)
+        d["losses"] = self._losses
+        d["loss_ratio"] = _ratio_summary(self._losses)
+        d["fallbacks"] = self._fallbacks
+        d["notes"] = self._notes
+        self.report.seconds = time.perf_counter() - self._t0
+        return self.report
+
+
+def _collect_hessians(ctx: LayerContext, rels: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """Replay the layer once with hooks; H [K, K] fp32 and the token count of each Linear."""
+    hessians: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    handles = []
+    for rel in rels:
+        lin = ctx.module(rel)
+        hessians[rel] = torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32,
+                                    device=lin.weight.device)
+        counts[rel] = 0
+
+        def hook(_mod, args, _out, rel=rel):
+            counts[rel] = accumulate_hessian(hessians[rel], args[0].detach(), counts[rel])
+
+        handles.append(lin.register_forward_hook(hook))
+    try:
+        ctx.forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return hessians, counts
+
+
+def _ratio_summary(losses: dict[str, dict[str, float]]) -> dict:
+    """gptq/rtn output-loss ratios: geometric mean over modules, ratio of totals, count not worse."""
+    ratios = [v["gptq_loss"] / v["rtn_loss"] for v in losses.values() if v["rtn_loss"] > 0]
+    total_rtn = sum(v["rtn_loss"] for v in losses.values())
+    return {
+        "geomean": math.exp(sum(math.log(max(r, 1e-12)) for r in ratios) / len(ratios)) if ratios else None,
+        "total": sum(v["gptq_loss"] for v in losses.values()) / total_rtn if total_rtn > 0 else None,
+        "not_worse": sum(v["gptq_loss"] <= v["rtn_loss"] for v in losses.values()),
+        "modules": len(losses),
+    }
+
+
+def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    move = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return dataclasses.replace(qw, codes=move(qw.codes), scale=move(qw.scale),
+                               zero_point=move(qw.zero_point), g_idx=move(qw.g_idx))
