@@ -3,7 +3,7 @@
 Reference: formats.md §3. Per quantized Linear `<prefix>`:
   qweight int32 [K, N/8]   unsigned 4-bit codes packed along the OUTPUT dim, interleaved
   qzeros  int32 [K/g, N/8] unsigned zero points, same packing
-  scales        [K/g, N]   fp16 when that is exact, else the layer dtype
+  scales        [K/g, N]   in the layer dtype (AutoAWQ's fp16 for an fp16 model)
 Inside each word, nibble i holds output column 8c + ORDER[i]. There is no g_idx (groups are
 always k // g) and no "-1" convention. AWQ GEMM is asymmetric only; a symmetric scheme is
 written losslessly as asymmetric with every zero point at 8 (signed 0): (u - 8) * s == q * s.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from slimserve.compress.export.gptq_format import fp16_scales, unsigned_zeros
+from slimserve.compress.export.gptq_format import disk_scales, unsigned_zeros
 from slimserve.compress.export.pack import pack_int32, to_unsigned
 from slimserve.compress.quant.primitives import QuantizedWeight
 from slimserve.compress.quant.scheme import QuantArgs, QuantScheme, SchemeError
@@ -90,7 +90,7 @@ def awq_tensors(prefix: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     return {
         f"{prefix}.qweight": pack_awq(codes).contiguous(),
         f"{prefix}.qzeros": pack_awq(zeros).contiguous(),
-        f"{prefix}.scales": fp16_scales(qw.scale),
+        f"{prefix}.scales": disk_scales(qw.scale),
     }
 
 

@@ -3,7 +3,7 @@
 Reference: formats.md §2. Per quantized Linear `<prefix>`:
   qweight int32 [K*b/32, N]  unsigned codes packed along the input dim, lowest k in the low bits
   qzeros  int32 [G, N*b/32]  unsigned zero points packed along the output dim
-  scales        [G, N]       fp16 when that is exact, else the layer dtype (see `fp16_scales`)
+  scales        [G, N]       in the layer dtype (fp16 for an fp16 model; see `disk_scales`)
   g_idx   int32 [K]          group of each input column, always written (as AutoGPTQ does)
 Our signed codes q map to GPTQ's unsigned u = q + 2^(b-1); a symmetric scheme's implicit zero
 is 2^(b-1) (8 for 4-bit). v1 ("gptq", what AutoGPTQ writes and every loader reads) stores each
@@ -68,15 +68,15 @@ def needs_v2(qw: QuantizedWeight) -> bool:
     return qw.zero_point is not None and bool((unsigned_zeros(qw) == 0).any())
 
 
-def fp16_scales(scale: torch.Tensor) -> torch.Tensor:
-    """[G, N] scales from our [N, G]: fp16 (AutoGPTQ's and AutoAWQ's buffer dtype) when every
-    value survives the cast exactly, else kept in the layer dtype (loaders cast on load), so
-    the dequantized weight stays bit-identical to the fake-quantized one."""
-    s = scale.t().contiguous()
-    half = s.to(torch.float16)
-    if s.dtype == torch.float16 or torch.equal(half.to(s.dtype), s):
-        return half
-    return s
+def disk_scales(scale: torch.Tensor) -> torch.Tensor:
+    """[G, N] scales from our [N, G], kept in the layer's storage dtype as AutoGPTQ writes them.
+
+    AutoAWQ and GPTQModel buffers are fp16 and older fp16-only kernels run the whole model in
+    fp16, but every loader casts scales to its own dtype on load; keeping the storage dtype
+    keeps the dequantized weight bit-identical to our fake-quantized one (a bf16 scale below
+    fp16's normal range would not survive a cast to fp16).
+    """
+    return scale.t().contiguous()
 
 
 def _check_shape(prefix: str, qw: QuantizedWeight) -> None:
@@ -115,7 +115,7 @@ def gptq_tensors(prefix: str, qw: QuantizedWeight, *, checkpoint_format: str = V
     return {
         f"{prefix}.qweight": pack_int32(codes, b, dim=1).t().contiguous(),  # [K*b/32, N]
         f"{prefix}.qzeros": pack_int32(zeros, b, dim=0).t().contiguous(),  # [G, N*b/32]
-        f"{prefix}.scales": fp16_scales(qw.scale),
+        f"{prefix}.scales": disk_scales(qw.scale),
         f"{prefix}.g_idx": qw.group_index().to(torch.int32),
     }
 

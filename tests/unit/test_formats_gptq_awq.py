@@ -12,7 +12,7 @@ import torch
 
 from slimserve.compress.export import awq_format, gptq_format
 from slimserve.compress.export.awq_format import awq_config, awq_tensors, pack_awq, unpack_awq
-from slimserve.compress.export.compressed_tensors import linear_tensors
+from slimserve.compress.export.compressed_tensors import linear_tensors, scheme_from_ct_dict
 from slimserve.compress.export.formats import check_exportable
 from slimserve.compress.export.gptq_format import V1, V2, gptq_config, gptq_tensors
 from slimserve.compress.quant.primitives import QuantizedWeight, compute_qparams, quantize, quantize_weight
@@ -57,7 +57,6 @@ def import_one(method_cfg: dict, tensors: dict, prefix="m"):
     """(scheme, CT format, CT tensors) of one imported module."""
     qc, ct = import_checkpoint(method_cfg, dict(tensors), "ckpt")
     (group,) = qc["config_groups"].values()
-    from slimserve.compress.export.compressed_tensors import scheme_from_ct_dict
     assert group["targets"] == [prefix]
     return scheme_from_ct_dict(group), group["format"], ct
 
@@ -131,7 +130,7 @@ def test_cross_format_random_16x256_g128():
     v2 = gptq_tensors("m", qw, checkpoint_format=V2)
     assert torch.equal(ct["m.weight_packed"], v2["m.qweight"].T)
     assert torch.equal(ct["m.weight_zero_point"], v2["m.qzeros"].T)
-    assert torch.equal(ct["m.weight_scale"], v2["m.scales"].T.to(torch.bfloat16))
+    assert torch.equal(ct["m.weight_scale"], v2["m.scales"].T)
     if not gptq_format.needs_v2(qw):  # v1 differs from v2 by exactly 1 per zero nibble
         v1 = gptq_tensors("m", qw, checkpoint_format=V1)
         mask = 0xFFFFFFFF  # compare as unsigned 32-bit words
@@ -213,11 +212,11 @@ def test_awq_symmetric_scheme_is_written_with_zero_8():
     assert torch.equal(ct_dequant(ct, "m", scheme).to(torch.bfloat16), qw.dequantize())
 
 
-def test_scales_are_fp16_when_exact_else_layer_dtype():
-    s = torch.tensor([[0.01, 0.5]], dtype=torch.bfloat16)
-    assert gptq_format.fp16_scales(s).dtype == torch.float16
-    tiny = torch.tensor([[1e-7 * 3.3, 0.5]], dtype=torch.bfloat16)  # fp16-subnormal: lossy
-    assert gptq_format.fp16_scales(tiny).dtype == torch.bfloat16
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_scales_keep_the_layer_dtype(dtype):
+    qw = quantize_weight(torch.randn(8, 64, dtype=dtype), W4_ASYM)
+    for t in (gptq_tensors("m", qw), awq_tensors("m", qw)):
+        assert t["m.scales"].dtype == dtype and torch.equal(t["m.scales"], qw.scale.T)
 
 
 # ---- configs and refusals --------------------------------------------------------------------
