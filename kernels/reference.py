@@ -19,10 +19,22 @@ _EPS = torch.finfo(torch.float32).eps  # smallest scale, as in compressed-tensor
 
 def _unpack(packed: torch.Tensor, num_bits: int, size: int) -> torch.Tensor:
     """int32 signed codes [R, size] from int32 words [R, W] packed along the last dim."""
+    if 32 % num_bits:
+        return _unpack_dense(packed, num_bits, size)
     per_word = 32 // num_bits
     shifts = torch.arange(per_word, device=packed.device, dtype=torch.int32) * num_bits
     fields = (packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # arithmetic shift, masked
     return fields.reshape(packed.shape[0], -1)[:, :size] - (1 << (num_bits - 1))
+
+
+def _unpack_dense(packed: torch.Tensor, num_bits: int, size: int) -> torch.Tensor:
+    """Widths that do not divide 32 (3, 5, 6, 7): code i is bits [i*b, (i+1)*b) of the row's
+    little-endian word stream and may straddle two words."""
+    words = torch.cat([packed.long() & 0xFFFFFFFF, torch.zeros_like(packed[:, :1], dtype=torch.long)], 1)
+    start = torch.arange(size, device=packed.device) * num_bits
+    w, off = start // 32, start % 32
+    fields = ((words[:, w] >> off) | (words[:, w + 1] << (32 - off))) & ((1 << num_bits) - 1)
+    return fields.to(torch.int32) - (1 << (num_bits - 1))
 
 
 def unpack_int4_weight(weight_packed: torch.Tensor, size: int) -> torch.Tensor:

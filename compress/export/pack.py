@@ -1,9 +1,10 @@
 """Bit packing of integer codes into int32 words, in compressed-tensors' pack-quantized layout.
 
-Element `i` along the packed dimension goes to word `i // (32 // b)`, bits
-`b * (i % (32 // b))` upwards: the lowest index sits in the least-significant bits. A partial
-last word is zero-padded and the word is reinterpreted as a signed int32. For 4 and 8 bits this
-is bit-identical to both the older CT `pack_to_int32` and the newer "dense" packing.
+Dense packing (compressed-tensors >= 0.19): code `i` along the packed dimension occupies bits
+`[i*b, (i+1)*b)` of a little-endian stream of 32-bit words, so for 3, 5, 6 and 7 bits a code may
+straddle two words. The lowest index sits in the least-significant bits, a partial last word is
+zero-padded and each word is reinterpreted as a signed int32. For 1, 2, 4 and 8 bits this is
+bit-identical to the older CT `pack_to_int32` (whole codes per word).
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import torch.nn.functional as F
 _MASK32 = (1 << 32) - 1
 
 
-def _check_bits(num_bits: int) -> int:
-    """Codes per int32 word; only widths that tile a word exactly (1, 2, 4, 8) are packable."""
-    if num_bits not in (1, 2, 4, 8):
-        raise ValueError(
-            f"num_bits={num_bits} cannot be packed into int32 words; use 4 or 8 bits "
-            "(other widths are stored unpacked as int8, format naive-quantized)"
-        )
-    return 32 // num_bits
+def _check_bits(num_bits: int) -> None:
+    if not 1 <= num_bits <= 8:
+        raise ValueError(f"num_bits={num_bits} cannot be packed; pack-quantized holds 1 to 8 bits per code")
+
+
+def _bit_positions(size: int, num_bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Word index and bit offset of each of `size` codes in a dense little-endian bit stream."""
+    start = torch.arange(size, dtype=torch.int64, device=device) * num_bits
+    return start // 32, start % 32
 
 
 def to_unsigned(codes: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -40,7 +42,7 @@ def pack_int32(unsigned_codes: torch.Tensor, num_bits: int, dim: int = 1) -> tor
     unsigned_codes: integer [R, C] with values in [0, 2^b). Returns int32 [R, ceil(C*b/32)] for
     dim=1, or [ceil(R*b/32), C] for dim=0 (zero points are packed along the output rows).
     """
-    per_word = _check_bits(num_bits)
+    _check_bits(num_bits)
     if unsigned_codes.dim() != 2 or dim not in (0, 1):
         raise ValueError(f"pack_int32 needs a 2-D tensor and dim 0 or 1, got shape "
                          f"{tuple(unsigned_codes.shape)} and dim={dim}")
@@ -51,10 +53,14 @@ def pack_int32(unsigned_codes: torch.Tensor, num_bits: int, dim: int = 1) -> tor
     if dim == 0:
         u = u.t()
     rows, size = u.shape
-    words = -(-size // per_word)
-    u = F.pad(u, (0, words * per_word - size)).view(rows, words, per_word)  # zero padding
-    shifts = torch.arange(per_word, dtype=torch.int64, device=u.device) * num_bits
-    packed = (u << shifts).sum(-1)  # int64 in [0, 2^32): bit fields do not overlap
+    words = -(-size * num_bits // 32)
+    word, off = _bit_positions(size, num_bits, u.device)
+    packed = torch.zeros(rows, words + 1, dtype=torch.int64, device=u.device)
+    # Bit fields never overlap, so adding is OR-ing; a code straddling a word boundary puts its
+    # high bits at the bottom of the next word (extra column, dropped when it only holds padding).
+    packed.scatter_add_(1, word.expand(rows, size), (u << off) & _MASK32)
+    packed.scatter_add_(1, (word + 1).expand(rows, size), u >> (32 - off))
+    packed = packed[:, :words]
     packed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
     return (packed.t() if dim == 0 else packed).contiguous()
 
@@ -64,7 +70,7 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int = 1) -
 
     packed: int32 [R, W] (dim=1) or [W, C] (dim=0); padding beyond `size` is dropped.
     """
-    per_word = _check_bits(num_bits)
+    _check_bits(num_bits)
     if packed.dim() != 2 or dim not in (0, 1):
         raise ValueError(f"unpack_int32 needs a 2-D tensor and dim 0 or 1, got shape "
                          f"{tuple(packed.shape)} and dim={dim}")
@@ -72,10 +78,12 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int = 1) -
     if dim == 0:
         p = p.t()
     rows, words = p.shape
-    if size > words * per_word:
-        raise ValueError(f"size={size} exceeds the {words * per_word} codes that {words} words "
+    if size * num_bits > words * 32:
+        raise ValueError(f"size={size} exceeds the {words * 32 // num_bits} codes that {words} words "
                          f"of {num_bits}-bit codes hold")
-    shifts = torch.arange(per_word, dtype=torch.int64, device=p.device) * num_bits
-    u = ((p.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)).reshape(rows, words * per_word)
-    u = u[:, :size].to(torch.int32)
+    word, off = _bit_positions(size, num_bits, p.device)
+    p = F.pad(p, (0, 1))  # a zero word after the last, for codes that would straddle it
+    lo = p[:, word] >> off
+    hi = p[:, word + 1] << (32 - off)  # bits of a straddling code; shifted out of the mask otherwise
+    u = ((lo | hi) & ((1 << num_bits) - 1)).to(torch.int32)
     return (u.t() if dim == 0 else u).contiguous()

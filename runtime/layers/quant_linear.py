@@ -36,8 +36,8 @@ class QuantLinear(nn.Module):
         if w.type != "int" or ct_format not in (PACKED, *UNPACKED):
             raise ValueError(f"QuantLinear supports int weights in formats {PACKED}, "
                              f"{', '.join(UNPACKED)}; got type={w.type!r}, format={ct_format!r}")
-        if ct_format == PACKED and w.num_bits not in (4, 8):
-            raise ValueError(f"pack-quantized needs 4 or 8 bits, got num_bits={w.num_bits}")
+        if ct_format == PACKED and not 1 <= w.num_bits <= 8:
+            raise ValueError(f"pack-quantized holds 1 to 8 bits, got num_bits={w.num_bits}")
         if ct_format == PACKED and w.strategy == "tensor" and not w.symmetric:
             raise ValueError("pack-quantized with one asymmetric zero point per tensor is not "
                              "supported; use strategy 'channel' or 'group'")

@@ -62,9 +62,42 @@ def test_matches_installed_compressed_tensors():
 
 
 def test_bad_inputs_raise_with_the_value():
-    with pytest.raises(ValueError, match="num_bits=3"):
-        pack_int32(torch.zeros(1, 8, dtype=torch.int32), 3)
+    with pytest.raises(ValueError, match="num_bits=9"):
+        pack_int32(torch.zeros(1, 8, dtype=torch.int32), 9)
     with pytest.raises(ValueError, match=r"\[0, 15\]"):
         pack_int32(torch.tensor([[16]]), 4)
     with pytest.raises(ValueError, match="size=9"):
         unpack_int32(torch.zeros(1, 1, dtype=torch.int32), 4, 9)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("size", [1, 7, 33, 127])
+def test_dense_packing_matches_compressed_tensors(bits, size):
+    """llm-compressor writes 3-bit (and other widths) as dense pack-quantized; we read and write it alike."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    torch.manual_seed(bits * 1000 + size)
+    q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, size), dtype=torch.int8)
+    ours = pack_int32(q.int() + (1 << (bits - 1)), bits, dim=1)
+    assert torch.equal(ours, pack_to_int32(q, bits, packed_dim=1))
+    assert torch.equal(pack_int32(q.t().int() + (1 << (bits - 1)), bits, dim=0),
+                       pack_to_int32(q.t().contiguous(), bits, packed_dim=0))
+    assert torch.equal(unpack_int32(ours, bits, size) - (1 << (bits - 1)), q.int())
+
+
+def test_quant_linear_reads_dense_3bit_pack_quantized():
+    """A W3 g32 pack-quantized layer as llm-compressor writes it dequantizes to (q - 0) * scale."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from slimserve.compress.quant.scheme import QuantArgs, QuantScheme
+    from slimserve.runtime.layers.quant_linear import QuantLinear
+
+    torch.manual_seed(3)
+    n, k, g = 12, 96, 32
+    q = torch.randint(-4, 4, (n, k), dtype=torch.int8)
+    scale = torch.rand(n, k // g, dtype=torch.bfloat16) + 0.01
+    lin = QuantLinear(k, n, False, QuantScheme(QuantArgs(3, group_size=g)), "pack-quantized")
+    lin.load_state_dict({"weight_packed": pack_to_int32(q, 3), "weight_scale": scale,
+                         "weight_shape": torch.tensor([n, k])}, strict=False)
+    expected = (q.float() * scale.float().repeat_interleave(g, dim=1)).to(torch.bfloat16)
+    assert torch.equal(lin.dequantized_weight(torch.bfloat16), expected)
