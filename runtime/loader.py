@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from slimserve.compress.targets import matches
 from slimserve.compress.export.compressed_tensors import QUANT_METHOD, scheme_from_ct_dict
 from slimserve.compress.export.manifest import ArtifactManifest, read_manifest, verify_files
 from slimserve.compress.quant.kv_cache import install_kv_scales
@@ -169,17 +170,6 @@ def pop_kv_scales(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor],
     return scales
 
 
-def _matches(name: str, module: nn.Module, patterns: list[str]) -> bool:
-    """CT target matching: "re:<regex>" (re.match on the name), an exact name, or a class name."""
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], name):
-                return True
-        elif p == name or p == type(module).__name__:
-            return True
-    return False
-
-
 def replace_linears(model: nn.Module, qc: dict) -> int:
     """Replace every Linear targeted by a config group (and not ignored) by a QuantLinear.
 
@@ -196,10 +186,10 @@ def replace_linears(model: nn.Module, qc: dict) -> int:
         groups.append((gname, group.get("targets") or [], scheme, fmt))
     ignore = qc.get("ignore") or []
     targets = [(n, m) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not _matches(n, m, ignore)]
+               if isinstance(m, nn.Linear) and not matches(n, m, ignore)]
     count = 0
     for name, linear in targets:
-        hit = next((g for g in groups if _matches(name, linear, g[1])), None)
+        hit = next((g for g in groups if matches(name, linear, g[1])), None)
         if hit is None:
             continue
         gname, _, scheme, fmt = hit

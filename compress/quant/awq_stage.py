@@ -28,7 +28,7 @@ from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, fake
 from slimserve.compress.quant.mappings import SmoothMapping, decoder_layers, mapping_for
 from slimserve.compress.quant.scheme import QuantScheme, SchemeError
 from slimserve.compress.quant.smoothing import apply_smooth_scale, refuse_after_quantizer, round_sig, skip_reason
-from slimserve.compress.quant.stages import WeightQuantOptions
+from slimserve.compress.quant.stages import WeightQuantOptions, describe_scheme
 from slimserve.compress.stage import CompressionState, StageReport
 from slimserve.compress.targets import check_patterns, matches
 
@@ -74,10 +74,8 @@ class AwqStage:
     def __init__(self, options: AwqOptions):
         self.options = options
         self.scheme = options.resolve_scheme()
-        w = self.scheme.weights
         self.report = StageReport(self.name, details={
-            "scheme": {"num_bits": w.num_bits, "symmetric": w.symmetric, "strategy": w.strategy,
-                       "group_size": w.group_size},
+            "scheme": describe_scheme(self.scheme),
             "n_grid": options.n_grid, "duo_scaling": options.duo_scaling, "clip": options.clip,
             "mappings": [], "skipped": {}, "clipped": [],
         })

@@ -60,7 +60,7 @@ class RtnStage:
     def __init__(self, options: RtnOptions):
         self.options = options
         self.scheme = options.resolve_scheme()
-        self.report = StageReport(self.name, details={"scheme": _describe(self.scheme)})
+        self.report = StageReport(self.name, details={"scheme": describe_scheme(self.scheme)})
 
     def prepare(self, state: CompressionState) -> None:
         check_patterns(state.model, self.options.targets, f"stages.{self.name}.targets")
@@ -89,6 +89,7 @@ class RtnStage:
         return self.report
 
 
-def _describe(s: QuantScheme) -> dict:
+def describe_scheme(s: QuantScheme) -> dict:
+    """The weight scheme as a report-friendly dict."""
     w = s.weights
     return {"num_bits": w.num_bits, "symmetric": w.symmetric, "strategy": w.strategy, "group_size": w.group_size}
