@@ -10,8 +10,8 @@ tokenizer's) and N decoder layers each (bf16, saved with the demo model's tokeni
 trained on a few stdlib files when recipes/demo-model is absent) go through a GPTQ W4A16 g128
 recipe (calibration `stdlib` train, 64 x 512 tokens; evaluation on a few windows so it does not
 dominate; the gate is wide open since the weights are random), each as its own
-`python -m slimserve.compress.cli run` child, so its wall time and peak RSS (`os.wait4`) are its
-alone. `--quick`: 16 x 256 calibration tokens, 2 evaluation windows, layers 2 and 8.
+`python -m slimserve.compress.cli run` child (one torch thread unless `--threads`), so its wall
+time and peak RSS (`os.wait4`) are its alone. `--quick`: 16 x 256 calibration tokens, 2 evaluation windows, layers 2 and 8.
 
 The pipeline holds the model in float32, so "working MB" = peak RSS - 4 bytes x params: the
 interpreter, torch, the cached activations, Hessians, quantized codes and export buffers. The
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -88,6 +89,7 @@ class Verdict:
     deep: int | None  # layers of the compared run
     ratio: float | None  # working MB deep / working MB shallow
     grows: bool | None  # ratio > 1 + tolerance; None when undecidable
+    bytes_per_param: float | None  # working memory added per added parameter (deep - shallow), bytes
     text: str  # the sentence printed under the table
 
 
@@ -129,18 +131,20 @@ def verdict(rows: list[Row], tolerance: float = TOLERANCE) -> Verdict:
     """Compare the working memory of the deepest ok run with that of the shallowest."""
     ok = sorted((r for r in rows if r.status == "ok" and r.working_mb is not None), key=lambda r: r.layers)
     if len(ok) < 2 or ok[0].layers == ok[-1].layers:
-        return Verdict(None, None, None, None, "undecided: fewer than two depths ran")
+        return Verdict(None, None, None, None, None, "undecided: fewer than two depths ran")
     lo, hi = ok[0], ok[-1]
     if lo.working_mb <= 0:
-        return Verdict(lo.layers, hi.layers, None, None,
+        return Verdict(lo.layers, hi.layers, None, None, None,
                        f"undecided: working memory of the {lo.layers}-layer run is not positive")
     ratio = hi.working_mb / lo.working_mb
     grows = ratio > 1 + tolerance
     weights = hi.params / lo.params
+    per_param = (hi.working_mb - lo.working_mb) * 1e6 / (hi.params - lo.params)
     text = (f"working memory (peak RSS - fp32 weights) {'GROWS' if grows else 'does not grow'} with depth: "
             f"{hi.layers} vs {lo.layers} layers = {ratio:.2f}x ({hi.working_mb:.0f} vs {lo.working_mb:.0f} MB; "
-            f"limit {1 + tolerance:.2f}x) while the weights grow {weights:.2f}x")
-    return Verdict(lo.layers, hi.layers, ratio, grows, text)
+            f"limit {1 + tolerance:.2f}x) while the weights grow {weights:.2f}x; "
+            f"{per_param:+.2f} bytes of working memory per added parameter (fp32 weights: 4)")
+    return Verdict(lo.layers, hi.layers, ratio, grows, per_param, text)
 
 
 def _fmt(value, spec: str) -> str:
@@ -157,7 +161,8 @@ def format_table(meta: dict, rows: list[Row], v: Verdict) -> str:
         f"vocab {m['vocab_size']}), bf16 checkpoint, compressed in fp32; tokenizer: {m['tokenizer']}",
         f"workload: compress run, gptq W4A16 g{wl['group_size']}; calibration stdlib train "
         f"{wl['num_samples']} x {wl['calib_seq_len']} tokens, seed {wl['seed']}; eval stdlib validation "
-        f"{wl['max_windows']} windows x {wl['eval_seq_len']} (baseline + after gptq); export compressed-tensors",
+        f"{wl['max_windows']} windows x {wl['eval_seq_len']} (baseline + after gptq); export compressed-tensors; "
+        f"{wl['threads']} torch thread(s) per child",
     ]
     head = ("layers", "params M", "weight MB bf16", "fp32 MB", "peak RSS MB", "RSS - fp32 MB", "gptq s", "wall s", "note")
     body = [head] + [(
@@ -234,11 +239,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, nargs="+", help=f"decoder layer counts (default {DEFAULT_LAYERS}; "
                    f"--quick: {QUICK_LAYERS})")
     p.add_argument("--quick", action="store_true", help="16 x 256 calibration tokens, 2 eval windows")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads of each child (OMP_NUM_THREADS); GPTQ's column loop runs "
+                        "tiny ops that extra threads only slow down")
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
                    help="allowed growth of working memory, deepest vs shallowest (fraction)")
     p.add_argument("--json-out", type=Path, help="also write the table's data as JSON here")
     p.add_argument("--work-dir", type=Path, help="keep recipes and logs here (default: a temp folder)")
     args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads {args.threads}: must be at least 1")
     if args.layers and min(args.layers) < 1:
         p.error(f"--layers {args.layers}: every layer count must be at least 1")
     return args
@@ -249,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     wl = workload(args.quick)
     layers = sorted(set(args.layers or (QUICK_LAYERS if args.quick else DEFAULT_LAYERS)))
     rows: list[Row] = []
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by each child's torch at start-up
     with tempfile.TemporaryDirectory(prefix="bench_memory-") as tmp:
         work = args.work_dir.resolve() if args.work_dir else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -262,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
                   "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
                   "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "tokenizer": tok_note},
-        "workload": asdict(wl),
+        "workload": {**asdict(wl), "threads": args.threads},
     }
     v = verdict(rows, args.tolerance)
     print(format_table(meta, rows, v))

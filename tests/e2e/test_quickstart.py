@@ -44,7 +44,7 @@ def test_quickstart_passes_gate(quickstart):
     r, out = quickstart
     assert r.returncode == 0, r.stderr
     rep = json.loads((out / "report.json").read_text())
-    assert rep["gate"]["passed"] and 0 < rep["gate"]["ppl_increase"] <= 0.10
+    assert rep["gate"]["passed"] and 0 < rep["gate"]["ppl_increase"] <= 0.02
     assert rep["final"]["size_bytes"] < 0.5 * rep["baseline"]["size_bytes"]
 
 

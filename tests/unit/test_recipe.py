@@ -22,7 +22,7 @@ def test_good_recipe_resolves_paths(tmp_path: Path):
     f.write_text(GOOD)
     r = load_recipe(f)
     assert r.model == str((tmp_path / "demo-model").resolve())
-    assert r.output == tmp_path / "../artifacts/x"
+    assert r.output == (tmp_path / "../artifacts/x").resolve()
     assert r.eval.max_ppl_increase == 0.05 and r.eval.max_windows is None
     (stage,) = r.stages
     assert stage.name == "rtn"
@@ -33,7 +33,7 @@ def test_good_recipe_resolves_paths(tmp_path: Path):
 def test_output_override(tmp_path: Path):
     f = tmp_path / "r.yaml"
     f.write_text(GOOD)
-    assert load_recipe(f, output=tmp_path / "o").output == tmp_path / "o"
+    assert load_recipe(f, output=tmp_path / "o").output == (tmp_path / "o").resolve()
 
 
 def test_hub_id_kept_when_no_local_folder():
