@@ -11,6 +11,17 @@ REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "recipes" / "demo-model"
 
 
+@pytest.fixture
+def one_thread():
+    """GPTQ's column loop is thousands of ops on tensors of a few kB: intra-op threads only add
+    synchronization. On the shared 2-core test box one thread measured 43 ms per 256x256 GPTQ
+    against 1.7 s with two (oversubscribed cores stall every parallel region)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A 2-layer GQA Llama (bf16, vocab 512) saved as a plain HF checkpoint."""

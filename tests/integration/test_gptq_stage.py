@@ -13,15 +13,7 @@ from slimserve.eval.corpus import read_texts
 from slimserve.runtime.loader import load_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """GPTQ's column loop is thousands of ops on tensors of a few kB: intra-op threads only add
-    synchronization. On the shared 2-core test box one thread measured 43 ms per 256x256 GPTQ
-    against 1.7 s with two (oversubscribed cores stall every parallel region)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 RECIPE = """
