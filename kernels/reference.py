@@ -146,3 +146,150 @@ def fake_quantize_per_token_int8(x: torch.Tensor) -> torch.Tensor:
     """x quantized to int8 per token and back, in x's dtype (what a W8A8 kernel sees)."""
     q, scale = quantize_per_token_int8(x)
     return (q.float() * scale.float()).to(x.dtype)
+
+
+def w8a8_matmul_int32(a_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """Exact int32 [M, N] = a_q int8 [M, K] @ w_q int8 [N, K]^T (fp64 sums are exact: |sum| <
+    K * 2^14 < 2^53)."""
+    return (a_q.double() @ w_q.double().t()).to(torch.int32)
+
+
+def w8a8_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """[M, N] out_dtype = (int32 acc) * a_scale [M, 1] * w_scale [N, 1]^T (+ bias), fp32 epilogue."""
+    acc = w8a8_matmul_int32(a_q, w_q).float()
+    out = acc * a_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] -> [..., N]: dynamic per-token int8 activations times int8 [N, K] weights."""
+    lead = x.shape[:-1]
+    q, s = quantize_per_token_int8(x.reshape(-1, x.shape[-1]))
+    return w8a8_gemm(q, s, weight, weight_scale, bias, x.dtype).reshape(*lead, -1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm exactly as transformers computes it: normalize in fp32, round to x's dtype,
+    then multiply by the weight in x's dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(x.dtype) * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the sum is rounded to x's dtype first, as the
+    unfused `residual = residual + hidden` of a transformers decoder layer does."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> [..., I]: silu(gate) * up with gate = x[..., :I], up = x[..., I:]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes of x / scale, saturated to +-448 and rounded to nearest even."""
+    return (x.float() / float(scale)).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> None:
+    """Store key/value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D] in place.
+
+    slot_mapping int64 [T]: slot = block * block_size + offset; a negative slot skips the token.
+    An fp8 cache stores key / k_scale (value / v_scale) saturated and rounded to nearest even;
+    any other cache dtype stores the values cast as they are.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    for src, cache, scale in ((key[keep], key_cache, k_scale), (value[keep], value_cache, v_scale)):
+        flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hkv, D]
+        if cache.dtype == torch.float8_e4m3fn:
+            flat[slots] = quantize_fp8(src, scale)
+        else:
+            flat[slots] = src.to(cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+               scale: float | torch.Tensor) -> torch.Tensor:
+    """fp32 [length, Hkv, D] of one sequence's cached tokens (fp8 dequantized with its scale)."""
+    bs = cache.shape[1]
+    blocks = block_table[: -(-length // bs)].long()
+    kv = cache[blocks].reshape(-1, *cache.shape[2:])[:length].float()
+    return kv * float(scale) if cache.dtype == torch.float8_e4m3fn else kv
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Causal attention of new query tokens over each sequence's cached KV (prefix + new tokens).
+
+    query [T, H, D] holds sequence b's q_len_b = cu_seqlens_q[b+1] - cu_seqlens_q[b] new tokens;
+    their K/V are already in the cache, so sequence b has context_lens[b] cached tokens and its
+    j-th query sits at position context_lens[b] - q_len_b + j and sees positions <= that.
+    GQA: query head h reads KV head h // (H / Hkv). fp32 scores and softmax; out [T, H, D] in
+    query's dtype.
+    """
+    out = torch.empty_like(query)
+    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    cu = cu_seqlens_q.tolist()
+    for b in range(len(cu) - 1):
+        q = query[cu[b]: cu[b + 1]].float()  # [q_len, H, D]
+        q_len, ctx = q.shape[0], int(context_lens[b])
+        if q_len == 0:
+            continue
+        k = _gather_kv(key_cache, block_tables[b], ctx, k_scale).repeat_interleave(heads // kv_heads, 1)
+        v = _gather_kv(value_cache, block_tables[b], ctx, v_scale).repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, ctx]
+        qpos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
+        scores = scores.masked_fill(torch.arange(ctx, device=q.device) > qpos, float("-inf"))
+        out[cu[b]: cu[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """One new query token per sequence: query [B, H, D] over context_lens[b] cached tokens
+    (including its own) -> [B, H, D] in query's dtype."""
+    cu = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_attention_prefill(query, key_cache, value_cache, block_tables, cu, context_lens,
+                                   scale, k_scale, v_scale)

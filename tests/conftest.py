@@ -1,11 +1,17 @@
 """Shared fixtures: a tiny random Llama checkpoint with a real (tiny) BPE tokenizer."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(2)
+# Triton kernels run through the interpreter on machines without a GPU; the switch is read
+# when a @triton.jit function is defined, so it is set before any test imports a kernel module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "recipes" / "demo-model"

@@ -1,0 +1,112 @@
+"""Shared launcher plumbing: backend choice, argument checks, ahead-of-time compilation.
+
+Every kernel module exposes its launchers plus `aot_variants()`, the list of
+(kernel, signature, constexprs, options) it can be launched with; the AOT compile gate in CI
+compiles each of them for sm_80 and sm_90 with no GPU present (the interpreter does not enforce
+GPU constraints such as shared-memory size or dot shapes, the compiler does).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Kernel modules with an `aot_variants()` function (explicit registry, no package walking).
+AOT_MODULES = (
+    "w4a16_gemm",
+    "w8a8_gemm",
+    "act_quant",
+    "kv_cache",
+    "paged_attention",
+    "rms_norm",
+    "activation",
+)
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def kernel_backend() -> str:
+    """SLIMSERVE_KERNELS: `auto` (Triton on CUDA tensors, torch otherwise), `triton` (always,
+    through the interpreter on CPU: TRITON_INTERPRET=1 must be set before import) or `torch`."""
+    value = os.environ.get("SLIMSERVE_KERNELS", "auto").strip().lower()
+    if value not in _BACKENDS:
+        raise ValueError(f"SLIMSERVE_KERNELS={value!r} is not one of {', '.join(_BACKENDS)}")
+    return value
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the op on tensor `t` runs the Triton kernel (True) or its torch twin (False)."""
+    backend = kernel_backend()
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        return True
+    return t.is_cuda
+
+
+def check(cond: bool, message: str) -> None:
+    """Raise ValueError(message) unless `cond`: launchers report what is wrong with an argument."""
+    if not cond:
+        raise ValueError(message)
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor | None,
+    *,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    ndim: int | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    device: torch.device | None = None,
+    last_contiguous: bool = False,
+) -> None:
+    """Check a launcher argument; the message names the argument, what it is and what it must be."""
+    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        check(t.dtype in dtypes, f"{name} has dtype {str(t.dtype).replace('torch.', '')}; "
+                                 f"expected one of {allowed}")
+    if ndim is not None:
+        check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        check(ok, f"{name} has shape {tuple(t.shape)}; expected {want}")
+    if device is not None:
+        check(t.device == device, f"{name} is on {t.device} but the other inputs are on {device}")
+    if last_contiguous and t.numel() > 0:
+        check(t.stride(-1) == 1, f"{name} must be contiguous in its last dim "
+                                 f"(strides {tuple(t.stride())}); call .contiguous()")
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (tl.arange needs power-of-two sizes)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class AotVariant:
+    """One way a kernel is launched, for the ahead-of-time compile gate."""
+
+    kernel: Any  # the @triton.jit function (JITFunction or, under the interpreter, its wrapper)
+    signature: dict[str, str]  # arg name -> Triton type ("*fp16", "i32", "constexpr", ...)
+    constexprs: dict[str, Any]  # constexpr arg name -> value
+    options: dict[str, Any] = field(default_factory=dict)  # num_warps, num_stages
+    name: str = ""  # readable label for the test id
+
+
+def aot_compile(variant: AotVariant, capability: int) -> Any:
+    """Compile `variant` for CUDA compute capability `capability` (80, 90) without a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = variant.kernel
+    if not isinstance(fn, JITFunction):  # interpreter mode wraps the function
+        fn = JITFunction(fn.fn)
+    src = ASTSource(fn=fn, signature=variant.signature, constexprs=variant.constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=variant.options)

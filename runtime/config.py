@@ -1,0 +1,63 @@
+"""Engine configuration: one dataclass that the CLI, the offline `LLM` API and the server fill."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_size(text: str | int | float | None) -> int | None:
+    """Bytes from '2GiB', '512M', '1.5G' or a plain number; None stays None."""
+    if text is None or isinstance(text, (int, float)):
+        return None if text is None else int(text)
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"kv_cache_memory: cannot read {text!r} as a size; use e.g. 2GiB or 512MiB")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; validated in __post_init__ with one-line messages."""
+
+    model: str  # artifact or HF checkpoint folder
+    served_model_name: str | None = None  # name in /v1/models; default: the folder's name
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1"
+    dtype: str = "auto"  # compute dtype: auto (config's; fp32 on CPU for bf16 speed), float16, bfloat16, float32
+    max_num_seqs: int = 64  # sequences in one batch at most
+    max_num_batched_tokens: int = 1024  # tokens (prefill chunks + decodes) in one step at most
+    max_model_len: int | None = None  # prompt + output tokens per request; default: config's
+    block_size: int = 16  # tokens per KV-cache block
+    kv_cache_dtype: str = "auto"  # "auto" (= compute dtype) or "fp8_e4m3" (scaled)
+    kv_cache_memory: int | None = None  # bytes for the KV cache; None: fraction of free memory
+    memory_fraction: float = 0.9  # of free device memory (after weights) for the KV cache on CUDA
+    cpu_kv_cache_memory: int = 512 * 2**20  # default KV budget on CPU, bytes
+    enable_prefix_caching: bool = True
+    seed: int = 0  # default RNG seed for requests without one
+    trust_remote_code: bool = False  # never on unless asked
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model: {self.model!r} is not a folder; pass an artifact made by "
+                             "`compress run` or a Hugging Face checkpoint folder")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.served_model_name is None:
+            self.served_model_name = Path(self.model).resolve().name

@@ -1,0 +1,187 @@
+"""LLMEngine: the synchronous step loop (schedule -> prepare batch -> forward -> sample -> update).
+
+Not thread-safe: the offline `LLM` calls it directly; `AsyncEngine` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from slimserve.runtime.block_manager import BlockManager
+from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.errors import RequestError
+from slimserve.runtime.model_runner import ModelRunner
+from slimserve.runtime.sampler import sample
+from slimserve.runtime.scheduler import Scheduler, SchedulerConfig
+from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1 of KV blocks held by live sequences
+    prefix_cache_hit_rate: float  # 0..1, cumulative over prompt tokens looked up
+    num_preemptions: int  # cumulative
+    num_blocks: int
+    block_size: int
+    capacity_tokens: int  # num_blocks * block_size
+
+
+@dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    generator: torch.Generator | None
+    text: str = ""  # detokenized output, stop string removed once found
+    max_stop_len: int = field(default=0)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        self.config = config
+        self.runner = runner or ModelRunner(config)
+        self.tokenizer = self.runner.built.tokenizer
+        self.eos_token_ids = set(self.runner.built.eos_token_ids)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len), self.block_manager)
+        self.requests: dict[str, _Request] = {}
+        self._counter = itertools.count()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Tokenize and validate a request (any thread); raises RequestError naming the field."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt", "this model folder has no tokenizer; send token ids")
+            ids = self.tokenizer(prompt).input_ids if prompt else []
+        else:
+            ids = list(prompt)
+            vocab = self.runner.spec.vocab_size
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if not ids:
+            raise RequestError("prompt", "is empty; send at least one token")
+        if len(ids) >= self.max_model_len:
+            raise RequestError("prompt", f"has {len(ids)} tokens; this model's maximum context "
+                                         f"length is {self.max_model_len} (prompt + max_tokens)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError("max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceed "
+                                             f"the maximum context length {self.max_model_len}; "
+                                             f"ask for at most {self.max_model_len - len(ids)}")
+        eos = None if params.ignore_eos else min(self.eos_token_ids, default=None)
+        return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, eos_token_id=eos)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise RequestError("request_id", f"{seq.request_id!r} is already running")
+        gen = None
+        if not seq.params.greedy:
+            seed = seq.params.seed if seq.params.seed is not None else \
+                hash((self.config.seed, next(self._counter))) & 0x7FFFFFFF
+            gen = torch.Generator().manual_seed(seed)
+        req = _Request(seq, gen, max_stop_len=max((len(s) for s in seq.params.stop), default=0))
+        self.requests[seq.request_id] = req
+        self.scheduler.add(seq)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(request_id, prompt, params)
+        self.add_sequence(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        req.seq.finish_reason = "abort"
+        req.seq.finish_time = time.monotonic()
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,
+                           bm.prefix_cache_hit_rate, self.scheduler.num_preemptions,
+                           bm.num_blocks, bm.block_size, bm.num_blocks * bm.block_size)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an update for every request that produced a token."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        items = out.scheduled
+        batch = self.runner.prepare(
+            [s.seq.token_ids[s.start: s.start + s.num_new_tokens] for s in items],
+            [s.start for s in items], [s.seq.block_table for s in items], [s.sample for s in items])
+        logits = self.runner.execute(batch)
+        sampled = [s for s in items if s.sample]
+        reqs = [self.requests[s.seq.request_id] for s in sampled]
+        result = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+        it = iter(range(len(sampled)))
+        tokens = [result.token_ids[next(it)] if s.sample else None for s in items]
+        self.scheduler.update(out, tokens)
+        now = time.monotonic()
+        outputs = []
+        for j, req in enumerate(reqs):
+            seq = req.seq
+            if result.logprobs[j] is not None:
+                seq.output_logprobs.append(result.logprobs[j])
+            seq.first_token_time = seq.first_token_time or now
+            seq.last_token_time = now
+            self._check_stop(req)
+            if seq.finish_reason is not None:
+                seq.finish_time = now
+                self.scheduler.finish(seq, seq.finish_reason)
+                self.requests.pop(seq.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop(self, req: _Request) -> None:
+        seq, p = req.seq, req.seq.params
+        last = seq.output_token_ids[-1]
+        if self.tokenizer is not None:
+            prev = len(req.text)
+            req.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if p.stop:
+                lo = max(0, prev - req.max_stop_len)
+                hits = [(req.text.find(s, lo), s) for s in p.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    req.text = req.text[:i]
+                    seq.finish_reason, seq.stop_reason = "stop", s
+                    return
+        if last in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", last
+        elif not p.ignore_eos and last in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        text = req.text
+        if seq.finish_reason is None and text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its other bytes
+        metrics = {k: v for k, v in (("arrival", seq.arrival_time), ("first_token", seq.first_token_time),
+                                     ("last_token", seq.last_token_time), ("finish", seq.finish_time))
+                   if v is not None}
+        comp = CompletionOutput(0, text, list(seq.output_token_ids),
+                                list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                                seq.finish_reason, seq.stop_reason)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, [comp],
+                             seq.finish_reason is not None, seq.num_cached_tokens, metrics)

@@ -1,0 +1,122 @@
+"""ModelRunner: owns the model and the paged KV cache on the device, runs one step's batch."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from slimserve.runtime.batch import BatchInputs, prepare_batch
+from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.models.load import BuiltModel, build_model
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for but no CUDA device is visible; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on CUDA; fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: {name!r} is not one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Loads the model, sizes and allocates the KV cache, executes batches."""
+
+    def __init__(self, config: EngineConfig, built: BuiltModel | None = None):
+        self.config = config
+        self.device = resolve_device(config.device)
+        if built is None:
+            from transformers import AutoConfig
+
+            cfg_dtype = getattr(AutoConfig.from_pretrained(config.model), "dtype", None)
+            if isinstance(cfg_dtype, str):
+                cfg_dtype = getattr(torch, cfg_dtype, None)
+            dtype = resolve_dtype(config.dtype, self.device, cfg_dtype)
+            built = build_model(config.model, dtype, self.device, config.trust_remote_code)
+        self.built = built
+        self.model, self.spec, self.dtype = built.model, built.spec, built.dtype
+        self.kv_dtype = self._kv_dtype()
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+                          for _ in range(self.spec.num_layers)]
+        self.max_model_len = self._max_model_len()
+
+    def _kv_dtype(self) -> torch.dtype:
+        """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV."""
+        if self.config.kv_cache_dtype == "fp8_e4m3" or (self.config.kv_cache_dtype == "auto"
+                                                        and self.built.has_kv_scales):
+            if self.config.kv_cache_dtype == "fp8_e4m3" and not self.built.has_kv_scales:
+                log.warning("kv_cache_dtype fp8_e4m3 without calibrated scales: using scale 1.0 "
+                            "(run the kv_cache stage of `compress` for calibrated scales)")
+            return torch.float8_e4m3fn
+        return self.dtype
+
+    def _num_blocks(self) -> int:
+        per_block = kv_block_bytes(self.spec.num_layers, self.block_size, self.spec.num_kv_heads,
+                                   self.spec.head_dim, self.kv_dtype)
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * self.config.memory_fraction)
+            else:
+                budget = self.config.cpu_kv_cache_memory
+        blocks = budget // per_block
+        if blocks < 2:
+            raise ValueError(f"kv_cache_memory: {budget} bytes hold {blocks} KV blocks of "
+                             f"{per_block} bytes; give at least {2 * per_block} bytes")
+        return int(blocks)
+
+    def _max_model_len(self) -> int:
+        limit = self.spec.max_position_embeddings
+        if self.spec.sliding_window:
+            limit = min(limit, self.spec.sliding_window)  # no windowed attention: stay inside it
+        capacity = self.num_blocks * self.block_size
+        asked = self.config.max_model_len
+        if asked is not None:
+            if asked > capacity:
+                raise ValueError(f"max_model_len: {asked} tokens do not fit the KV cache "
+                                 f"({capacity} tokens); raise --kv-cache-memory or lower it")
+            if asked > limit:
+                raise ArtifactError(f"max_model_len: {asked} exceeds the model's limit of {limit} "
+                                    "positions (max_position_embeddings / sliding_window)")
+            return asked
+        return min(limit, capacity)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def prepare(self, token_chunks, starts, block_tables, sample) -> BatchInputs:
+        return prepare_batch(token_chunks, starts, block_tables, sample, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchInputs) -> torch.Tensor:
+        """fp32 logits [S, vocab] of the rows to sample."""
+        return self.model(batch, self.kv_caches)

@@ -1,0 +1,211 @@
+"""Our Llama-family model (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Module and parameter names equal transformers' (`model.layers.0.self_attn.q_proj...`), so
+artifacts' safetensors load strictly into it and targeted Linears are swapped for QuantLinear by
+the same rules as the compressed-tensors loader. The forward takes a flat, padding-free batch
+(`BatchInputs`) and the per-layer KV caches explicitly; no global context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slimserve.runtime.batch import BatchInputs
+from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.layers import ops
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The numbers the runtime needs from config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool  # q/k/v projections carry biases (Qwen2, attention_bias)
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    tie_word_embeddings: bool
+    sliding_window: int | None  # Mistral/Qwen2 window, None when off
+    inv_freq: tuple[float, ...]  # RoPE inverse frequencies [head_dim / 2]
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[float, ...]:
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if kind == "linear":
+        inv = inv / params["factor"]
+    elif kind == "llama3":  # Llama 3.1: smooth interpolation between low and high frequencies
+        factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(is_mid, mid, scaled)
+    elif kind != "default":
+        raise ArtifactError(f"config.json: rope type {kind!r} is not supported by the runtime; "
+                            "supported: default, linear, llama3")
+    return tuple(inv.tolist())
+
+
+def model_spec(config) -> ModelSpec:
+    """ModelSpec from a transformers config; unsupported architectures are refused by name."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ArtifactError(f"config.json: model_type {mt!r} is not supported by the runtime; "
+                            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    window = getattr(config, "sliding_window", None)
+    if mt == "qwen2" and not getattr(config, "use_sliding_window", False):
+        window = None
+    return ModelSpec(
+        model_type=mt, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
+        num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False)),
+        o_bias=mt != "qwen2" and bool(getattr(config, "attention_bias", False)),
+        mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=mt == "qwen3",
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        sliding_window=window, inv_freq=_rope_inv_freq(config, head_dim),
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotate_half RoPE on [T, heads, D] in fp32, rounded to x's dtype."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.scale = d ** -0.5
+        # fp8 KV-cache scales (per layer); 1.0 unless the artifact carries calibrated ones
+        self.register_buffer("k_scale", torch.ones(1), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1), persistent=False)
+
+    def forward(self, x, cos, sin, batch: BatchInputs, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        key_cache, value_cache = kv_cache
+        ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping, self.k_scale, self.v_scale)
+        if batch.decode_only:
+            out = ops.paged_attention_decode(q, key_cache, value_cache, batch.block_tables,
+                                             batch.context_lens, self.scale, self.k_scale, self.v_scale)
+        else:
+            out = ops.paged_attention_prefill(q, key_cache, value_cache, batch.block_tables,
+                                              batch.cu_seqlens_q, batch.context_lens, self.scale,
+                                              self.k_scale, self.v_scale, batch.max_q_len)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, residual, cos, sin, batch, kv_cache):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, batch, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Embedding -> decoder layers over the paged cache -> final norm -> lm_head (sampled rows)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = Backbone(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", torch.tensor(spec.inv_freq, dtype=torch.float32),
+                             persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """fp32 logits [S, vocab] for the rows batch.logits_indices selects."""
+        freqs = batch.positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
+        cos, sin = emb.cos(), emb.sin()
+        x, residual = self.model.embed_tokens(batch.input_ids), None
+        for layer, kv in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, batch, kv)
+        x, _ = self.model.norm(x, residual)
+        return self.lm_head(x[batch.logits_indices]).float()

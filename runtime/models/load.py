@@ -1,0 +1,118 @@
+"""Build our CausalLM from an artifact or HF folder (no transformers model at run time).
+
+Reuses the compressed-tensors loader's rules: quant config from config.json (or a GPTQ/AWQ
+quantize_config), checksums from slimserve.json, GPTQ/AWQ tensors converted to CT buffers,
+targeted Linears swapped for QuantLinear, fp8 KV scales popped, strict tensor loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from slimserve.compress.export.manifest import read_manifest, verify_files
+from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.importers import import_checkpoint, read_quant_config
+from slimserve.runtime.layers.quant_linear import QuantLinear
+from slimserve.runtime.loader import (SUPPORTED_QUANT_METHODS, load_state_strict, pop_kv_scales,
+                                      read_safetensors, replace_linears)
+from slimserve.runtime.models.llama import CausalLM, ModelSpec, model_spec
+
+
+@dataclass
+class BuiltModel:
+    model: CausalLM  # on the target device, eval mode
+    spec: ModelSpec
+    tokenizer: object | None  # HF tokenizer (None when the folder has none)
+    has_kv_scales: bool  # the artifact carries calibrated fp8 K/V scales
+    quantized: bool  # some Linears are QuantLinear
+    eos_token_ids: tuple[int, ...]  # config's and generation_config's EOS ids
+    dtype: torch.dtype  # compute dtype
+
+
+def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    sources = [getattr(config, "eos_token_id", None)]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        import json
+
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        sources.append(getattr(tokenizer, "eos_token_id", None))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, (list, tuple)):
+            ids.update(int(i) for i in s)
+    return tuple(sorted(ids))
+
+
+def reset_runtime_buffers(model: CausalLM) -> None:
+    """Non-persistent buffers (RoPE frequencies, KV scales = 1) after `to_empty`."""
+    model.inv_freq.copy_(torch.tensor(model.spec.inv_freq, dtype=torch.float32))
+    for layer in model.model.layers:
+        layer.self_attn.k_scale.fill_(1.0)
+        layer.self_attn.v_scale.fill_(1.0)
+
+
+def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+                trust_remote_code: bool = False) -> BuiltModel:
+    """Load `path` (artifact or HF checkpoint folder) into our CausalLM on `device` in `dtype`."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ArtifactError(f"{path}: no config.json; pass an artifact made by `compress run` or "
+                            "a Hugging Face checkpoint folder")
+    manifest = read_manifest(path)
+    if manifest is not None:
+        verify_files(path, manifest)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    spec = model_spec(config)
+    qc = read_quant_config(path)
+    tensors = read_safetensors(path)
+    with torch.device("meta"):
+        model = CausalLM(spec)
+    if qc:
+        method = qc.get("quant_method")
+        if method not in SUPPORTED_QUANT_METHODS:
+            raise ArtifactError(f"{path}/config.json: quant_method {method!r} is not supported; "
+                                f"supported: {', '.join(SUPPORTED_QUANT_METHODS)}")
+        qc, tensors = import_checkpoint(qc, tensors, path)
+        replace_linears(model, qc)
+    kv_scales = pop_kv_scales(model, qc, tensors, path) if qc else {}
+    model = model.to(dtype).to_empty(device=device)
+    if spec.tie_word_embeddings:  # to_empty gives shared parameters separate storage: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+        tensors.pop("lm_head.weight", None)
+    load_state_strict(model, tensors, path)
+    reset_runtime_buffers(model)
+    quantized = False
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            m.storage_dtype = tensors[f"{name}.weight_scale"].dtype
+            quantized = True
+    for name, (k, v) in kv_scales.items():
+        attn = model.get_submodule(name)
+        attn.k_scale.fill_(k)
+        attn.v_scale.fill_(v)
+    has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code) if has_tok else None
+    return BuiltModel(model.eval(), spec, tokenizer, bool(kv_scales), quantized,
+                      _eos_ids(path, config, tokenizer), dtype)
+
+
+def random_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+    """A randomly initialized dense CausalLM (benchmarks of model shapes we cannot download)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = CausalLM(spec).to(dtype)
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+    reset_runtime_buffers(model)
+    return model.eval()

@@ -1,0 +1,126 @@
+"""Requests as the engine sees them: sampling parameters, a sequence's state, its outputs."""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+
+class SamplingError(ValueError):
+    """A sampling parameter is out of range; the message names the field and the allowed range."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name  # the offending parameter's name, for HTTP error bodies
+
+
+@dataclass
+class SamplingParams:
+    """How to decode one request (the subset of vLLM's SamplingParams that we serve)."""
+
+    max_tokens: int = 16  # new tokens to generate at most
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = -1  # keep the k most likely tokens; -1 = all
+    seed: int | None = None  # per-request RNG seed: same seed, same prompt -> same output
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (kept in output ids)
+    ignore_eos: bool = False  # keep generating past the EOS token
+    logprobs: int | None = None  # return this many top logprobs per generated token (0 = chosen only)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise SamplingError("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k == 0 or self.top_k < -1:
+            raise SamplingError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise SamplingError("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
+        if any(not s for s in self.stop):
+            raise SamplingError("stop", "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted (its KV freed; recomputed when rescheduled)
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"  # done; see Sequence.finish_reason
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and KV-cache state. Mutated only by the engine thread."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None  # None: no EOS stop (or params.ignore_eos)
+    arrival_time: float = field(default_factory=time.monotonic)  # s, monotonic clock
+    output_token_ids: list[int] = field(default_factory=list)
+    # per generated token: (chosen token logprob, {token id: logprob} of the top-n), if asked
+    output_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)  # physical KV block ids, in order
+    num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, tokens served by the prefix cache (stats)
+    num_preemptions: int = 0  # times its KV was dropped for recompute
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    first_token_time: float | None = None  # s, monotonic; for TTFT
+    last_token_time: float | None = None  # s, monotonic; for inter-token latency
+    finish_time: float | None = None  # s, monotonic
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while tokens other than the last sampled one still lack K/V (prompt or recompute)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass
+class CompletionOutput:
+    """What a request has produced so far (cumulative)."""
+
+    index: int  # choice index (always 0: n > 1 is not served)
+    text: str  # decoded text so far, stop string removed
+    token_ids: list[int]  # generated token ids so far
+    logprobs: list[tuple[float, dict[int, float]]] | None  # per token, if asked
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One update for a request: the engine yields these while it runs (vLLM's RequestOutput)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, ttft_s, e2e_s, ...
