@@ -233,12 +233,13 @@ def write_kv_cache(
             flat[slots] = src.to(cache.dtype)
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
                scale: float | torch.Tensor) -> torch.Tensor:
-    """fp32 [length, Hkv, D] of one sequence's cached tokens (fp8 dequantized with its scale)."""
+    """fp32 [B, length, Hkv, D]: the first `length` cached tokens of every sequence's blocks
+    (fp8 dequantized with its scale); slots past a sequence's context are masked by the caller."""
     bs = cache.shape[1]
-    blocks = block_table[: -(-length // bs)].long()
-    kv = cache[blocks].reshape(-1, *cache.shape[2:])[:length].float()
+    blocks = block_tables[:, : -(-length // bs)].long()  # [B, nblk]
+    kv = cache[blocks].flatten(1, 2)[:, :length].float()  # [B, length, Hkv, D]
     return kv * float(scale) if cache.dtype == torch.float8_e4m3fn else kv
 
 
@@ -259,23 +260,34 @@ def paged_attention_prefill(
     their K/V are already in the cache, so sequence b has context_lens[b] cached tokens and its
     j-th query sits at position context_lens[b] - q_len_b + j and sees positions <= that.
     GQA: query head h reads KV head h // (H / Hkv). fp32 scores and softmax; out [T, H, D] in
-    query's dtype.
+    query's dtype. Computed for the whole batch at once on padded [B, q, ctx] tiles (this is the
+    CPU serving path; tests/kernels check it against a per-sequence loop).
     """
-    out = torch.empty_like(query)
-    heads, kv_heads = query.shape[1], key_cache.shape[2]
-    cu = cu_seqlens_q.tolist()
-    for b in range(len(cu) - 1):
-        q = query[cu[b]: cu[b + 1]].float()  # [q_len, H, D]
-        q_len, ctx = q.shape[0], int(context_lens[b])
-        if q_len == 0:
-            continue
-        k = _gather_kv(key_cache, block_tables[b], ctx, k_scale).repeat_interleave(heads // kv_heads, 1)
-        v = _gather_kv(value_cache, block_tables[b], ctx, v_scale).repeat_interleave(heads // kv_heads, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, ctx]
-        qpos = torch.arange(ctx - q_len, ctx, device=q.device).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(ctx, device=q.device) > qpos, float("-inf"))
-        out[cu[b]: cu[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
-    return out
+    t, heads, d = query.shape
+    kv_heads = key_cache.shape[2]
+    cu = cu_seqlens_q.long()
+    q_lens, ctx = cu[1:] - cu[:-1], context_lens.long()
+    nseq = q_lens.shape[0]
+    if t == 0 or nseq == 0:
+        return torch.empty_like(query)
+    max_q, max_ctx = int(q_lens.max()), int(ctx.max())
+    # token -> (sequence, index within its new tokens)
+    seq_of = torch.repeat_interleave(torch.arange(nseq, device=query.device), q_lens)
+    j = torch.arange(t, device=query.device) - cu[:-1][seq_of]
+    q = query.new_zeros((nseq, max_q, heads, d), dtype=torch.float32)
+    q[seq_of, j] = query.float()
+    k = _gather_kv(key_cache, block_tables, max_ctx, k_scale)  # [B, ctx, Hkv, D]
+    v = _gather_kv(value_cache, block_tables, max_ctx, v_scale)
+    qpos = (ctx - q_lens).unsqueeze(1) + torch.arange(max_q, device=query.device)  # [B, max_q]
+    kpos = torch.arange(max_ctx, device=query.device)
+    allowed = (kpos.view(1, 1, -1) <= qpos.unsqueeze(-1)) & (kpos.view(1, 1, -1) < ctx.view(-1, 1, 1))
+    allowed[..., 0] = True  # padded query rows see one key (their output is dropped): no NaN
+    g = heads // kv_heads
+    qg = q.view(nseq, max_q, kv_heads, g, d)
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale  # [B, Hkv, G, max_q, ctx]
+    scores = scores.masked_fill(~allowed.view(nseq, 1, 1, max_q, max_ctx), float("-inf"))
+    out = torch.einsum("bhgqk,bkhd->bqhgd", scores.softmax(-1), v).reshape(nseq, max_q, heads, d)
+    return out[seq_of, j].to(query.dtype)
 
 
 def paged_attention_decode(

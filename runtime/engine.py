@@ -111,10 +111,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, bm.usage,
-                           bm.prefix_cache_hit_rate, self.scheduler.num_preemptions,
-                           bm.num_blocks, bm.block_size, bm.num_blocks * bm.block_size)
+        bm, s = self.block_manager, self.scheduler.stats()
+        return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_hit_rate,
+                           s.num_preemptions, bm.num_blocks, bm.block_size,
+                           bm.num_blocks * bm.block_size)
 
     # -- the step ------------------------------------------------------------------------------
 
