@@ -1,20 +1,34 @@
-"""The `runtime` command. Today: `runtime generate` (greedy or sampled text from an artifact).
+"""The `runtime` command: `runtime serve` (the OpenAI-compatible server) and `runtime generate`.
 
-The continuous-batching server (`runtime serve`) and benchmark (`runtime bench`) are added by
-the runtime issue; until then only the commands below exist.
+`serve` runs the continuous-batching engine behind the HTTP API of runtime/server/;
+`generate` continues one prompt with plain transformers generation (a quick smoke test).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+
+from slimserve.runtime.config import EngineConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run slimserve artifacts and Hugging Face checkpoints.")
 console = Console(stderr=True)
+_ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}  # one source of defaults
+# s that open requests get to finish after Ctrl-C before uvicorn cancels them (they are aborted)
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def _fail(e: BaseException) -> None:
+    """One clear line, exit code 2 (design.md §4.4)."""
+    console.print(f"[bold red]error:[/] {escape(str(e).splitlines()[0])}", highlight=False,
+                  soft_wrap=True)
+    raise typer.Exit(2)
 
 
 @app.callback()
@@ -40,8 +54,7 @@ def generate(
     try:
         loaded = load_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
     except (ArtifactError, FileNotFoundError) as e:
-        console.print(f"[bold red]error:[/] {str(e).splitlines()[0]}", highlight=False)
-        raise typer.Exit(2)
+        _fail(e)
     tok = loaded.tokenizer
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     if ids.numel() == 0:
@@ -55,6 +68,70 @@ def generate(
             pad_token_id=tok.eos_token_id,
         )
     sys.stdout.write(prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n")
+
+
+@app.command()
+def serve(
+    artifact: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on (0.0.0.0: every one)"),
+    port: int = typer.Option(8000, min=0, max=65535),
+    max_num_seqs: int = typer.Option(_ENGINE["max_num_seqs"], help="sequences per batch at most"),
+    max_num_batched_tokens: int = typer.Option(_ENGINE["max_num_batched_tokens"],
+                                               help="tokens (prefill chunks + decodes) per step"),
+    max_model_len: Optional[int] = typer.Option(None, help="prompt + output tokens per request "
+                                                "(default: the model's)"),
+    block_size: int = typer.Option(_ENGINE["block_size"], help="tokens per KV-cache block"),
+    kv_cache_dtype: str = typer.Option(_ENGINE["kv_cache_dtype"], help="auto | fp8_e4m3"),
+    kv_cache_memory: Optional[str] = typer.Option(
+        None, help="KV-cache size, e.g. 2GiB (default: 90% of free GPU memory; 512MiB on CPU)"),
+    enable_prefix_caching: bool = typer.Option(
+        _ENGINE["enable_prefix_caching"], "--enable-prefix-caching/--no-enable-prefix-caching"),
+    api_key: Optional[str] = typer.Option(None, envvar="SLIMSERVE_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on /v1/*"),
+    max_queue: Optional[int] = typer.Option(None, min=1, help="answer 503 + Retry-After while "
+                                            "this many requests wait (default: no limit)"),
+    served_model_name: Optional[str] = typer.Option(None, help="model name in the API "
+                                                    "(default: the folder's name)"),
+    device: str = typer.Option(_ENGINE["device"], help="auto | cpu | cuda | cuda:N"),
+    dtype: str = typer.Option(_ENGINE["dtype"], help="auto | float16 | bfloat16 | float32"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from slimserve.runtime.errors import ArtifactError
+
+    try:
+        config = EngineConfig(
+            model=artifact, served_model_name=served_model_name, device=device, dtype=dtype,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+            trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        _fail(e)
+    import uvicorn
+
+    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.server.app import build_app
+
+    try:
+        engine = AsyncEngine.from_config(config)
+    except (ArtifactError, FileNotFoundError, ValueError) as e:
+        _fail(e)
+    s = engine.stats()
+    console.print(f"[bold]{escape(engine.model_name)}[/]: KV cache {s.num_blocks} blocks x {s.block_size} "
+                  f"tokens = {s.capacity_tokens} tokens; max_model_len {engine.max_model_len}; "
+                  f"serving on http://{host}:{port}/v1", highlight=False, soft_wrap=True)
+    api = build_app(engine, api_key=api_key, max_queue=max_queue)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # Ctrl-C: end open requests with finish_reason "abort" (streams get [DONE]) so that
+            # the connections close by themselves instead of being cancelled after the timeout.
+            api.state.serving.drain()
+            await super().shutdown(sockets)
+
+    Server(uvicorn.Config(api, host=host, port=port,
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run()
 
 
 def main() -> None:

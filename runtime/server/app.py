@@ -1,0 +1,388 @@
+"""The OpenAI-compatible HTTP server over an AsyncEngine (notes/engine_api.md).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream over SSE), GET
+/v1/models[/{id}], GET /health, GET /metrics. Every error is an OpenAI-style JSON body
+{"error": {"message", "type", "param", "code"}}; nothing internal (tracebacks, paths) leaks.
+
+A request that loses its client is aborted in the engine: while waiting for the first token and
+for non-streamed answers a watcher awaits the ASGI `http.disconnect` message; a stream is
+cancelled by Starlette when the client goes and its generator's `finally` aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slimserve.runtime.errors import EngineDeadError, RequestError
+from slimserve.runtime.sequence import RequestOutput, SamplingParams
+from slimserve.runtime.server.metrics import RequestTracker, ServerMetrics
+from slimserve.runtime.server.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest,
+                                               CompletionRequest, chat_logprobs, error_body,
+                                               parse_request, render_chat, sampling_params)
+from slimserve.runtime.server.responses import (DONE, ChatFormat, CompletionFormat, DeltaTracker,
+                                                _Format, sse)
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # Retry-After (whole s) of a 503 for a full queue: the least there is
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass
+class _Run:
+    """One admitted request: its engine stream, first output and bookkeeping."""
+
+    request_id: str
+    gen: AsyncIterator[RequestOutput]  # the engine's generator, already past its first output
+    first: RequestOutput
+    tracker: RequestTracker
+    deltas: DeltaTracker
+    finished: bool = False  # ended: the engine reported the end, or we aborted it
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is already read, so only disconnect remains)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[Any]) -> Any:
+    """Await `aw`, cancelling it and raising _ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():  # client gone, or we were cancelled (server shutdown)
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({task})
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+async def _read_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES // 2**20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class OpenAIServing:
+    """Route handlers; one instance per app."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int | None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue  # refuse new requests while this many wait in the engine
+        self.created = int(time.time())  # the model's `created` in /v1/models
+        self.active: set[str] = set()  # request ids admitted and not yet ended
+        self.draining = False  # shutting down: refuse new requests
+
+    def drain(self) -> None:
+        """Server shutdown: abort every open request so that each ends now with finish_reason
+        "abort" (streams get their last chunk and [DONE]) instead of being cancelled mid-send."""
+        self.draining = True
+        for request_id in list(self.active):
+            self.engine.abort(request_id)
+
+    # -- endpoints -------------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        try:
+            self.engine.stats()
+        except EngineDeadError as e:
+            return JSONResponse(error_body(f"engine is not running: {e}", "server_error"), 503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.engine.model_name, "object": "model", "created": self.created,
+                "owned_by": "slimserve", "max_model_len": self.engine.max_model_len}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        self._check_model(model_id)
+        return self._card()
+
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = parse_request(await _read_body(request), CompletionRequest)
+        self._check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo: echo with logprobs needs prompt logprobs, which this "
+                                "server does not compute; drop one of them", param="echo")
+        params = sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
+                                 logprobs=req.logprobs, max_model_len=self.engine.max_model_len)
+        echo = ""
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else self._decode(req.prompt)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        fmt = CompletionFormat(rid, self.engine.model_name, int(time.time()), self.engine.tokenizer,
+                               logprobs=req.logprobs is not None, echo=echo,
+                               include_usage=req.include_usage)
+        return await self._answer(request, req.prompt, params, fmt, stream=req.stream)
+
+    async def chat(self, request: Request) -> Response:
+        req: ChatCompletionRequest = parse_request(await _read_body(request), ChatCompletionRequest)
+        self._check_model(req.model)
+        logprobs = chat_logprobs(req)
+        ids = render_chat(self.engine.tokenizer, req.messages)
+        max_tokens = req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
+        if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
+            max_tokens = max(1, self.engine.max_model_len - len(ids))
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
+                                 max_model_len=self.engine.max_model_len)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = ChatFormat(rid, self.engine.model_name, int(time.time()), self.engine.tokenizer,
+                         logprobs=logprobs is not None, include_usage=req.include_usage)
+        # the engine only sees token ids, so a too-long prompt is the messages' fault
+        names = {"prompt": "messages"}
+        if req.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return await self._answer(request, ids, params, fmt, stream=req.stream, field_names=names)
+
+    # -- shared ----------------------------------------------------------------------------------
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.engine.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"`{self.engine.model_name}`", param="model",
+                           code="model_not_found")
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text of a token-id prompt, for echo (before the engine has checked the ids)."""
+        if self.engine.tokenizer is None:
+            raise APIError(400, "echo: this model has no tokenizer to decode the prompt",
+                           param="echo")
+        try:
+            return self.engine.tokenizer.decode(ids)
+        except Exception:  # ids outside the vocabulary: each tokenizer fails its own way
+            raise APIError(400, "prompt: token ids cannot be decoded; are they outside the "
+                                "vocabulary?", param="prompt") from None
+
+    def _admit(self) -> None:
+        """Refuse with 503 + Retry-After while the engine's queue is full (bounded memory)."""
+        if self.draining:
+            raise APIError(503, "server is shutting down", code="shutting_down")
+        if self.max_queue is None:
+            return
+        try:
+            waiting = self.engine.stats().num_waiting
+        except EngineDeadError as e:
+            raise APIError(503, f"engine is not running: {e}", code="engine_dead") from None
+        if waiting >= self.max_queue:
+            self.metrics.request_rejected.labels(reason="queue_full").inc()
+            raise APIError(503, f"server is busy: {waiting} requests are waiting (limit "
+                                f"{self.max_queue}); retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def _start(self, request: Request, prompt: str | list[int], params: SamplingParams,
+                     request_id: str) -> _Run:
+        """Submit to the engine and wait for the first output (where it validates the prompt)."""
+        self._admit()
+        gen = self.engine.generate(prompt, params, request_id)
+        tracker = self.metrics.track()
+        self.active.add(request_id)
+        try:
+            first = await _unless_disconnected(request, gen.__anext__())
+        except _ClientGone:
+            self.active.discard(request_id)
+            self.engine.abort(request_id)
+            tracker.finish("abort")
+            raise
+        except BaseException:
+            self.active.discard(request_id)
+            raise
+        return _Run(request_id, gen, first, tracker, DeltaTracker(params.stop))
+
+    async def _first(self, request: Request, prompt: str | list[int], params: SamplingParams,
+                     request_id: str, field_names: dict[str, str]) -> _Run:
+        """_start, with the engine's refusals turned into API errors."""
+        try:
+            return await self._start(request, prompt, params, request_id)
+        except RequestError as e:
+            param = field_names.get(e.field, e.field)
+            msg = str(e).removeprefix(f"{e.field}: ")
+            raise APIError(400, f"{param}: {msg}", param=param) from None
+        except EngineDeadError as e:
+            raise APIError(503, f"engine is not running: {e}", code="engine_dead") from None
+        except StopAsyncIteration:
+            raise APIError(500, "the engine ended the request without output") from None
+
+    async def _answer(self, request: Request, prompt: str | list[int], params: SamplingParams,
+                      fmt: _Format, *, stream: bool,
+                      field_names: dict[str, str] | None = None) -> Response:
+        try:
+            run = await self._first(request, prompt, params, fmt.id, field_names or {})
+            if stream:
+                return _ClosingStreamingResponse(self._stream(run, fmt),
+                                                 media_type="text/event-stream",
+                                                 headers={"Cache-Control": "no-cache"})
+            final = await _unless_disconnected(request, self._collect(run))
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(fmt.response(final))
+
+    async def _abort(self, run: _Run) -> None:
+        """Stop a request the client no longer wants: tell the engine, close its stream."""
+        run.finished = True
+        run.tracker.finish("abort")
+        self.engine.abort(run.request_id)
+        with anyio.CancelScope(shield=True):  # close the engine stream even while cancelled
+            try:
+                await run.gen.aclose()  # type: ignore[attr-defined]
+            except (RuntimeError, EngineDeadError):  # already closing elsewhere / engine gone
+                pass
+
+    async def _collect(self, run: _Run) -> RequestOutput:
+        try:
+            out = run.first
+            while True:
+                run.tracker.update(out)
+                if out.finished:
+                    run.finished = True
+                    return out
+                out = await run.gen.__anext__()
+        except StopAsyncIteration:
+            raise APIError(500, "the engine ended the request without a final output") from None
+        except EngineDeadError as e:
+            raise APIError(503, f"engine stopped while serving the request: {e}",
+                           code="engine_dead") from None
+        finally:
+            self.active.discard(run.request_id)
+            if not run.finished:
+                await self._abort(run)
+
+    async def _stream(self, run: _Run, fmt: _Format) -> AsyncIterator[str]:
+        try:
+            for chunk in fmt.opening():
+                yield sse(chunk)
+            out = run.first
+            while True:
+                run.tracker.update(out)
+                d = run.deltas.step(out)
+                if d.text or d.token_ids or d.finish_reason:
+                    yield sse(fmt.chunk(d))
+                if out.finished:
+                    run.finished = True
+                    break
+                out = await run.gen.__anext__()
+            if fmt.include_usage:
+                yield sse(fmt.usage_chunk(out))
+        except Exception as e:  # headers are sent: report in-band, as vLLM does
+            if isinstance(e, (EngineDeadError, StopAsyncIteration)):
+                err = error_body(f"engine stopped while serving the request: {e}", "server_error")
+            else:
+                log.exception("stream of %s failed", run.request_id)
+                err = error_body("internal server error", "server_error")
+            yield sse(err)
+        finally:
+            self.active.discard(run.request_id)
+            if not run.finished:  # client gone (cancelled) or failed: free the engine's blocks
+                await self._abort(run)
+        yield DONE
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends. Starlette cancels the send loop on
+    a disconnect while the generator may sit at a `yield`; closing runs its `finally` (the
+    abort) now instead of whenever the garbage collector finalizes it."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _bearer_auth(api_key: str | None):
+    """A dependency that checks `Authorization: Bearer <key>` (constant-time compare)."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 api_key.encode()):
+            raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer "
+                                "<key>'", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(str(exc.detail), param=None, code=code), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal server error", "server_error"), 500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal)
+
+
+def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; the lifespan starts it and shuts it down.
+
+    api_key: require `Authorization: Bearer <api_key>` on /v1/* (/health, /metrics stay open).
+    max_queue: answer 503 with Retry-After while engine.stats().num_waiting >= max_queue.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()  # pending requests finish with finish_reason "abort"
+
+    app = FastAPI(title="slimserve", lifespan=lifespan)
+    serving = OpenAIServing(engine, ServerMetrics(engine), max_queue)
+    app.state.serving = serving
+    _install_error_handlers(app)
+    app.add_api_route("/health", serving.health, methods=["GET"])
+    app.add_api_route("/metrics", serving.metrics_text, methods=["GET"])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(api_key))])
+    v1.add_api_route("/models", serving.models, methods=["GET"])
+    v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])
+    v1.add_api_route("/completions", serving.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", serving.chat, methods=["POST"])
+    app.include_router(v1)
+    return app

@@ -1,0 +1,132 @@
+"""Prometheus metrics of one server: engine gauges read at scrape time, per-request latencies.
+
+Names follow vLLM's (`vllm:num_requests_running` -> `slimserve:num_requests_running`, same
+suffixes and histogram bucket edges), so a vLLM dashboard works after renaming the prefix. Each
+app owns its CollectorRegistry: several apps (tests, two models in one process) never collide.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from slimserve.runtime.errors import EngineDeadError
+from slimserve.runtime.sequence import RequestOutput
+
+P = "slimserve:"
+# seconds; vLLM's edges for the same histograms
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges and cumulative counters straight from engine.stats(), fresh at every scrape."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def _families(self, stats: Any) -> list[Metric]:
+        g = [("num_requests_running", "Requests in the running batch.", "num_running"),
+             ("num_requests_waiting", "Requests queued or preempted, waiting for KV blocks.",
+              "num_waiting"),
+             ("kv_cache_usage_perc", "Fraction of KV-cache blocks held by live sequences (0-1).",
+              "kv_cache_usage"),
+             ("prefix_cache_hit_rate", "Cumulative fraction of prompt tokens served by the prefix "
+              "cache (0-1).", "prefix_cache_hit_rate"),
+             ("kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size).",
+              "capacity_tokens")]
+        out: list[Metric] = []
+        for name, doc, attr in g:
+            value = None if stats is None else float(getattr(stats, attr))
+            out.append(GaugeMetricFamily(P + name, doc, value=value))
+        out.append(CounterMetricFamily(P + "num_preemptions", "Cumulative sequence preemptions "
+                                       "(KV freed, recomputed later).",
+                                       value=None if stats is None else stats.num_preemptions))
+        return out
+
+    def describe(self) -> list[Metric]:
+        return self._families(None)  # names only: registering must not call the engine
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.engine.stats()
+        except EngineDeadError:  # /health reports it; the request metrics still render
+            return
+        yield from self._families(stats)
+
+
+class ServerMetrics:
+    """Every metric of one app, in its own registry."""
+
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        r.register(_EngineCollector(engine))
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first "
+                              "generated token.", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive "
+                             "generated tokens of a request.", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from arrival to the "
+                             "request's end.", buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of admitted requests.",
+                                     registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)
+        self.request_success = Counter(P + "request_success", "Finished requests by reason "
+                                       "(stop, length, abort).", ["finished_reason"], registry=r)
+        self.request_rejected = Counter(P + "request_rejected", "Requests refused before reaching "
+                                        "the engine, by reason.", ["reason"], registry=r)
+
+    def track(self) -> "RequestTracker":
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Feeds one request's updates into the histograms and counters."""
+
+    def __init__(self, m: ServerMetrics) -> None:
+        self.m = m
+        self.created = time.monotonic()  # fallback arrival time if the engine gives none
+        self.num_tokens = 0  # generated tokens seen so far
+        self.last_token: float | None = None  # monotonic s of the latest token seen
+        self.started = False  # prompt tokens counted
+        self.done = False  # end recorded
+
+    def update(self, out: RequestOutput) -> None:
+        t = out.metrics
+        if not self.started:
+            self.started = True
+            self.m.prompt_tokens.inc(len(out.prompt_token_ids))
+        new = len(out.outputs[0].token_ids) - self.num_tokens
+        if new > 0:
+            self.m.generation_tokens.inc(new)
+            now = t.get("last_token", time.monotonic())
+            if self.last_token is None:
+                self.last_token = t.get("first_token", now)
+                self.m.ttft.observe(self.last_token - t.get("arrival", self.created))
+                new -= 1
+            # Updates can bundle tokens of several steps (a slow consumer): spread the gap evenly.
+            for _ in range(new):
+                self.m.itl.observe((now - self.last_token) / new)
+            self.last_token = now
+            self.num_tokens = len(out.outputs[0].token_ids)
+        if out.finished:
+            self.finish(out.outputs[0].finish_reason or "abort", out)
+
+    def finish(self, reason: str, out: RequestOutput | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        t = out.metrics if out is not None else {}
+        self.m.e2e.observe(t.get("finish", time.monotonic()) - t.get("arrival", self.created))
+        self.m.request_success.labels(finished_reason=reason).inc()

@@ -1,0 +1,189 @@
+"""The OpenAI response side: completion and chat bodies, SSE chunks, usage, logprobs.
+
+The engine yields cumulative outputs; `DeltaTracker` turns them into the increments a stream
+sends. While a request runs, a tail of the text that could be the start of a stop string is held
+back (as vLLM does): the engine cuts a stop string only once it is complete, and text already
+streamed cannot be taken back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from slimserve.runtime.sequence import RequestOutput
+
+DONE = "data: [DONE]\n\n"  # the OpenAI stream terminator
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _partial_stop(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
+@dataclass
+class Delta:
+    """What a request produced since the previous delta."""
+
+    text: str  # new text (stop string removed, possible stop-string start held back)
+    token_ids: list[int]  # new token ids
+    logprobs: list[tuple[float, dict[int, float]]] | None  # per new token, if asked
+    finish_reason: str | None  # set on the last delta
+    stop_reason: int | str | None
+
+
+class DeltaTracker:
+    """Cumulative RequestOutputs in, increments out (one tracker per request)."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = stop
+        self.sent_chars = 0  # characters of the cumulative text already handed out
+        self.sent_tokens = 0  # token ids already handed out
+
+    def step(self, out: RequestOutput) -> Delta:
+        c = out.outputs[0]
+        end = len(c.text)
+        if c.finish_reason is None:
+            end -= _partial_stop(c.text, self.stop)
+        end = max(end, self.sent_chars)
+        text, self.sent_chars = c.text[self.sent_chars:end], end
+        ids = c.token_ids[self.sent_tokens:]
+        lps = c.logprobs[self.sent_tokens:] if c.logprobs is not None else None
+        self.sent_tokens = len(c.token_ids)
+        return Delta(text, ids, lps, c.finish_reason, c.stop_reason)
+
+
+class _Format:
+    """Shared envelope of one response: id, created, model, token strings, usage chunk."""
+
+    object = ""  # OpenAI object name of a full response
+    chunk_object = ""  # and of a stream chunk
+
+    def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, *,
+                 logprobs: bool, include_usage: bool) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = created  # s since the epoch, as OpenAI
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs  # whether choices carry logprobs
+        self.include_usage = include_usage  # stream: usage null on chunks, then a usage chunk
+
+    def token_str(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object, choices)
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object, []), "usage": usage(out)}
+
+
+class CompletionFormat(_Format):
+    """/v1/completions: `text` choices, legacy logprobs {tokens, token_logprobs, top_logprobs,
+    text_offset}."""
+
+    object = chunk_object = "text_completion"
+
+    def __init__(self, *args: Any, echo: str = "", **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.echo = echo  # prompt text prepended to the output ("" = no echo)
+        self.offset = len(echo)  # text_offset of the next token, characters
+
+    def _lp(self, d: Delta) -> dict[str, Any] | None:
+        if not self.logprobs or d.logprobs is None:
+            return None
+        tokens, offsets, tops = [], [], []
+        for tid in d.token_ids:
+            tokens.append(self.token_str(tid))
+            offsets.append(self.offset)
+            self.offset += len(tokens[-1])
+        for tid, (lp, top) in zip(d.token_ids, d.logprobs):
+            # OpenAI always includes the sampled token, so up to logprobs + 1 entries
+            tops.append({self.token_str(t): v for t, v in {**top, tid: lp}.items()})
+        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in d.logprobs],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def _choice(self, text: str, d: Delta) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": self._lp(d),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """Chunks sent before any output: the echoed prompt, if asked."""
+        if not self.echo:
+            return []
+        return [self.chunk_envelope([{"index": 0, "text": self.echo, "logprobs": None,
+                                      "finish_reason": None, "stop_reason": None}])]
+
+    def chunk(self, d: Delta) -> dict[str, Any]:
+        return self.chunk_envelope([self._choice(d.text, d)])
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        d = DeltaTracker([]).step(out)
+        body = self._envelope(self.object, [self._choice(self.echo + d.text, d)])
+        return {**body, "usage": usage(out)}
+
+
+class ChatFormat(_Format):
+    """/v1/chat/completions: assistant message / delta choices, logprobs {content: [...]}."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def _entry(self, token_id: int, lp: float) -> dict[str, Any]:
+        s = self.token_str(token_id)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    def _lp(self, d: Delta) -> dict[str, Any] | None:
+        if not self.logprobs or d.logprobs is None:
+            return None
+        content = []
+        for tid, (lp, top) in zip(d.token_ids, d.logprobs):
+            entry = self._entry(tid, lp)
+            entry["top_logprobs"] = [self._entry(t, v) for t, v in top.items()]
+            content.append(entry)
+        return {"content": content}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """OpenAI's first chunk announces the role with empty content."""
+        return [self.chunk_envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])]
+
+    def chunk(self, d: Delta) -> dict[str, Any]:
+        delta = {"content": d.text} if d.text else {}
+        return self.chunk_envelope([{"index": 0, "delta": delta, "logprobs": self._lp(d),
+                                     "finish_reason": d.finish_reason,
+                                     "stop_reason": d.stop_reason}])
+
+    def response(self, out: RequestOutput) -> dict[str, Any]:
+        d = DeltaTracker([]).step(out)
+        choice = {"index": 0, "message": {"role": "assistant", "content": d.text},
+                  "logprobs": self._lp(d), "finish_reason": d.finish_reason,
+                  "stop_reason": d.stop_reason}
+        return {**self._envelope(self.object, [choice]), "usage": usage(out)}
