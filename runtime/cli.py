@@ -118,8 +118,9 @@ def serve(
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         _fail(e)
     s = engine.stats()
-    console.print(f"[bold]{escape(engine.model_name)}[/]: KV cache {s.num_blocks} blocks x {s.block_size} "
-                  f"tokens = {s.capacity_tokens} tokens; max_model_len {engine.max_model_len}; "
+    console.print(f"[bold]{escape(engine.model_name)}[/]: KV cache {s.num_blocks} blocks x "
+                  f"{s.block_size} tokens = {s.capacity_tokens} tokens; max_model_len "
+                  f"{engine.max_model_len}; "
                   f"serving on http://{host}:{port}/v1", highlight=False, soft_wrap=True)
     api = build_app(engine, api_key=api_key, max_queue=max_queue)
 
