@@ -9,6 +9,7 @@ consumer stops iterating (client disconnect, task cancelled) is aborted and its 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.engine import EngineStats, LLMEngine
-from slimserve.runtime.errors import EngineDeadError
+from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.sequence import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
         self._stats = engine.stats()
+        self._queued = 0  # adds handed to the engine thread and not yet applied (for num_waiting)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -53,7 +55,12 @@ class AsyncEngine:
             self._thread = None
 
     def stats(self) -> EngineStats:
-        return self._stats  # refreshed by the engine thread after every step
+        """Refreshed by the engine thread after every step; requests handed over since count as
+        waiting, so a burst within one step sees an exact queue length."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine stopped: {self._dead}")
+        s = self._stats
+        return dataclasses.replace(s, num_waiting=s.num_waiting + self._queued)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -66,11 +73,15 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self._streams[request_id] = (asyncio.get_running_loop(), q)
+            self._queued += 1
         self._commands.put(("add", seq))
         finished = False
         try:
             while True:
                 item = await q.get()
+                if isinstance(item, RequestError):
+                    finished = True  # never reached the scheduler: nothing to abort
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"the engine stopped: {item}")
                 yield item
@@ -100,7 +111,13 @@ class AsyncEngine:
             return False
         kind, arg = cmd
         if kind == "add":
-            self.engine.add_sequence(arg)
+            with self._lock:
+                self._queued -= 1
+            try:
+                self.engine.add_sequence(arg)
+            except (RequestError, ValueError) as e:  # fails this request only, not the loop
+                err = e if isinstance(e, RequestError) else RequestError("prompt", str(e))
+                self._deliver(err, arg.request_id)
         else:
             out = self.engine.abort_request(arg)
             if out is not None:

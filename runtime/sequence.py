@@ -8,6 +8,9 @@ import time
 from dataclasses import dataclass, field
 
 
+_MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as in vLLM)
+
+
 class SamplingError(ValueError):
     """A sampling parameter is out of range; the message names the field and the allowed range."""
 
@@ -45,10 +48,13 @@ class SamplingParams:
             raise SamplingError("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise SamplingError("stop", "stop strings must be non-empty")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise SamplingError("seed", f"must be an integer in [0, 2^64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 decode greedily (dividing by them overflows fp32 logits)."""
+        return self.temperature < _MIN_TEMPERATURE
 
 
 class SequenceStatus(enum.Enum):
