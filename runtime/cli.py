@@ -1,7 +1,7 @@
-"""The `runtime` command: `runtime serve` (the OpenAI-compatible server) and `runtime generate`.
+"""The `runtime` command: `serve` (the OpenAI-compatible server), `bench` (the serving load
+generator, eval/serving_bench.py) and `generate` (one prompt, a quick look).
 
-`serve` runs the continuous-batching engine behind the HTTP API of runtime/server/;
-`generate` continues one prompt with plain transformers generation (a quick smoke test).
+`serve` runs the continuous-batching engine behind the HTTP API of runtime/server/.
 """
 
 from __future__ import annotations
@@ -38,36 +38,52 @@ def _root() -> None:
 
 @app.command()
 def generate(
-    model: str = typer.Argument(..., help="slimserve artifact, local HF checkpoint or HF model id"),
+    model: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder (or a hub id, "
+                                          "downloaded when the network allows)"),
     prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue"),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=4096),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=32768),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(-1, "--top-k", help="-1 = off"),
     seed: int = typer.Option(0, help="sampling seed"),
+    device: str = typer.Option("auto", help="auto, cpu, cuda"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
 ) -> None:
-    """Continue a prompt with the model (dequantizing quantized weights on the fly)."""
-    import torch
+    """Continue a prompt with the serving engine (paged KV cache, our kernels)."""
+    from pathlib import Path
 
-    from slimserve.runtime.errors import ArtifactError
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.errors import ArtifactError, RequestError
+    from slimserve.runtime.llm import LLM
+    from slimserve.runtime.sequence import SamplingParams
+
+    if not prompt:
+        _fail(ValueError("--prompt is empty; give some text to continue"))
+    try:
+        path = model if Path(model).expanduser().is_dir() else _download(model)
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed)
+        llm = LLM(path, device=device, trust_remote_code=trust_remote_code,
+                  kv_cache_memory=256 * 2**20)
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+    except (ArtifactError, RequestError, ValueError, OSError) as e:
+        _fail(e)
+    sys.stdout.write(prompt + out.outputs[0].text + "\n")
+
+
+def _download(model: str) -> str:
+    """A hub id's local snapshot (safetensors and configs only)."""
+    import re
+
+    if not re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", model):
+        raise ValueError(f"no such model folder: {model}; pass an artifact or checkpoint folder "
+                         "or a Hugging Face model id such as org/name")
+    from huggingface_hub import snapshot_download
 
     try:
-        loaded = load_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    except (ArtifactError, FileNotFoundError) as e:
-        _fail(e)
-    tok = loaded.tokenizer
-    ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    if ids.numel() == 0:
-        console.print("[bold red]error:[/] --prompt is empty; give some text to continue")
-        raise typer.Exit(2)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        out = loaded.model.generate(
-            ids, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-            pad_token_id=tok.eos_token_id,
-        )
-    sys.stdout.write(prompt + tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True) + "\n")
+        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*",
+                                                        "*.model", "*.txt"])
+    except Exception as e:  # offline, gated, missing
+        raise ValueError(f"could not download {model}: {str(e).splitlines()[0]}") from None
 
 
 @app.command()
@@ -133,6 +149,12 @@ def serve(
 
     Server(uvicorn.Config(api, host=host, port=port,
                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run()
+
+
+# The load generator lives in eval/serving_bench.py; its typed keyword signature is the CLI.
+from slimserve.eval.serving_bench import bench_main as _bench_main  # noqa: E402
+
+app.command("bench")(_bench_main)
 
 
 def main() -> None:

@@ -58,6 +58,7 @@ class ModelRunner:
             built = build_model(config.model, dtype, self.device, config.trust_remote_code)
         self.built = built
         self.model, self.spec, self.dtype = built.model, built.spec, built.dtype
+        self._freeze_torch_path_weights()
         self.kv_dtype = self._kv_dtype()
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
@@ -66,6 +67,17 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.spec.num_layers)]
         self.max_model_len = self._max_model_len()
+
+    def _freeze_torch_path_weights(self) -> None:
+        """Quantized layers that no kernel serves here (every one on CPU) dequantize once now
+        instead of on every step."""
+        from slimserve.kernels._launch import kernel_backend
+        from slimserve.runtime.layers.quant_linear import QuantLinear
+
+        triton_on = kernel_backend() == "triton" or (kernel_backend() == "auto" and self.device.type == "cuda")
+        for m in self.model.modules():
+            if isinstance(m, QuantLinear) and not (triton_on and m._kernel_path() is not None):
+                m.freeze_dense(self.dtype)
 
     def _kv_dtype(self) -> torch.dtype:
         """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV."""

@@ -1,9 +1,14 @@
-"""A Linear that holds compressed-tensors buffers and dequantizes its weight in every forward.
+"""A Linear that holds compressed-tensors buffers and computes with them.
 
 The buffers have CT's on-disk names, so an artifact's safetensors load straight into
-`model.load_state_dict`. The weight is rebuilt per forward (not cached, so the packed form is
-the only copy in memory) in fp32 and cast once to the activation dtype, which reproduces the
-exporter's fake-quantized weight bit for bit.
+`model.load_state_dict`. Paths, by device and kernel backend (kernels/_launch.py):
+- Triton (CUDA, or forced): pack-quantized 4/8-bit weights run the fused W4A16/W8A16 GEMM on a
+  load-time repack (`prepare_w4a16`, built on first use); W8A8 int-quantized weights run dynamic
+  per-token int8 activations through the int8 GEMM.
+- torch: the weight is rebuilt per forward in fp32 and cast once to the activation dtype, which
+  reproduces the exporter's fake-quantized weight bit for bit; `freeze_dense()` keeps that
+  weight instead (the serving engine's CPU path, where no int4 kernel exists and dequantizing
+  every step would dominate), trading the packed form's memory saving for speed.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from torch import nn
 
 from slimserve.compress.quant.scheme import QuantScheme
 from slimserve.kernels import reference
+from slimserve.kernels._launch import use_triton
 
 PACKED = "pack-quantized"
 UNPACKED = ("naive-quantized", "int-quantized")
@@ -80,11 +86,48 @@ class QuantLinear(nn.Module):
                 self.weight, self.weight_scale, self.weight_zero_point, self.weight_g_idx, w.group_size)
         return full.to(self.storage_dtype).to(dtype)
 
+    def freeze_dense(self, dtype: torch.dtype) -> None:
+        """Keep the dequantized weight in `dtype` for the torch path (see the module docstring)."""
+        self._dense = self.dequantized_weight(dtype)
+
+    def _kernel_path(self) -> str | None:
+        """'w4a16' | 'w8a8' | None: the Triton kernel that serves this layer's format."""
+        w, acts = self.scheme.weights, self.scheme.input_activations
+        if acts is not None:
+            ok = self.ct_format == "int-quantized" and w.num_bits == 8 and w.symmetric and \
+                w.strategy == "channel"
+            return "w8a8" if ok else None
+        if self.ct_format == PACKED and w.num_bits in (4, 8) and w.strategy in ("group", "channel"):
+            return "w4a16"
+        return None
+
+    def _triton_forward(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        if path == "w8a8":
+            from slimserve.kernels.w8a8_gemm import linear_w8a8
+
+            return linear_w8a8(x.contiguous(), self.weight, self.weight_scale, bias)
+        from slimserve.kernels.w4a16_gemm import prepare_w4a16, w4a16_gemm
+
+        prepared = getattr(self, "_prepared", None)
+        if prepared is None:
+            w = self.scheme.weights
+            prepared = self._prepared = prepare_w4a16(
+                self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx,
+                (self.out_features, self.in_features), w.group_size, w.num_bits)
+        return w4a16_gemm(x.contiguous(), prepared, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        if use_triton(x) and x.dtype in (torch.float16, torch.bfloat16):
+            path = self._kernel_path()
+            if path is not None:
+                return self._triton_forward(x, path)
         if self.scheme.input_activations is not None:
             x = reference.fake_quantize_per_token_int8(x)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return nn.functional.linear(x, self.dequantized_weight(x.dtype), bias)
+        dense = getattr(self, "_dense", None)
+        weight = dense.to(x.dtype) if dense is not None else self.dequantized_weight(x.dtype)
+        return nn.functional.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         w = self.scheme.weights
