@@ -1,0 +1,218 @@
+"""W8A8 GEMM: int8 activations [M, K] x int8 weights [N, K]^T with int32 tensor-core accumulation.
+
+Twins: `reference.w8a8_matmul_int32` (out_dtype=torch.int32: the raw accumulators, exact) and
+`reference.w8a8_gemm` (out = acc * a_scale[m] * w_scale[n] (+ bias[n]) in fp32, in that order,
+then one cast). The kernel is compiled without FMA contraction (`enable_fp_fusion=False`), so
+the fp32 epilogue performs the twin's IEEE operations in the twin's order: the scaled output
+matches bit for bit (measured in the interpreter; the GPU path uses the same correctly rounded
+cvt/mul/add). `linear_w8a8` = `act_quant` + this GEMM (twin `reference.linear_w8a8`).
+
+Tiling: one program per [BLOCK_M, BLOCK_N] output tile, K walked in BLOCK_K steps (int8 dot needs
+BLOCK_K >= 32 on the GPU); programs are grouped GROUP_M tiles down M so neighbours share the same
+weight panel in L2. Row and column indices wrap modulo M and N, so the K-loop loads never need
+M/N masks; only the store is masked. EVEN_K drops the K mask from the loop when K % BLOCK_K == 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2
+from slimserve.kernels._rounding import round_to
+from slimserve.kernels.act_quant import act_quant
+
+_SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.int32)
+
+
+@dataclass(frozen=True)
+class W8A8Config:
+    """One tile configuration of the GEMM kernel."""
+
+    block_m: int  # rows of A (tokens) a program, power of two >= 16
+    block_n: int  # rows of W (output channels) a program, power of two >= 16
+    block_k: int  # K step of the int8 tl.dot, power of two >= 32
+    group_m: int = 8  # M tiles grouped so consecutive programs reuse one weight panel from L2
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelined K steps in shared memory
+
+
+# Default configs for H200 (sm_90), keyed by M: the first row whose bound is >= M is used.
+# Small M (decode) is weight-bandwidth bound: narrow N tiles put a program on every SM and deep
+# K steps keep bytes in flight. Large M is tensor-core bound: 128x128 int8 tiles with 128-byte
+# K steps (one full cache line a row). Shared memory a stage = (BM + BN) * BK bytes; the largest
+# here, 128 x 128 x 128 x 4 stages = 128 KiB, fits sm_80 (164 KiB) and sm_90 (227 KiB).
+# A benchmark retunes this table; nothing else chooses tiles.
+CONFIGS: tuple[tuple[int, W8A8Config], ...] = (
+    (16, W8A8Config(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
+    (32, W8A8Config(32, 64, 256, group_m=1, num_warps=4, num_stages=4)),
+    (64, W8A8Config(64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+    (128, W8A8Config(64, 128, 128, group_m=8, num_warps=4, num_stages=4)),
+    (1 << 62, W8A8Config(128, 128, 128, group_m=8, num_warps=8, num_stages=4)),
+)
+
+
+def default_config(m: int) -> W8A8Config:
+    """The CONFIGS row for M tokens."""
+    return next(cfg for bound, cfg in CONFIGS if m <= bound)
+
+
+@triton.jit
+def _w8a8_gemm_kernel(
+    a_ptr,  # [M, K] int8 activation codes, last dim contiguous
+    as_ptr,  # [M] per-token scales (fp16/bf16/fp32)
+    w_ptr,  # [N, K] int8 weight codes, last dim contiguous
+    ws_ptr,  # [N] per-channel scales (fp16/bf16/fp32)
+    bias_ptr,  # [N] bias (read only when HAS_BIAS)
+    c_ptr,  # [M, N] out_dtype (int32 accumulators when not SCALED), contiguous
+    M, N, K,
+    stride_am, stride_as, stride_wn, stride_ws,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask in the loop
+    SCALED: tl.constexpr,  # apply the scales (and bias) and store out_dtype; else store int32
+    HAS_BIAS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (offs_m % M).to(tl.int64)  # wrapped rows: in-bounds loads, garbage rows never stored
+    rn = (offs_n % N).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rm[:, None] * stride_am + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + rn[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, BLOCK_N] = W^T tile
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0)
+            w = tl.load(w_ptrs, mask=rk[:, None] < k_left, other=0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SCALED:
+        a_s = tl.load(as_ptr + rm * stride_as).to(tl.float32)
+        w_s = tl.load(ws_ptr + rn * stride_ws).to(tl.float32)
+        out = acc.to(tl.float32) * a_s[:, None] * w_s[None, :]
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + rn).to(tl.float32)[None, :]
+        dt = c_ptr.dtype.element_ty
+        tl.store(c_ptrs, round_to(out, dt).to(dt), mask=c_mask)
+    else:
+        tl.store(c_ptrs, acc, mask=c_mask)
+
+
+def _check_config(cfg: W8A8Config) -> None:
+    for name, value, least in (("block_m", cfg.block_m, 16), ("block_n", cfg.block_n, 16),
+                               ("block_k", cfg.block_k, 32)):
+        check(value >= least and value == next_pow2(value),
+              f"config.{name}={value} must be a power of two >= {least} (tl.dot int8 tiles)")
+    check(cfg.group_m >= 1, f"config.group_m={cfg.group_m} must be >= 1")
+
+
+def _check_scale(name: str, s: torch.Tensor, rows: int, device: torch.device) -> None:
+    check_tensor(name, s, dtypes=_SCALE_DTYPES, device=device)
+    check(s.numel() == rows and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)),
+          f"{name} has shape {tuple(s.shape)}; expected [{rows}, 1] or [{rows}] (one scale per "
+          "row)")
+
+
+def w8a8_gemm(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    config: W8A8Config | None = None,
+) -> torch.Tensor:
+    """a_q int8 [M, K], a_scale [M, 1], w_q int8 [N, K], w_scale [N, 1] or [N], bias [N] ->
+    [M, N] out_dtype (fp16/bf16 scaled, or int32 raw accumulators with scales ignored)."""
+    check_tensor("a_q", a_q, dtypes=(torch.int8,), ndim=2, last_contiguous=True)
+    dev = a_q.device
+    check_tensor("w_q", w_q, dtypes=(torch.int8,), ndim=2, device=dev, last_contiguous=True)
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    check(w_q.shape[1] == k, f"w_q has shape {tuple(w_q.shape)}; expected [N, {k}] (K of a_q)")
+    check(out_dtype in _OUT_DTYPES, f"out_dtype={out_dtype} must be one of "
+                                    "torch.float16, torch.bfloat16, torch.int32")
+    _check_scale("a_scale", a_scale, m, dev)
+    _check_scale("w_scale", w_scale, n, dev)
+    if bias is not None:
+        check(out_dtype != torch.int32, "bias is not applied to int32 accumulators; pass "
+                                        "bias=None with out_dtype=torch.int32")
+        check_tensor("bias", bias, dtypes=_SCALE_DTYPES, shape=(n,), device=dev)
+        check(bias.stride(0) == 1 or n == 1, "bias must be contiguous; call .contiguous()")
+    cfg = config or default_config(m)
+    _check_config(cfg)
+    out = torch.empty((m, n), dtype=out_dtype, device=dev)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w8a8_gemm_kernel[grid](
+        a_q, a_scale, w_q, w_scale, bias if bias is not None else w_scale, out,
+        m, n, k, a_q.stride(0), a_scale.stride(0), w_q.stride(0), w_scale.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=k % cfg.block_k == 0, SCALED=out_dtype != torch.int32, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )
+    return out
+
+
+def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, *,
+                config: W8A8Config | None = None) -> torch.Tensor:
+    """x [..., K] fp16/bf16 -> [..., N] in x's dtype: per-token int8 quantization of x, then the
+    GEMM with int8 weight [N, K] and weight_scale [N, 1] or [N]."""
+    check_tensor("x", x, dtypes=(torch.float16, torch.bfloat16))
+    check(x.dim() >= 1, "x must have at least one dim [..., K]")
+    lead = x.shape[:-1]
+    q, s = act_quant(x.reshape(-1, x.shape[-1]).contiguous())
+    return w8a8_gemm(q, s, weight, weight_scale, bias, x.dtype, config=config).view(*lead, -1)
+
+
+def aot_variants() -> list[AotVariant]:
+    """Every CONFIGS row with: raw int32 (ragged K), bf16 + bias (even K), fp16 (ragged K), and
+    bf16 with fp32 scales + bias (even K); both K branches and all three epilogues per tile."""
+    combos = [("i32", "fp16", False, False), ("bf16", "bf16", True, True),
+              ("fp16", "fp16", False, False), ("bf16", "fp32", True, True)]
+    variants = []
+    for bound, cfg in CONFIGS:
+        for out, sc, has_bias, even_k in combos:
+            sig = {"a_ptr": "*i8", "as_ptr": f"*{sc}", "w_ptr": "*i8", "ws_ptr": f"*{sc}",
+                   "bias_ptr": f"*{sc}", "c_ptr": f"*{out}", "M": "i32", "N": "i32", "K": "i32",
+                   "stride_am": "i32", "stride_as": "i32", "stride_wn": "i32", "stride_ws": "i32",
+                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                   "GROUP_M": "constexpr", "EVEN_K": "constexpr", "SCALED": "constexpr",
+                   "HAS_BIAS": "constexpr"}
+            const = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                     "GROUP_M": cfg.group_m, "EVEN_K": even_k, "SCALED": out != "i32",
+                     "HAS_BIAS": has_bias}
+            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                    "enable_fp_fusion": False}
+            variants.append(AotVariant(
+                _w8a8_gemm_kernel, sig, const, opts,
+                name=f"w8a8_m{bound}_{out}_{sc}{'_bias' if has_bias else ''}"
+                     f"_{'even' if even_k else 'ragged'}k"))
+    return variants
