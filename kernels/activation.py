@@ -2,8 +2,9 @@
 
 Twin: `reference.silu_and_mul` = `F.silu(gate) * up` in x's dtype, i.e. silu computed in fp32
 and rounded to x's dtype, then the product rounded again (a product of two 8- or 11-bit-mantissa
-values is exact in fp32, so it is one rounding on both paths). The kernel differs from the twin
-only in the fp32 exp (the GPU's ex2.approx is a few fp32 ulp off): at most one dtype ulp on silu.
+values is exact in fp32, so it is one rounding on both paths; fp32 x: one fp32 multiply on both).
+The kernel differs from the twin only in the fp32 exp (the GPU's ex2.approx is a few fp32 ulp
+off): at most one fp16/bf16 ulp on silu.
 
 Grid: (rows, cdiv(I, BLOCK)); each program streams BLOCK gate and BLOCK up values and writes
 BLOCK outputs: 6 bytes an output in bf16, memory bound.
@@ -19,8 +20,8 @@ from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2
 from slimserve.kernels._rounding import round_to
 
 BLOCK_DEFAULT = 1024  # outputs a program: 8 a thread at 4 warps (16-byte bf16 vectors)
-_DTYPES = (torch.float16, torch.bfloat16)
-_TL = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TL = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def launch_block(inter: int) -> int:
@@ -30,7 +31,7 @@ def launch_block(inter: int) -> int:
 
 @triton.jit
 def _silu_and_mul_kernel(
-    x_ptr,  # [T, 2I] fp16/bf16, last dim contiguous: gate = x[:, :I], up = x[:, I:]
+    x_ptr,  # [T, 2I] fp16/bf16/fp32, last dim contiguous: gate = x[:, :I], up = x[:, I:]
     out_ptr,  # [T, I] x's dtype, contiguous
     I,
     stride_x,
@@ -50,7 +51,7 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(x: torch.Tensor, *, block: int | None = None,
                  num_warps: int = 4) -> torch.Tensor:
-    """x [..., 2I] fp16/bf16 -> silu(x[..., :I]) * x[..., I:] as [..., I] in x's dtype."""
+    """x [..., 2I] fp16/bf16/fp32 -> silu(x[..., :I]) * x[..., I:] as [..., I] in x's dtype."""
     check_tensor("x", x, dtypes=_DTYPES, last_contiguous=True)
     check(x.dim() >= 1 and x.shape[-1] % 2 == 0 and x.shape[-1] > 0,
           f"x has shape {tuple(x.shape)}; its last dim must be 2 * intermediate_size (even, > 0)")
@@ -66,7 +67,7 @@ def silu_and_mul(x: torch.Tensor, *, block: int | None = None,
 
 
 def aot_variants() -> list[AotVariant]:
-    """fp16 and bf16 at every tile the launcher picks: 256 and 512 (I < 512, < 1024), 1024."""
+    """fp16, bf16 and fp32 at every tile the launcher picks: 256 and 512 (I < 512, < 1024), 1024."""
     variants = []
     for dtype, name in _TL.items():
         sig = {"x_ptr": f"*{name}", "out_ptr": f"*{name}", "I": "i32", "stride_x": "i32",

@@ -4,8 +4,9 @@ Twins: `reference.rms_norm`, `reference.fused_add_rms_norm`, which round as tran
 does: the residual sum is rounded to x's dtype (the unfused `hidden + residual`), the sum of
 squares and the normalization run in fp32, the normalized row is rounded to x's dtype, then
 multiplied by the weight (rounded to x's dtype) and rounded again. The product of two 8- or
-11-bit-mantissa values is exact in fp32, so that last step is one rounding on both paths; the
-kernel differs from the twin only in the fp32 summation order of the mean square.
+11-bit-mantissa values is exact in fp32, so that last step is one rounding on both paths (for
+fp32 x it is one fp32 multiply on both); the kernel differs from the twin only in the fp32
+summation order of the mean square.
 
 A row of hidden <= MAX_HIDDEN elements is one tile in registers (8192 bf16 at 16 warps: 16 fp32
 values a thread): it is read once and written once, the memory-bound minimum.
@@ -22,8 +23,7 @@ from slimserve.kernels._rounding import round_to
 
 MAX_HIDDEN = 16384  # one row is one register tile; larger rows would spill
 MIN_BLOCK = 256  # shorter rows still get a 256 tile (masked): fewer variants to compile
-_DTYPES = (torch.float16, torch.bfloat16)
-_W_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
@@ -35,7 +35,7 @@ def launch_params(hidden: int) -> dict:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr,  # [T, H] fp16/bf16, last dim contiguous
+    x_ptr,  # [T, H] fp16/bf16/fp32, last dim contiguous
     r_ptr,  # [T, H] residual in x's dtype (read only when HAS_RESIDUAL)
     w_ptr,  # [H] weight, fp16/bf16/fp32
     out_ptr,  # [T, H] x's dtype, contiguous
@@ -73,7 +73,7 @@ def _launch(x, residual, weight, eps, num_warps):
     hidden = x.shape[-1]
     check(hidden <= MAX_HIDDEN, f"x has hidden size {hidden}; rms_norm supports up to "
                                 f"{MAX_HIDDEN} (one row per program)")
-    check_tensor("weight", weight, dtypes=_W_DTYPES, shape=(hidden,), device=x.device)
+    check_tensor("weight", weight, dtypes=_DTYPES, shape=(hidden,), device=x.device)
     check(weight.stride(0) == 1 or hidden == 1, "weight must be contiguous; call .contiguous()")
     check(isinstance(eps, (int, float)) and eps >= 0, f"eps={eps!r} must be a float >= 0")
     x2 = x.reshape(-1, hidden)
@@ -100,7 +100,7 @@ def _launch(x, residual, weight, eps, num_warps):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
              num_warps: int | None = None) -> torch.Tensor:
-    """RMSNorm of x [..., H] (fp16/bf16) with weight [H] -> [..., H] in x's dtype."""
+    """RMSNorm of x [..., H] (fp16/bf16/fp32) with weight [H] -> [..., H] in x's dtype."""
     return _launch(x, None, weight, eps, num_warps)
 
 
@@ -113,12 +113,12 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def aot_variants() -> list[AotVariant]:
-    """fp16/bf16 rows with a weight of the same dtype or fp32, with and without the residual,
-    at every tile size the launcher picks (MIN_BLOCK to MAX_HIDDEN)."""
+    """fp16/bf16 rows with a weight of the same dtype or fp32, fp32 rows with an fp32 weight, with
+    and without the residual, at every tile size the launcher picks (MIN_BLOCK to MAX_HIDDEN)."""
     variants = []
     for dtype in _DTYPES:
         name = _TL[dtype]
-        for wname in (name, "fp32"):
+        for wname in dict.fromkeys((name, "fp32")):
             sig = {"x_ptr": f"*{name}", "r_ptr": f"*{name}", "w_ptr": f"*{wname}",
                    "out_ptr": f"*{name}", "res_out_ptr": f"*{name}", "H": "i32",
                    "stride_x": "i32", "stride_r": "i32", "eps": "fp32",

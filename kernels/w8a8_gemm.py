@@ -26,7 +26,7 @@ from slimserve.kernels._rounding import round_to
 from slimserve.kernels.act_quant import act_quant
 
 _SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.int32)
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int32)
 
 
 @dataclass(frozen=True)
@@ -146,15 +146,15 @@ def w8a8_gemm(
     config: W8A8Config | None = None,
 ) -> torch.Tensor:
     """a_q int8 [M, K], a_scale [M, 1], w_q int8 [N, K], w_scale [N, 1] or [N], bias [N] ->
-    [M, N] out_dtype (fp16/bf16 scaled, or int32 raw accumulators with scales ignored)."""
+    [M, N] out_dtype (fp16/bf16/fp32 scaled, or int32 raw accumulators with scales ignored)."""
     check_tensor("a_q", a_q, dtypes=(torch.int8,), ndim=2, last_contiguous=True)
     dev = a_q.device
     check_tensor("w_q", w_q, dtypes=(torch.int8,), ndim=2, device=dev, last_contiguous=True)
     m, k = a_q.shape
     n = w_q.shape[0]
     check(w_q.shape[1] == k, f"w_q has shape {tuple(w_q.shape)}; expected [N, {k}] (K of a_q)")
-    check(out_dtype in _OUT_DTYPES, f"out_dtype={out_dtype} must be one of "
-                                    "torch.float16, torch.bfloat16, torch.int32")
+    check(out_dtype in _OUT_DTYPES, f"out_dtype={out_dtype} must be one of torch.float16, "
+                                    "torch.bfloat16, torch.float32, torch.int32")
     _check_scale("a_scale", a_scale, m, dev)
     _check_scale("w_scale", w_scale, n, dev)
     if bias is not None:
@@ -183,9 +183,9 @@ def w8a8_gemm(
 def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, *,
                 config: W8A8Config | None = None) -> torch.Tensor:
-    """x [..., K] fp16/bf16 -> [..., N] in x's dtype: per-token int8 quantization of x, then the
-    GEMM with int8 weight [N, K] and weight_scale [N, 1] or [N]."""
-    check_tensor("x", x, dtypes=(torch.float16, torch.bfloat16))
+    """x [..., K] fp16/bf16/fp32 -> [..., N] in x's dtype: per-token int8 quantization of x, then
+    the GEMM with int8 weight [N, K] and weight_scale [N, 1] or [N]."""
+    check_tensor("x", x, dtypes=(torch.float16, torch.bfloat16, torch.float32))
     check(x.dim() >= 1, "x must have at least one dim [..., K]")
     lead = x.shape[:-1]
     q, s = act_quant(x.reshape(-1, x.shape[-1]).contiguous())
@@ -194,9 +194,9 @@ def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 def aot_variants() -> list[AotVariant]:
     """Every CONFIGS row with: raw int32 (ragged K), bf16 + bias (even K), fp16 (ragged K), and
-    bf16 with fp32 scales + bias (even K); both K branches and all three epilogues per tile."""
+    fp32 with fp32 scales + bias (even K); both K branches and every epilogue per tile."""
     combos = [("i32", "fp16", False, False), ("bf16", "bf16", True, True),
-              ("fp16", "fp16", False, False), ("bf16", "fp32", True, True)]
+              ("fp16", "fp16", False, False), ("fp32", "fp32", True, True)]
     variants = []
     for bound, cfg in CONFIGS:
         for out, sc, has_bias, even_k in combos:

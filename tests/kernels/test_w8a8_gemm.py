@@ -64,7 +64,7 @@ def test_int32_extreme_codes_exact():
     assert out[0, 0].item() == k * 16384
 
 
-@pytest.mark.parametrize("out_dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("out_dtype", (torch.float16, torch.bfloat16, torch.float32))
 @pytest.mark.parametrize("with_bias", (False, True))
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_scaled_output_matches_fp32_epilogue(m, n, k, with_bias, out_dtype):
@@ -82,7 +82,7 @@ def test_scale_layouts_and_fp32_scales():
     _assert_within_one_ulp(out, reference.w8a8_gemm(a, a_s, w, w_s, bias, torch.bfloat16))
 
 
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32))
 def test_linear_w8a8_matches_reference(dtype):
     """Quantize-then-GEMM on [2, 7, K] activations; act_quant is bit-exact, so the same bound."""
     g = torch.Generator().manual_seed(5)
@@ -118,7 +118,7 @@ def _call(**over):
     (lambda: {"w_scale": torch.ones(32, 1, dtype=torch.int32)}, "w_scale has dtype int32"),
     (lambda: {"bias": torch.ones(31)}, r"bias has shape \(31,\)"),
     (lambda: {"bias": torch.ones(32), "out_dtype": torch.int32}, "bias is not applied"),
-    (lambda: {"out_dtype": torch.float32}, "out_dtype=torch.float32"),
+    (lambda: {"out_dtype": torch.float64}, "out_dtype=torch.float64"),
     (lambda: {"config": wg.W8A8Config(64, 64, 16)}, "config.block_k=16"),
     (lambda: {"config": wg.W8A8Config(48, 64, 64)}, "config.block_m=48"),
 ])
