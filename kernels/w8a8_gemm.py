@@ -42,11 +42,13 @@ class W8A8Config:
 
 
 # Default configs for H200 (sm_90), keyed by M: the first row whose bound is >= M is used.
-# Small M (decode) is weight-bandwidth bound: narrow N tiles put a program on every SM and deep
-# K steps keep bytes in flight. Large M is tensor-core bound: 128x128 int8 tiles with 128-byte
-# K steps (one full cache line a row). Shared memory a stage = (BM + BN) * BK bytes; the largest
-# here, 128 x 128 x 128 x 4 stages = 128 KiB, fits sm_80 (164 KiB) and sm_90 (227 KiB).
-# A benchmark retunes this table; nothing else chooses tiles.
+# Not yet measured on a GPU (none was lent when this was written): they are the usual starting
+# points. Small M (decode) is weight-bandwidth bound: BLOCK_M 16 wastes no MMA rows, 64-wide N
+# tiles give N/64 programs, deep 256-byte K steps keep bytes in flight. Large M is tensor-core
+# bound: 128x128 tiles with 128-byte K steps (one full cache line a row). Shared memory is at
+# most (BM + BN) * BK * num_stages bytes, 128 KiB for the largest row: under sm_80's 164 KiB and
+# sm_90's 227 KiB (the AOT gate checks the compiler's figure). A benchmark retunes this table;
+# nothing else chooses tiles.
 CONFIGS: tuple[tuple[int, W8A8Config], ...] = (
     (16, W8A8Config(16, 64, 256, group_m=1, num_warps=4, num_stages=4)),
     (32, W8A8Config(32, 64, 256, group_m=1, num_warps=4, num_stages=4)),
