@@ -260,34 +260,44 @@ def paged_attention_prefill(
     their K/V are already in the cache, so sequence b has context_lens[b] cached tokens and its
     j-th query sits at position context_lens[b] - q_len_b + j and sees positions <= that.
     GQA: query head h reads KV head h // (H / Hkv). fp32 scores and softmax; out [T, H, D] in
-    query's dtype. Computed for the whole batch at once on padded [B, q, ctx] tiles (this is the
-    CPU serving path; tests/kernels check it against a per-sequence loop).
+    query's dtype. This is also the CPU serving path: sequences with one new token and those
+    with several are computed as two padded batches (so a long prefill chunk does not pad every
+    decode to its length), each with one fused SDPA call; tests/kernels check it against a
+    per-sequence loop.
     """
-    t, heads, d = query.shape
-    kv_heads = key_cache.shape[2]
+    out = torch.empty_like(query)
     cu = cu_seqlens_q.long()
-    q_lens, ctx = cu[1:] - cu[:-1], context_lens.long()
-    nseq = q_lens.shape[0]
-    if t == 0 or nseq == 0:
-        return torch.empty_like(query)
-    max_q, max_ctx = int(q_lens.max()), int(ctx.max())
-    # token -> (sequence, index within its new tokens)
-    seq_of = torch.repeat_interleave(torch.arange(nseq, device=query.device), q_lens)
-    j = torch.arange(t, device=query.device) - cu[:-1][seq_of]
+    q_lens = cu[1:] - cu[:-1]
+    single = q_lens == 1
+    for group in (single, ~single & (q_lens > 0)):
+        seqs = group.nonzero().flatten()
+        if seqs.numel():
+            _attend(query, out, key_cache, value_cache, block_tables[seqs], cu[:-1][seqs],
+                    q_lens[seqs], context_lens[seqs].long(), scale, k_scale, v_scale)
+    return out
+
+
+def _attend(query, out, key_cache, value_cache, block_tables, starts, q_lens, ctx, scale,
+            k_scale, v_scale) -> None:
+    """paged_attention_prefill for the sequences given (their rows start at `starts`)."""
+    heads, d = query.shape[1:]
+    nseq, max_q, max_ctx = q_lens.shape[0], int(q_lens.max()), int(ctx.max())
+    dev = query.device
+    seq_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens)  # token -> sequence
+    j = torch.arange(seq_of.shape[0], device=dev) - (q_lens.cumsum(0) - q_lens)[seq_of]
+    rows = starts[seq_of] + j  # rows of `query` / `out`
     q = query.new_zeros((nseq, max_q, heads, d), dtype=torch.float32)
-    q[seq_of, j] = query.float()
+    q[seq_of, j] = query[rows].float()
     k = _gather_kv(key_cache, block_tables, max_ctx, k_scale)  # [B, ctx, Hkv, D]
     v = _gather_kv(value_cache, block_tables, max_ctx, v_scale)
-    qpos = (ctx - q_lens).unsqueeze(1) + torch.arange(max_q, device=query.device)  # [B, max_q]
-    kpos = torch.arange(max_ctx, device=query.device)
-    allowed = (kpos.view(1, 1, -1) <= qpos.unsqueeze(-1)) & (kpos.view(1, 1, -1) < ctx.view(-1, 1, 1))
+    qpos = (ctx - q_lens).unsqueeze(1) + torch.arange(max_q, device=dev)  # [B, max_q]
+    kpos = torch.arange(max_ctx, device=dev).view(1, 1, -1)
+    allowed = (kpos <= qpos.unsqueeze(-1)) & (kpos < ctx.view(-1, 1, 1))  # [B, max_q, ctx]
     allowed[..., 0] = True  # padded query rows see one key (their output is dropped): no NaN
-    g = heads // kv_heads
-    qg = q.view(nseq, max_q, kv_heads, g, d)
-    scores = torch.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale  # [B, Hkv, G, max_q, ctx]
-    scores = scores.masked_fill(~allowed.view(nseq, 1, 1, max_q, max_ctx), float("-inf"))
-    out = torch.einsum("bhgqk,bkhd->bqhgd", scores.softmax(-1), v).reshape(nseq, max_q, heads, d)
-    return out[seq_of, j].to(query.dtype)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed.unsqueeze(1),
+        scale=scale, enable_gqa=heads != k.shape[2])  # [B, H, max_q, D]
+    out[rows] = o.transpose(1, 2)[seq_of, j].to(query.dtype)
 
 
 def paged_attention_decode(

@@ -19,6 +19,7 @@ class BatchInputs:
     context_lens: torch.Tensor  # int32 [B] cached tokens per sequence after this step's writes
     logits_indices: torch.Tensor  # int64 [S] rows of the batch whose logits are sampled
     max_q_len: int  # largest q_len_b (host int: sizes the prefill grid without a device sync)
+    max_context_len: int  # largest context_lens[b] (host int: sizes the split-K decode grid)
     decode_only: bool  # every sequence has exactly one new token
 
 
@@ -65,5 +66,6 @@ def prepare_batch(
         context_lens=dev(ctx, torch.int32),
         logits_indices=dev(logits_idx, torch.int64),
         max_q_len=max(q_lens),
+        max_context_len=max(ctx),
         decode_only=all(n == 1 for n in q_lens),
     )

@@ -47,10 +47,11 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_
 
 
 def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                           k_scale, v_scale) -> torch.Tensor:
+                           k_scale, v_scale, max_context_len: int | None = None) -> torch.Tensor:
     if use_triton(query):
         return _kernel("paged_attention").paged_attention_decode(
-            query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale)
+            query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale,
+            max_context_len=max_context_len)
     return reference.paged_attention_decode(query, key_cache, value_cache, block_tables,
                                             context_lens, scale, k_scale, v_scale)
 

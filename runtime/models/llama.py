@@ -140,7 +140,8 @@ class Attention(nn.Module):
         ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping, self.k_scale, self.v_scale)
         if batch.decode_only:
             out = ops.paged_attention_decode(q, key_cache, value_cache, batch.block_tables,
-                                             batch.context_lens, self.scale, self.k_scale, self.v_scale)
+                                             batch.context_lens, self.scale, self.k_scale,
+                                             self.v_scale, batch.max_context_len)
         else:
             out = ops.paged_attention_prefill(q, key_cache, value_cache, batch.block_tables,
                                               batch.cu_seqlens_q, batch.context_lens, self.scale,
