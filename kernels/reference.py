@@ -239,7 +239,8 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
     (fp8 dequantized with its scale); slots past a sequence's context are masked by the caller."""
     bs = cache.shape[1]
     blocks = block_tables[:, : -(-length // bs)].long()  # [B, nblk]
-    kv = cache[blocks].flatten(1, 2)[:, :length].float()  # [B, length, Hkv, D]
+    kv = cache.index_select(0, blocks.flatten())  # [B * nblk, bs, Hkv, D]; faster than cache[blocks]
+    kv = kv.view(blocks.shape[0], -1, *cache.shape[2:])[:, :length].float()  # [B, length, Hkv, D]
     return kv * float(scale) if cache.dtype == torch.float8_e4m3fn else kv
 
 

@@ -30,8 +30,8 @@ class EngineConfig:
     served_model_name: str | None = None  # name in /v1/models; default: the folder's name
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # compute dtype: auto (config's; fp32 on CPU for bf16 speed), float16, bfloat16, float32
-    max_num_seqs: int = 64  # sequences in one batch at most
-    max_num_batched_tokens: int = 1024  # tokens (prefill chunks + decodes) in one step at most
+    max_num_seqs: int = 256  # sequences in one batch at most (vLLM's default)
+    max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step at most
     max_model_len: int | None = None  # prompt + output tokens per request; default: config's
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_dtype: str = "auto"  # "auto" (= compute dtype) or "fp8_e4m3" (scaled)
