@@ -13,6 +13,7 @@ import torch
 
 from slimserve.runtime.block_manager import BlockManager
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.detokenizer import DetokenizerState, make_decoder
 from slimserve.runtime.errors import RequestError
 from slimserve.runtime.model_runner import ModelRunner
 from slimserve.runtime.sampler import sample
@@ -36,6 +37,7 @@ class EngineStats:
 class _Request:
     seq: Sequence
     generator: torch.Generator | None
+    detok: DetokenizerState  # incremental detokenization of the output
     text: str = ""  # detokenized output, stop string removed once found
     max_stop_len: int = field(default=0)
 
@@ -45,6 +47,7 @@ class LLMEngine:
         self.config = config
         self.runner = runner or ModelRunner(config)
         self.tokenizer = self.runner.built.tokenizer
+        self._decode = make_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(self.runner.built.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
@@ -89,7 +92,8 @@ class LLMEngine:
             seed = seq.params.seed if seq.params.seed is not None else \
                 hash((self.config.seed, next(self._counter))) & 0x7FFFFFFF
             gen = torch.Generator().manual_seed(seed)
-        req = _Request(seq, gen, max_stop_len=max((len(s) for s in seq.params.stop), default=0))
+        req = _Request(seq, gen, DetokenizerState.for_prompt(seq.num_prompt_tokens),
+                       max_stop_len=max((len(s) for s in seq.params.stop), default=0))
         self.requests[seq.request_id] = req
         self.scheduler.add(seq)
 
@@ -155,7 +159,8 @@ class LLMEngine:
         last = seq.output_token_ids[-1]
         if self.tokenizer is not None:
             prev = len(req.text)
-            req.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            req.detok.update(self._decode, seq.token_ids)
+            req.text = req.detok.text
             if p.stop:
                 lo = max(0, prev - req.max_stop_len)
                 hits = [(req.text.find(s, lo), s) for s in p.stop]
@@ -171,12 +176,13 @@ class LLMEngine:
             seq.finish_reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+        if seq.finish_reason is not None and self._decode is not None:
+            req.detok.flush(self._decode, seq.token_ids)
+            req.text = req.detok.text
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
         text = req.text
-        if seq.finish_reason is None and text.endswith("\ufffd"):
-            text = text.rstrip("\ufffd")  # an incomplete UTF-8 character: wait for its other bytes
         metrics = {k: v for k, v in (("arrival", seq.arrival_time), ("first_token", seq.first_token_time),
                                      ("last_token", seq.last_token_time), ("finish", seq.finish_time))
                    if v is not None}
