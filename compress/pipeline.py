@@ -7,6 +7,7 @@ the perplexity measured here is the perplexity of exactly what a loader reads ba
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from slimserve.compress.errors import UnsupportedModelError
 from slimserve.compress.export.formats import check_exportable, export_artifact
 from slimserve.compress.export.io import size_bytes
 from slimserve.compress.export.manifest import ArtifactManifest, hash_checkpoint
+from slimserve.compress.prune.structured import count_parameters
 from slimserve.compress.quant.primitives import QuantizedWeight
 from slimserve.compress.recipe import Recipe
 from slimserve.compress.registry import STAGES
@@ -53,6 +55,8 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     for spec in recipe.stages:  # refuse a scheme the export format cannot store before any work
         if hasattr(spec.config, "resolve_scheme"):
             check_exportable(recipe.export.format, spec.config.resolve_scheme())
+    stages = [STAGES[spec.name][1](spec.config) for spec in recipe.stages]
+    _preflight(stages, model.config)
     model.eval()
     storage = _storage_dtype(recipe, model)
     ev = recipe.eval
@@ -60,19 +64,22 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     eval_ids = encode_documents(tok, load_texts(eval_spec))
 
     def measure(label: str):
-        res = evaluate_perplexity(model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size, progress=progress)
+        res = evaluate_perplexity(state.model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size, progress=progress)
         log(f"{label}: ppl {res.ppl:.4f} over {res.tokens} tokens ({res.seconds:.1f}s)")
         return res
 
+    state = CompressionState(model=model, tokenizer=tok, storage_dtype=storage,
+                             calibration_dataset=recipe.calibration.dataset, base_dir=recipe.base_dir,
+                             progress=progress)
     baseline = measure("baseline")
-    base_size = weight_bytes(model, {}, storage)
-    state = CompressionState(model=model, tokenizer=tok, storage_dtype=storage)
+    base_size, base_params = weight_bytes(model, {}, storage), count_parameters(model)
     if recipe.needs_calibration:
         cal = recipe.calibration
         state.calibration = calibration_batches(
             tok, parse_dataset(cal.dataset, recipe.base_dir), cal.num_samples, cal.seq_len, cal.seed
         )
-    reports = [_run_stage(spec, state, measure, storage) for spec in recipe.stages]
+    reports = _run_stages(recipe.stages, stages, state, measure, storage)
+    model = state.model  # stages may have replaced it (prune rebuilds a smaller model)
 
     final_ppl = reports[-1].ppl
     increase = final_ppl / baseline.ppl - 1.0
@@ -94,9 +101,10 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
         "dataset": ev.dataset,
         "seq_len": ev.seq_len,
         "tokens": baseline.tokens,
-        "baseline": {"ppl": baseline.ppl, "size_bytes": base_size, "seconds": baseline.seconds},
+        "baseline": {"ppl": baseline.ppl, "size_bytes": base_size, "seconds": baseline.seconds,
+                     "params": base_params},
         "stages": [r.to_dict() for r in reports],
-        "final": {"ppl": final_ppl, "size_bytes": size_bytes(artifact)},
+        "final": {"ppl": final_ppl, "size_bytes": size_bytes(artifact), "params": count_parameters(model)},
         "gate": gate,
         "seconds": time.perf_counter() - t_start,
         "artifact": str(artifact),
@@ -105,9 +113,39 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
 
 
-def _run_stage(spec, state: CompressionState, measure, storage: torch.dtype) -> StageReport:
-    options_cls, stage_cls = STAGES[spec.name]
-    stage = stage_cls(spec.config)
+def _preflight(stages: list, config) -> None:
+    """Refuse impossible shape targets before any work: each reshaping stage checks the config
+    the stages before it leave (`preflight(config) -> config`)."""
+    for stage in stages:
+        if hasattr(stage, "preflight"):
+            config = stage.preflight(config)
+
+
+def _keeps_teacher(stages: list, i: int) -> bool:
+    """Stage i is the first that snapshots the teacher, and a later stage distills from it."""
+    if not getattr(stages[i], "snapshots_teacher", False):
+        return False
+    return any(getattr(s, "uses_teacher", False) and getattr(s.options, "teacher", None) is None
+               for s in stages[i + 1:])
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A deep copy on the CPU in eval mode with gradients off: the distillation teacher."""
+    teacher = copy.deepcopy(model).to("cpu").eval()
+    return teacher.requires_grad_(False)
+
+
+def _run_stages(specs, stages: list, state: CompressionState, measure, storage: torch.dtype) -> list[StageReport]:
+    reports = []
+    for i, (spec, stage) in enumerate(zip(specs, stages)):
+        if _keeps_teacher(stages, i) and state.teacher is None:
+            state.teacher = frozen_copy(state.model)
+        reports.append(_run_stage(spec, stage, state, measure, storage))
+    state.teacher = None  # free the copy before export
+    return reports
+
+
+def _run_stage(spec, stage, state: CompressionState, measure, storage: torch.dtype) -> StageReport:
     stage.prepare(state)
     if stage.layerwise:
         run_layerwise(state, stage)

@@ -78,7 +78,9 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
-        return any(STAGES[s.name][1].needs_calibration for s in self.stages)
+        """Whether any stage needs the calibration windows (its options may say, else its class)."""
+        return any(getattr(s.config, "needs_calibration", STAGES[s.name][1].needs_calibration)
+                   for s in self.stages)
 
 
 def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
@@ -101,6 +103,7 @@ def parse_recipe(text: str, path: Path | None = None, output: str | Path | None 
         raise RecipeError(f"{where}: a recipe is a YAML mapping with keys model, output, stages, ...")
     top = _validate(RecipeModel, raw, "")
     stages = tuple(_parse_stage(i, s) for i, s in enumerate(top.stages))
+    _check_order(stages)
     base = path.parent if path else Path.cwd()
     return Recipe(
         path=path,
@@ -138,6 +141,24 @@ def _parse_stage(i: int, entry: Any) -> StageSpec:
     if not isinstance(options, dict):
         raise RecipeError(f"stages[{i}].{name}: options must be a mapping, got {options!r}")
     return StageSpec(name, _validate(STAGE_SPECS[name], options, f"stages[{i}].{name}"))
+
+
+def _check_order(stages: tuple[StageSpec, ...]) -> None:
+    """Stages that reshape or retrain the model (prune, distill) come before every quantization
+    stage; one that distills from the pre-pruning model needs a prune stage before it."""
+    for i, spec in enumerate(stages):
+        cls = STAGES[spec.name][1]
+        if getattr(cls, "runs_before_quantization", False):
+            later = next((s for s in stages[:i] if not getattr(STAGES[s.name][1], "runs_before_quantization",
+                                                               False)), None)
+            if later is not None:
+                raise RecipeError(f"stages[{i}].{spec.name} comes after {later.name}; {spec.name} changes the "
+                                  f"weights, so move it before the quantization stages")
+        if getattr(cls, "uses_teacher", False) and getattr(spec.config, "teacher", None) is None:
+            if not any(getattr(STAGES[s.name][1], "snapshots_teacher", False) for s in stages[:i]):
+                raise RecipeError(f"stages[{i}].{spec.name}: no teacher; the teacher is the model before "
+                                  f"the first prune stage, so put a prune stage before it or set "
+                                  f"stages[{i}].{spec.name}.teacher to a checkpoint")
 
 
 def _validate(cls: type[BaseModel], data: dict, prefix: str) -> BaseModel:

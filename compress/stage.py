@@ -8,6 +8,7 @@ model and into `CompressionState`. The pipeline measures perplexity and sizes ar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +45,14 @@ class StageReport:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class TeacherMap:
+    """How the current (pruned) model lines up with the distillation teacher."""
+
+    layers: tuple[int, ...]  # student decoder layer i continues teacher layer layers[i]
+    hidden: tuple[int, ...] | None  # teacher hidden channels the student kept, ascending (None: all)
+
+
 @dataclass(slots=True)
 class CompressionState:
     model: nn.Module  # the HF causal LM being compressed, in the compute dtype
@@ -53,6 +62,11 @@ class CompressionState:
     schemes: dict[str, QuantScheme] = field(default_factory=dict)  # module name -> full scheme (W8A8 acts)
     kv_scales: dict[str, tuple[float, float]] = field(default_factory=dict)  # attention module -> (k, v) fp8 scales
     calibration: torch.Tensor | None = None  # [num_samples, seq_len] token ids, when a stage needs them
+    calibration_dataset: str = "stdlib"  # the recipe's calibration dataset spec (distill trains on it)
+    base_dir: Path | None = None  # folder relative dataset paths resolve against (the recipe's)
+    progress: bool = True  # whether long stages (distill) show a progress bar
+    teacher: nn.Module | None = None  # frozen copy of the model before the first prune stage (CPU)
+    teacher_map: TeacherMap | None = None  # set by prune: student layers/channels -> teacher's
 
 
 class Stage(Protocol):

@@ -41,6 +41,26 @@ def write_report(out_dir: Path, summary: dict) -> dict[str, Path]:
     paths["json"].write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     paths["md"].write_text(render_markdown(summary), encoding="utf-8")
     plot_report(summary, paths["png"])
+    paths.update(plot_stage_details(summary, out_dir))
+    return paths
+
+
+def plot_stage_details(summary: dict, out_dir: Path) -> dict[str, Path]:
+    """report-prune.png / report-distill.png for stages whose details carry importance scores or a
+    loss curve (the first of each kind; numbered when a recipe repeats a stage)."""
+    paths: dict[str, Path] = {}
+    for i, stage in enumerate(summary["stages"]):
+        details = stage.get("details") or {}
+        kind = "prune" if "importance" in details else "distill" if "loss_curve" in details else None
+        if kind is None:
+            continue
+        key = kind if kind not in paths else f"{kind}-{i}"
+        paths[key] = Path(out_dir) / f"report-{key}.png"
+        if kind == "prune":
+            plot_importance(details, paths[key])
+        else:
+            before = summary["stages"][i - 1]["ppl"] if i else summary["baseline"]["ppl"]
+            plot_distillation(details, summary["baseline"]["ppl"], before, stage["ppl"], paths[key])
     return paths
 
 
@@ -68,11 +88,23 @@ def render_markdown(summary: dict) -> str:
     for key in ("model", "recipe", "dataset", "seq_len", "tokens"):
         if key in summary:
             lines.append(f"- {key}: `{summary[key]}`")
+    if "params" in base and "params" in final:
+        lines.append(f"- parameters: {base['params'] / 1e6:.2f}M → {final['params'] / 1e6:.2f}M")
     lines += ["", "| stage | ppl | Δ vs baseline % | size MB | seconds |", "|---|---:|---:|---:|---:|"]
     lines.append(f"| baseline | {base['ppl']:.3f} | +0.00 | {base['size_bytes'] / MB:.2f} | — |")
     for s in summary["stages"]:
         lines.append(f"| {s['name']} | {s['ppl']:.3f} | {_delta_pct(s['ppl'], base['ppl']):+.2f} | "
                      f"{s['size_bytes'] / MB:.2f} | {_fmt(s.get('seconds'), '.1f')} |")
+    for s in summary["stages"]:
+        d = s.get("details") or {}
+        if "dims_after" in d:
+            changed = {k: f"{d['dims_before'][k]} → {v}" for k, v in d["dims_after"].items()
+                       if v != d["dims_before"][k]}
+            lines += ["", f"{s['name']}: " + (", ".join(f"{k} {v}" for k, v in changed.items()) or "nothing removed")
+                      + " (importance: `report-prune.png`)"]
+        if "loss_curve" in d:
+            lines += ["", f"{s['name']}: {d['steps']} steps, loss {_fmt(d['loss_first'], '.4f')} → "
+                      f"{_fmt(d['loss_last'], '.4f')} (curve: `report-distill.png`)"]
     return "\n".join(lines) + "\n"
 
 
@@ -100,5 +132,59 @@ def plot_report(summary: dict, path: Path) -> None:
     ax_size.set(title="Weight size", ylabel="MB")
     for ax in (ax_ppl, ax_size):
         ax.set_xticks(x, names, rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _figure(width: float, height: float, cols: int):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(1, cols)
+
+
+def plot_importance(details: dict, path: Path) -> None:
+    """Prune report: layer scores (kept/removed), head scores per layer, sorted MLP-channel and
+    hidden-channel scores with the cut (what lies right of the dashed line was removed)."""
+    imp = details["importance"]
+    fig, (ax_l, ax_h, ax_m, ax_e) = _figure(16, 3.8, 4)
+    layers = imp["layers"]
+    if layers["scores"] is not None:
+        colors = ["tab:blue" if i in layers["kept"] else "tab:red" for i in range(len(layers["scores"]))]
+        ax_l.bar(range(len(layers["scores"])), layers["scores"], color=colors)
+    ax_l.set(title="layers (red: removed)", xlabel="layer", ylabel="importance")
+    for row in imp["heads"]:
+        kept = set(row["kept"])
+        for h, v in enumerate(row["scores"]):
+            ax_h.scatter(row["layer"], v, color="tab:blue" if h in kept else "tab:red", s=14)
+    ax_h.set(title="attention heads (red: removed)", xlabel="layer", ylabel="importance")
+    for ax, scores, kept, of, title in (
+        (ax_m, [r["sorted_scores"] for r in imp["mlp"]["per_layer"]], imp["mlp"]["kept"], imp["mlp"]["of"],
+         "MLP channels, sorted"),
+        (ax_e, [imp["hidden"]["sorted_scores"]], imp["hidden"]["kept"], imp["hidden"]["of"], "hidden channels, sorted"),
+    ):
+        for curve in scores:
+            ax.plot([j / max(1, len(curve) - 1) for j in range(len(curve))], curve)
+        ax.axvline(kept / of, linestyle="--", color="tab:red")
+        ax.set(title=f"{title} (kept {kept}/{of})", xlabel="rank (fraction)", ylabel="importance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_distillation(details: dict, baseline: float, before: float, after: float, path: Path) -> None:
+    """Distill report: loss per step (and its parts), perplexity baseline / before / after."""
+    fig, (ax_loss, ax_ppl) = _figure(11, 4, 2)
+    curve = details["loss_curve"]
+    steps = [r["step"] for r in curve]
+    parts = [k for k in ("kl", "ce", "hidden") if curve and k in curve[0]]
+    for key in ["loss"] + (parts if len(parts) > 1 else []):  # the parts only when there are several
+        ax_loss.plot(steps, [r[key] for r in curve], label=key)
+    ax_loss.set(title="distillation loss", xlabel="step", ylabel="nats")
+    ax_loss.legend()
+    ax_ppl.bar([0, 1, 2], [baseline, before, after], color=["tab:gray", "tab:red", "tab:green"])
+    ax_ppl.set_xticks([0, 1, 2], ["baseline", "before distill", "after distill"])
+    ax_ppl.set(title="perplexity", ylabel="perplexity")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
