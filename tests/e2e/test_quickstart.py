@@ -64,3 +64,49 @@ def test_transformers_matches_our_loader_on_artifact(quickstart):
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ppl_hf = evaluate_perplexity(hf, ids, 512, max_windows=16, progress=False).ppl
     assert ppl_hf == pytest.approx(ppl_ours, rel=1e-3)
+
+
+def test_runtime_serves_the_quickstart_artifact_to_the_openai_client(quickstart):
+    """`runtime serve` on the quickstart artifact (W4A16 weights, our engine) answers the
+    official openai client, plain and streaming, with the same greedy text both ways."""
+    import socket
+    import threading
+    import time
+
+    import openai
+    import uvicorn
+
+    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.config import EngineConfig
+    from slimserve.runtime.server.app import build_app
+
+    r, out = quickstart
+    assert r.returncode == 0, r.stderr
+    engine = AsyncEngine.from_config(EngineConfig(model=str(out), kv_cache_memory="64MiB"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, api_key="sk-qs"), log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not srv.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="sk-qs")
+        assert [m.id for m in client.models.list().data] == [out.name]
+        plain = client.completions.create(model=out.name, prompt="def fibonacci(n):\n",
+                                          max_tokens=24, temperature=0)
+        assert plain.usage.completion_tokens == 24 or plain.choices[0].finish_reason == "stop"
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model=out.name, prompt="def fibonacci(n):\n", max_tokens=24, temperature=0, stream=True)
+            if c.choices)
+        assert streamed == plain.choices[0].text and len(streamed) > 10
+        chat = client.chat.completions.create(model=out.name, max_tokens=8,
+                                              messages=[{"role": "user", "content": "hi"}])
+        assert chat.choices[0].message.role == "assistant"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=client.base_url, api_key="wrong").models.list()
+    finally:
+        srv.should_exit = True
+        thread.join(30)
