@@ -244,6 +244,9 @@ def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
     return kv * float(scale) if cache.dtype == torch.float8_e4m3fn else kv
 
 
+_ATTN_BUCKET = 32  # sequences per padded attention batch on the torch path
+
+
 def paged_attention_prefill(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -270,11 +273,15 @@ def paged_attention_prefill(
     cu = cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
     single = q_lens == 1
+    ctx = context_lens.long()
     for group in (single, ~single & (q_lens > 0)):
         seqs = group.nonzero().flatten()
-        if seqs.numel():
-            _attend(query, out, key_cache, value_cache, block_tables[seqs], cu[:-1][seqs],
-                    q_lens[seqs], context_lens[seqs].long(), scale, k_scale, v_scale)
+        # sorted by context length and cut into buckets, so short contexts are not padded to
+        # the longest one (the gather and SDPA cost B x max context per bucket)
+        seqs = seqs[ctx[seqs].argsort()]
+        for part in seqs.split(_ATTN_BUCKET) if seqs.numel() else ():
+            _attend(query, out, key_cache, value_cache, block_tables[part], cu[:-1][part],
+                    q_lens[part], ctx[part], scale, k_scale, v_scale)
     return out
 
 
