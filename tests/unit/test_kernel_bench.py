@@ -1,6 +1,6 @@
 """eval/kernel_bench.py: the CPU smoke run (no CUDA: correctness at tiny shapes through the Triton
 interpreter, timings skipped) reports PASS for every kernel, and the pure helpers that turn a
-tile sweep into a dispatch table pick, merge and print as documented."""
+tile sweep into a dispatch table (eval/kbench_sweep.py) pick, merge and print as documented."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from slimserve.eval import kbench_sweep as sweep
 from slimserve.eval import kernel_bench as kb
 
 KERNELS = {
@@ -43,13 +44,13 @@ def test_suggest_picks_lowest_geomean_slowdown_and_merges_equal_neighbours():
     p1, p16, p64, p256 = (1, 8, 8), (16, 8, 8), (64, 8, 8), (256, 8, 8)
     times = {p1: {"a": 10.0, "b": 12.0}, p16: {"a": 11.0, "b": 10.0},
              p64: {"a": 20.0, "b": 10.0, "c": 9.0}, p256: {"b": 30.0, "c": 20.0}}
-    picks = kb.suggest(times, [(16, [p1, p16]), (64, [p64]), (512, []), (None, [p256])])
+    picks = sweep.suggest(times, [(16, [p1, p16]), (64, [p64]), (512, []), (None, [p256])])
     # bucket 16: a is 1.0x and 1.1x of best (geo 1.049), b is 1.2x and 1.0x (geo 1.095)
     assert [(p["bound"], p["config"]) for p in picks] == [(16, "a"), (64, "c"), (512, None),
                                                           (None, "c")]
     assert picks[0]["geo_slowdown"] == pytest.approx(1.1 ** 0.5)
     assert picks[0]["worst_slowdown"] == pytest.approx(1.1)
-    merged = kb.suggest(times, [(16, [p1, p16]), (64, [p64]), (None, [p256])])
+    merged = sweep.suggest(times, [(16, [p1, p16]), (64, [p64]), (None, [p256])])
     assert [(p["bound"], p["config"]) for p in merged] == [(16, "a"), (None, "c")]
 
 
@@ -60,7 +61,7 @@ def test_sweep_points_keep_valid_timings_and_compare_the_default():
                {**base, "config": "fast", "default": False, "us": 9.5, "valid": True},
                {**base, "config": "boom", "default": False, "error": "OutOfResources"},
                {**base, "config": "late", "default": False, "skipped": "time limit"}]
-    times, rows = kb._sweep_points(records)
+    times, rows = sweep._sweep_points(records)
     assert times == {(4, 8, 16): {"dflt": 10.0, "fast": 9.5}}
     assert rows == [{**base, "best_us": 9.5, "default_us": 10.0, "ratio": 10.0 / 9.5,
                      "within_10pct": True, "best": "fast"}]
@@ -72,7 +73,7 @@ def test_config_repr_pastes_back_to_the_same_config():
 
     scope = {"W4A16Config": W4A16Config, "W8A8Config": W8A8Config}
     for cfg in [c for _, c in DISPATCH] + [c for _, c in CONFIGS]:
-        assert eval(kb.cfg_repr(cfg), scope) == cfg
+        assert eval(sweep.cfg_repr(cfg), scope) == cfg
 
 
 def test_unknown_section_is_one_clear_line(capsys):
