@@ -40,24 +40,33 @@ SHAPES = {
 }
 
 
-def quantize_randomly(model: CausalLM, group_size: int = 128, seed: int = 0) -> int:
-    """Swap every decoder Linear for a W4A16 QuantLinear with random codes and plausible scales."""
+def quantize_randomly(model: CausalLM, group_size: int = 128, seed: int = 0,
+                      scheme_name: str = "W4A16") -> int:
+    """Swap every decoder Linear for a QuantLinear (W4A16 packed int4, group `group_size`; or
+    W8A8 int8 per channel) with random codes and plausible scales. Returns the count."""
     from slimserve.compress.quant.scheme import preset
     from slimserve.runtime.layers.quant_linear import QuantLinear
 
-    scheme = preset("W4A16")
-    scheme = replace(scheme, weights=scheme.weights.with_(group_size=group_size))
+    scheme = preset(scheme_name)
+    w8a8 = scheme.input_activations is not None
+    if not w8a8:
+        scheme = replace(scheme, weights=scheme.weights.with_(group_size=group_size))
+    fmt = "int-quantized" if w8a8 else "pack-quantized"
     g = torch.Generator(device="cpu").manual_seed(seed)
     count = 0
     for name, lin in list(model.named_modules()):
         if not isinstance(lin, nn.Linear) or name == "lm_head":
             continue
-        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme,
-                        "pack-quantized", dtype=lin.weight.dtype, device=lin.weight.device)
-        q.weight_packed.copy_(torch.randint(-2**31, 2**31 - 1, q.weight_packed.shape, generator=g,
-                                            dtype=torch.int32))
-        # |w| ~ 0.02 like the dense init: codes span +-8, so scale ~ 0.02 / 4
-        q.weight_scale.copy_(torch.rand(q.weight_scale.shape, generator=g) * 0.005 + 0.0025)
+        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme, fmt,
+                        dtype=lin.weight.dtype, device=lin.weight.device)
+        if w8a8:
+            q.weight.copy_(torch.randint(-127, 128, q.weight.shape, generator=g, dtype=torch.int8))
+        else:
+            q.weight_packed.copy_(torch.randint(-2**31, 2**31 - 1, q.weight_packed.shape,
+                                                generator=g, dtype=torch.int32))
+        # |w| ~ 0.02 like the dense init: int4 codes span +-8 (scale ~ 0.02 / 4), int8 +-127
+        span = 128 if w8a8 else 4
+        q.weight_scale.copy_((torch.rand(q.weight_scale.shape, generator=g) + 0.5) * 0.02 / span)
         model.set_submodule(name, q)
         count += 1
     return count

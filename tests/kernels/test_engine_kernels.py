@@ -36,13 +36,13 @@ def test_kernel_path_generates_the_torch_paths_tokens(monkeypatch):
     assert _greedy("triton", monkeypatch) == _greedy("torch", monkeypatch)
 
 
-def _logits(backend, monkeypatch, kv_cache_dtype):
+def _logits(backend, monkeypatch, kv_cache_dtype, scheme="W4A16"):
     monkeypatch.setenv("SLIMSERVE_KERNELS", backend)
     config = EngineConfig(model=str(DEMO_MODEL), dtype="float16", kv_cache_memory="4MiB",
                           kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(config)
     torch.manual_seed(0)
-    quantize_randomly(runner.model, group_size=128, seed=1)
+    quantize_randomly(runner.model, group_size=128, seed=1, scheme_name=scheme)
     for layer in runner.model.model.layers:  # non-trivial fp8 scales
         layer.self_attn.k_scale.fill_(0.05)
         layer.self_attn.v_scale.fill_(0.02)
@@ -54,10 +54,11 @@ def _logits(backend, monkeypatch, kv_cache_dtype):
     return first, runner.execute(decode)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
-def test_kernel_path_logits_match_torch_path_with_w4a16(monkeypatch, kv_cache_dtype):
-    got = _logits("triton", monkeypatch, kv_cache_dtype)
-    want = _logits("torch", monkeypatch, kv_cache_dtype)
+@pytest.mark.parametrize("kv_cache_dtype,scheme", [("auto", "W4A16"), ("fp8_e4m3", "W4A16"),
+                                                   ("auto", "W8A8")])
+def test_kernel_path_logits_match_torch_path_with_quantized_weights(monkeypatch, kv_cache_dtype, scheme):
+    got = _logits("triton", monkeypatch, kv_cache_dtype, scheme)
+    want = _logits("torch", monkeypatch, kv_cache_dtype, scheme)
     for g, w in zip(got, want):
         # fp16 activations through 4 layers: each op rounds to fp16 (2^-11 relative) in a
         # different order on the two paths; logits of magnitude ~|w| drift by a few fp16 ulps
