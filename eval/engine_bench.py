@@ -20,6 +20,7 @@ from torch import nn
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.engine import LLMEngine
 from slimserve.runtime.model_runner import ModelRunner
+from slimserve.runtime.models.fuse import fuse_projections
 from slimserve.runtime.models.llama import CausalLM, ModelSpec
 from slimserve.runtime.models.load import BuiltModel, random_model
 from slimserve.runtime.sequence import SamplingParams
@@ -78,8 +79,9 @@ def build_engine(spec: ModelSpec, *, quant: bool, kv_cache_dtype: str, device: s
     model = random_model(spec, dtype, torch.device(device))
     if quant:
         quantize_randomly(model)
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()  # the dense weights just replaced
+    fuse_projections(model)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the dense weights just replaced or concatenated
     built = BuiltModel(model, spec, None, kv_cache_dtype == "fp8_e4m3", quant, (), dtype)
     config = EngineConfig(model=folder, device=device, kv_cache_dtype=kv_cache_dtype, **engine_args)
     return LLMEngine(config, ModelRunner(config, built))

@@ -130,9 +130,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, batch: BatchInputs, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "qkv_proj"):  # fused at load (runtime/models/fuse.py)
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -157,6 +161,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):  # fused at load: [T, 2I] is what silu_and_mul takes
+            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
         return self.down_proj(ops.silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
 
 

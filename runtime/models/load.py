@@ -19,6 +19,7 @@ from slimserve.runtime.importers import import_checkpoint, read_quant_config
 from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loader import (SUPPORTED_QUANT_METHODS, load_state_strict, pop_kv_scales,
                                       read_safetensors, replace_linears)
+from slimserve.runtime.models.fuse import fuse_projections
 from slimserve.runtime.models.llama import CausalLM, ModelSpec, model_spec
 
 
@@ -100,6 +101,7 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         attn = model.get_submodule(name)
         attn.k_scale.fill_(k)
         attn.v_scale.fill_(v)
+    fuse_projections(model)
     has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code) if has_tok else None
     return BuiltModel(model.eval(), spec, tokenizer, bool(kv_scales), quantized,
