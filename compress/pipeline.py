@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from slimserve.compress.calibration import run_layerwise
-from slimserve.compress.errors import UnsupportedModelError
+from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import check_exportable, export_artifact
 from slimserve.compress.export.io import size_bytes
 from slimserve.compress.export.manifest import ArtifactManifest, hash_checkpoint
@@ -56,7 +56,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
         if hasattr(spec.config, "resolve_scheme"):
             check_exportable(recipe.export.format, spec.config.resolve_scheme())
     stages = [STAGES[spec.name][1](spec.config) for spec in recipe.stages]
-    _preflight(stages, model.config)
+    _preflight(recipe.stages, stages, model.config)
     model.eval()
     storage = _storage_dtype(recipe, model)
     ev = recipe.eval
@@ -113,12 +113,23 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
 
 
-def _preflight(stages: list, config) -> None:
-    """Refuse impossible shape targets before any work: each reshaping stage checks the config
-    the stages before it leave (`preflight(config) -> config`)."""
-    for stage in stages:
+def _preflight(specs, stages: list, config) -> None:
+    """Refuse impossible shape targets before any work: each reshaping stage checks the config the
+    stages before it leave (`preflight(config) -> config`), and a later group-quantization stage
+    must find every pruned Linear input width a multiple of its group size."""
+    pruned_by = None
+    for spec, stage in zip(specs, stages):
         if hasattr(stage, "preflight"):
-            config = stage.preflight(config)
+            config, pruned_by = stage.preflight(config), spec.name
+        elif pruned_by and hasattr(spec.config, "resolve_scheme"):
+            w = spec.config.resolve_scheme().weights
+            widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+                      "num_attention_heads * head_dim": config.num_attention_heads * config.head_dim}
+            for key, width in widths.items():
+                if w.strategy == "group" and width % w.group_size:
+                    raise RecipeError(
+                        f"stages: {pruned_by} leaves {key} = {width}, not a multiple of {spec.name}.group_size "
+                        f"{w.group_size}; set {pruned_by}.multiple_of: {w.group_size} or another size")
 
 
 def _keeps_teacher(stages: list, i: int) -> bool:

@@ -138,11 +138,17 @@ def test_prune_distill_quantize_loads_with_the_reported_ppl(tmp_path, tiny_check
     assert _ppl(loaded.model, loaded.tokenizer, texts) == pytest.approx(res.summary["final"]["ppl"], rel=1e-5)
 
 
-def test_impossible_target_is_refused_before_any_work(tmp_path, tiny_checkpoint, texts):
+@pytest.mark.parametrize("stages,needle", [
+    ("  - prune: {mlp: 0.25}\n  - prune: {intermediate_size: 200}",
+     "prune.intermediate_size=200 is not between 1 and the model's 191"),  # checked on the first's shape
+    ("  - prune: {mlp: 0.25, multiple_of: 32}\n  - rtn: {scheme: W4A16, group_size: 128}",
+     "prune leaves intermediate_size = 192, not a multiple of rtn.group_size 128; set prune.multiple_of: 128"),
+])
+def test_impossible_target_is_refused_before_any_work(tmp_path, tiny_checkpoint, texts, stages, needle):
     logged = []
     text = RECIPE.format(model=tiny_checkpoint, out=tmp_path / "x", calib=texts / "calib.txt",
-                         evalf=texts / "eval.txt", seq=SEQ, windows=WINDOWS,
-                         stages="  - prune: {mlp: 0.25}\n  - prune: {intermediate_size: 200}")
-    with pytest.raises(RecipeError, match=r"prune.intermediate_size=200 is not between 1 and the model's 191"):
+                         evalf=texts / "eval.txt", seq=SEQ, windows=WINDOWS, stages=stages)
+    with pytest.raises(RecipeError) as e:
         run_recipe(parse_recipe(text, tmp_path / "x.yaml"), log=logged.append, progress=False)
-    assert logged == [] and not (tmp_path / "x").exists()
+    assert needle in str(e.value)
+    assert logged == [] and not (tmp_path / "x").exists()  # no baseline measured, nothing written
