@@ -7,6 +7,7 @@ those modules exactly, so `replace_linears` and the strict loader handle the res
   GPTQ  weight_packed = qweight.T (4/8-bit, same bit layout); weight_scale = scales.T;
         zeros: unpacked, +1 per field for v1, then CT-packed along N (dropped when symmetric);
         g_idx kept as weight_g_idx (actorder "group") unless it is the default k // g.
+        GPTQModel's per-module `dynamic` overrides (bits, group_size, sym) are honoured.
   AWQ   qweight/qzeros unpacked with the interleave undone, CT-packed; weight_scale = scales.T.
 2-bit GPTQ, and v1 zero points that read back as 2^b (AutoGPTQ's zero-0 underflow, §2.4:
 every v1 kernel then subtracts 2^b, and so do we), become CT naive-quantized int8 buffers.
@@ -16,6 +17,7 @@ Everything is read through safetensors; nothing is unpickled.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -140,17 +142,22 @@ def linear_to_ct(
 
 
 def _gptq_converter(qc: dict, path: Path):
-    bits, group_size = int(qc.get("bits", 4)), qc.get("group_size", 128)
-    if bits not in (2, 4, 8):
-        raise ArtifactError(f"{path}: GPTQ bits={bits} is not supported (3-bit uses AutoGPTQ's "
-                            "word-straddling packing); supported: 2, 4, 8")
     fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ArtifactError(f"{path}: GPTQ checkpoint_format {fmt!r} is not supported; supported: "
                             "gptq (v1), gptq_v2")
-    v1, sym = fmt == "gptq", bool(qc.get("sym", True))
+    v1 = fmt == "gptq"
+    base = {"bits": int(qc.get("bits", 4)), "group_size": qc.get("group_size", 128), "sym": bool(qc.get("sym", True))}
+    dynamic = qc.get("dynamic") or {}
+    for params in [base, *(o for o in dynamic.values() if isinstance(o, dict))]:
+        bits = int(params.get("bits", base["bits"]))
+        if bits not in (2, 4, 8):
+            raise ArtifactError(f"{path}: GPTQ bits={bits} is not supported (3-bit uses AutoGPTQ's "
+                                "word-straddling packing); supported: 2, 4, 8")
 
     def convert(prefix: str, t: dict[str, torch.Tensor]) -> ConvertedLinear:
+        p = {**base, **gptq_dynamic_override(dynamic, prefix)}
+        bits, group_size, sym = int(p["bits"]), p["group_size"], bool(p["sym"])
         qweight = _take(t, f"{prefix}.qweight")  # [K*b/32, N]
         qzeros = _take(t, f"{prefix}.qzeros")  # [G, N*b/32]
         scales = _take(t, f"{prefix}.scales")  # [G, N]
@@ -161,6 +168,22 @@ def _gptq_converter(qc: dict, path: Path):
         return linear_to_ct(prefix, qweight.t(), k, zeros, scales.t(), g_idx, bits, group_size, sym)
 
     return convert
+
+
+def gptq_dynamic_override(dynamic: dict, module: str) -> dict:
+    """GPTQModel's per-module `dynamic` overrides ({bits, group_size, sym, ...}) for `module`.
+
+    Keys are regexes matched (re.match) against the full module name, in file order; the first
+    match wins. A '-:' key excludes the module (it is stored dense, so it never reaches here);
+    '+:' or no prefix applies the override dict. No match: {} (the global config applies).
+    """
+    for pattern, override in dynamic.items():
+        negative = pattern.startswith("-:")
+        raw = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
+        if re.match(raw, module):
+            return {} if negative or not isinstance(override, dict) else {
+                k: override[k] for k in ("bits", "group_size", "sym") if k in override}
+    return {}
 
 
 def _awq_converter(qc: dict, path: Path):

@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asym", action="store_true", help="asymmetric (sym=False)")
     p.add_argument("--desc-act", action="store_true", help="activation order (writes a permuting g_idx)")
+    p.add_argument("--dynamic", type=json.loads, default=None,
+                   help='GPTQModel per-module overrides as JSON, e.g. \'{"+:.*down_proj": {"bits": 8}}\'')
     p.add_argument("--format", default=None, help="GPTQModel `format` (default: its own, gptq)")
     p.add_argument("--dequant-out", type=Path, help="GPTQModel's own dequantized weights + logits")
     return p.parse_args(argv)
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         kw["act_group_aware"] = False  # GPTQModel refuses desc_act together with its default GAR
     if args.format:
         kw["format"] = args.format
+    if args.dynamic:
+        kw["dynamic"] = args.dynamic
     qcfg = QuantizeConfig(**kw)
     model = GPTQModel.load(args.model, qcfg, device="cpu")
     calibration = [{"input_ids": row, "attention_mask": [1] * len(row)} for row in ids]

@@ -11,8 +11,9 @@ AWQ skips v_proj -> o_proj), MLP 256 (down_proj has two groups of 128), vocab 51
 embeddings, bf16, seed 0, with the demo model's tokenizer files (the peers insist on one; ids
 stay below 512), and `calib.json`: 16 random windows x 128 token ids.
 `pack`: copies the checkpoint's config files and weights (no tokenizer: our loader does not need
-one) and writes `peer_reference.safetensors` = the peer's own dequantized weights of the LAST
-decoder layer's Linears (fp16 [N, K]) + `logits` + `probe_ids`, keeping each fixture ~0.5 MB.
+one) and writes `DEST.reference.safetensors` beside DEST = the peer's own dequantized weights of the LAST
+decoder layer's Linears (fp16 [N, K]) + `logits` [1, 16, 512] + `probe_ids` [1, 16] (the first 16
+positions of the peer's probe), keeping each fixture near 0.6 MB.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json", "generation_config.json",
                 "model.safetensors.index.json")
-VOCAB, LAYERS = 512, 2
+VOCAB, LAYERS, PROBE = 512, 2, 16
 
 
 def make_model(out: Path) -> None:
@@ -58,8 +59,12 @@ def pack(checkpoint: Path, dequant: Path, dest: Path) -> None:
         shutil.copy(f, dest / f.name)
     ref = load_file(str(dequant))
     last = f"model.layers.{LAYERS - 1}."
-    keep = {k: v for k, v in ref.items() if k.startswith(last) or k in ("logits", "probe_ids")}
-    save_file(keep, str(dest / "peer_reference.safetensors"))
+    keep = {k: v for k, v in ref.items() if k.startswith(last)}
+    # The model is causal: the first PROBE positions' logits depend on the first PROBE ids only.
+    keep["logits"] = ref["logits"][:, :PROBE].contiguous()
+    keep["probe_ids"] = ref["probe_ids"][:, :PROBE].contiguous()
+    # beside the folder, not in it: a loader reads every *.safetensors of a folder without an index
+    save_file(keep, str(dest.parent / f"{dest.name}.reference.safetensors"))
 
 
 if __name__ == "__main__":
