@@ -9,9 +9,10 @@ the last layer's Linears (AutoAWQ's `dequantize_gemm`, GPTQModel's `TorchQuantLi
 
 Tolerances: the dequantized weights are (q - z) * scale with fp16 scales, rounded to fp16 by
 both sides, so they must match bit for bit. Logits: AutoAWQ's reference ran in fp32 on those
-weights (only summation order differs: ~1e-6); GPTQModel's ran its fp16 torch kernel, whose
-activations carry fp16 rounding (2^-11 relative) through 2 layers of K <= 256 sums, so on these
-O(1) logits 2e-2 absolute covers it with a margin (measured below 4e-3).
+weights (only summation order can differ: measured exactly equal; 1e-5 allows reordering on
+|logits| < 1.5); GPTQModel's ran its fp16 torch kernel, whose activations carry fp16 rounding
+(2^-11 = 5e-4 relative) through 2 layers of K <= 256 sums: measured up to 6.4e-4 on |logits| < 1.5,
+so 5e-3 absolute leaves an 8x margin.
 """
 
 import json
@@ -31,10 +32,10 @@ FIXTURES = DEMO_MODEL.parents[1] / "tests" / "fixtures" / "peers"
 # name -> (logits atol, modules the peer left unquantized: AWQ modules_to_not_convert ["o_proj"],
 # GPTQModel dynamic "-:" rule; the asym-dynamic case also stores every down_proj as 8-bit sym)
 CASES = {
-    "autoawq-gemm-asym": (1e-4, ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj")),
-    "gptqmodel-sym": (2e-2, ()),
-    "gptqmodel-sym-descact": (2e-2, ()),
-    "gptqmodel-asym-dynamic": (2e-2, ("model.layers.0.self_attn.o_proj",)),
+    "autoawq-gemm-asym": (1e-5, ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj")),
+    "gptqmodel-sym": (5e-3, ()),
+    "gptqmodel-sym-descact": (5e-3, ()),
+    "gptqmodel-asym-dynamic": (5e-3, ("model.layers.0.self_attn.o_proj",)),
 }
 
 
@@ -113,7 +114,7 @@ def test_sharded_peer_checkpoint_loads_the_same(tmp_path):
     model = load_model(dst, dtype=torch.float32).model
     assert _check_weights(model, ref) == 7
     with torch.no_grad():
-        torch.testing.assert_close(model(ref["probe_ids"]).logits, ref["logits"].float(), rtol=0, atol=2e-2)
+        torch.testing.assert_close(model(ref["probe_ids"]).logits, ref["logits"].float(), rtol=0, atol=5e-3)
 
 
 @pytest.mark.parametrize("name", ["autoawq-gemm-asym", "gptqmodel-sym-descact"])
