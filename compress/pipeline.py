@@ -52,11 +52,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
             f"model {recipe.model} is already quantized; compress its unquantized base model instead"
         )
     model, tok = loaded.model, loaded.tokenizer
-    for spec in recipe.stages:  # refuse a scheme the export format cannot store before any work
-        if hasattr(spec.config, "resolve_scheme"):
-            check_exportable(recipe.export.format, spec.config.resolve_scheme())
-    stages = [STAGES[spec.name][1](spec.config) for spec in recipe.stages]
-    _preflight(recipe.stages, stages, model.config)
+    stages = _build_stages(recipe, model.config)
     model.eval()
     storage = _storage_dtype(recipe, model)
     ev = recipe.eval
@@ -111,6 +107,16 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     }
     write_report(artifact, summary)
     return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
+
+
+def _build_stages(recipe: Recipe, config) -> list:
+    """The recipe's stage objects, after refusing what cannot work before any work is done."""
+    for spec in recipe.stages:  # a scheme the export format cannot store
+        if hasattr(spec.config, "resolve_scheme"):
+            check_exportable(recipe.export.format, spec.config.resolve_scheme())
+    stages = [STAGES[spec.name][1](spec.config) for spec in recipe.stages]
+    _preflight(recipe.stages, stages, config)
+    return stages
 
 
 def _preflight(specs, stages: list, config) -> None:

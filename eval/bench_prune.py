@@ -66,6 +66,7 @@ class Row:
     ppl_distill: float | None = None  # after the distill stage (None: no distillation)
     ppl_final: float | None = None  # the artifact (after quantization when the recipe quantizes)
     distill_s: float | None = None  # seconds of the distill stage alone
+    distill_cpu_s: float | None = None  # CPU seconds (all threads) of the distill stage
     wall_s: float | None = None  # seconds of the whole child process
     gate_passed: bool | None = None  # the recipe's own perplexity gate
     tokens: int | None = None  # scored evaluation tokens
@@ -117,6 +118,7 @@ def row_from_report(row: Row, rep: dict) -> Row:
         row.extra = {"dims_after": d["dims_after"], "method": d["method"]}
     if "distill" in stages:
         row.ppl_distill, row.distill_s = stages["distill"]["ppl"], stages["distill"]["seconds"]
+        row.distill_cpu_s = stages["distill"]["details"].get("cpu_seconds")
     return row
 
 
@@ -153,12 +155,12 @@ def format_table(meta: dict, rows: list[Row]) -> str:
         "",
     ]
     head = ("recipe", "params M", "size MB", "ppl base", "ppl prune", "ppl distill", "ppl final",
-            "recovered", "distill s", "wall s", "gate")
+            "recovered", "distill s", "distill cpu s", "wall s", "gate")
     body = [head] + [(
         r.label, _fmt(r.params and r.params / 1e6, ".2f"), _fmt(r.size_bytes and r.size_bytes / 1e6, ".2f"),
         _fmt(r.ppl_base, ".3f"), _fmt(r.ppl_prune, ".3f"), _fmt(r.ppl_distill, ".3f"), _fmt(r.ppl_final, ".3f"),
         _fmt(r.recovered and 100 * r.recovered, ".0f") + ("%" if r.recovered is not None else ""),
-        _fmt(r.distill_s, ".0f"), _fmt(r.wall_s, ".0f"),
+        _fmt(r.distill_s, ".0f"), _fmt(r.distill_cpu_s, ".0f"), _fmt(r.wall_s, ".0f"),
         ("pass" if r.gate_passed else "FAIL") if r.status == "ok" else f"failed: {r.note}",
     ) for r in rows]
     widths = [max(len(row[i]) for row in body) for i in range(len(head))]
@@ -167,7 +169,9 @@ def format_table(meta: dict, rows: list[Row]) -> str:
                                enumerate(zip(cells, widths))).rstrip())
         if cells is head:
             lines.append("  ".join("-" * w for w in widths))
-    lines += ["", *check_bars(rows)]
+    lines += ["", "recovered = (ppl prune - ppl distill) / (ppl prune - ppl base); distill s: wall time of the "
+              "stage; distill cpu s: its CPU time over all threads (about 2x the wall time on an idle "
+              "2-core machine); wall s: the whole child process", "", *check_bars(rows)]
     return "\n".join(lines)
 
 

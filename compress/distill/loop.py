@@ -27,7 +27,7 @@ class TrainConfig:
     steps: int = 200  # optimizer steps
     batch_size: int = 8  # windows per step
     seq_len: int = 512  # tokens per window
-    lr: float = 1e-3  # peak learning rate
+    lr: float = 1e-4  # peak learning rate
     warmup_steps: int = 20  # linear warmup from 0 to lr
     min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
     weight_decay: float = 0.0  # AdamW decoupled weight decay

@@ -152,3 +152,25 @@ def test_impossible_target_is_refused_before_any_work(tmp_path, tiny_checkpoint,
         run_recipe(parse_recipe(text, tmp_path / "x.yaml"), log=logged.append, progress=False)
     assert needle in str(e.value)
     assert logged == [] and not (tmp_path / "x").exists()  # no baseline measured, nothing written
+
+
+def test_distill_from_a_teacher_checkpoint(tiny_checkpoint, texts):
+    from slimserve.compress.distill.stages import DistillOptions, DistillStage
+    from slimserve.compress.stage import CompressionState
+    from slimserve.runtime.loader import load_model
+
+    loaded = load_model(tiny_checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        for p in loaded.model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    state = CompressionState(loaded.model, loaded.tokenizer, torch.bfloat16, progress=False)
+    opts = DistillOptions(teacher=str(tiny_checkpoint), dataset=f"text:{texts / 'calib.txt'}", steps=2,
+                          batch_size=1, seq_len=16, hidden_weight=1.0)
+    stage = DistillStage(opts)
+    stage.prepare(state)
+    stage.apply(state)
+    d = stage.finalize(state).details
+    assert d["teacher"] == str(tiny_checkpoint) and d["steps"] == 2 and "hidden" in d["loss_curve"][0]
+    w = state.model.model.layers[0].mlp.up_proj.weight
+    assert torch.equal(w, w.to(torch.bfloat16).float())  # rounded to what the artifact will store
+    assert not state.model.training

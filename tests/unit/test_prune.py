@@ -308,3 +308,30 @@ def test_layer_perplexity_scores_find_the_identity_layer():
     assert scores.shape == (3,)
     assert abs(float(scores[1])) < 1e-5  # skipping an identity layer changes nothing
     assert not model.training
+
+
+# ---- recipe checks ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stages,needle", [
+    ("- prune: {}", "stages[0].prune: no pruning target; give at least one of heads, mlp"),
+    ("- prune: {mlp: 1.0}", "stages[0].prune.mlp"),
+    ("- prune: {mlp: 0.3, heads_mode: groups}", "stages[0].prune.heads_mode"),
+    ("- rtn: {}\n  - prune: {mlp: 0.3}", "stages[1].prune comes after rtn; prune changes the weights"),
+    ("- distill: {steps: 2}", "stages[0].distill: no teacher; the teacher is the model before the first prune"),
+])
+def test_recipe_refuses_bad_prune_and_distill_stages(stages, needle):
+    from slimserve.compress.recipe import parse_recipe
+
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(f"model: m\noutput: o\nstages:\n  {stages}\n")
+    assert needle in str(e.value)
+
+
+def test_prune_needs_calibration_only_when_scoring_from_data():
+    from slimserve.compress.recipe import parse_recipe
+
+    def needs(stage: str) -> bool:
+        return parse_recipe(f"model: m\noutput: o\nstages:\n  - prune: {stage}\n").needs_calibration
+
+    assert needs("{mlp: 0.3}") and needs("{mlp: 0.3, method: magnitude, layers: 1}")
+    assert not needs("{mlp: 0.3, method: magnitude}")
