@@ -6,9 +6,9 @@ the Hugging Face config names (`num_attention_heads`, `num_key_value_heads`, `in
 `hidden_size`, `num_layers`). Channel sizes are multiples of `multiple_of` (default 64, so group
 size 128 quantization and the GEMM kernels' tiles still fit): fractions round to the nearest
 multiple, absolute sizes must already be one. The hidden size is also a multiple of the number of
-query heads kept, which transformers 5's LlamaConfig requires even with an explicit head_dim. Attention keeps grouped-query attention intact:
-`num_attention_heads` stays a multiple of `num_key_value_heads`, with the same number of query
-heads in every KV group.
+query heads kept, which transformers 5's LlamaConfig requires even with an explicit head_dim.
+Attention keeps grouped-query attention intact: `num_attention_heads` stays a multiple of
+`num_key_value_heads`, with the same number of query heads in every KV group.
 """
 
 from __future__ import annotations

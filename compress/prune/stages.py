@@ -109,15 +109,16 @@ class PruneStage:
         self.report.seconds = time.perf_counter() - t0
 
     def _scores(self, state: CompressionState, before: Dims) -> Importance:
+        """Width scores by `method`; layer scores (only when layers go) by `layer_method`."""
         opts = self.options
         batches = list(state.calibration.split(CALIBRATION_BATCH)) if state.calibration is not None else []
         removes_layers = self._after.num_layers < before.num_layers
-        if opts.method == "activation" or (removes_layers and opts.layer_method == "cosine"):
-            measured = activation_importance(state.model, batches)
+        cosine_layers = removes_layers and opts.layer_method == "cosine"
+        measured = activation_importance(state.model, batches) if opts.method == "activation" or cosine_layers \
+            else None
         scores = measured if opts.method == "activation" else magnitude_importance(state.model)
         if removes_layers:
-            scores.layers = (layer_perplexity_scores(state.model, batches) if opts.layer_method == "perplexity"
-                             else measured.layers)
+            scores.layers = measured.layers if cosine_layers else layer_perplexity_scores(state.model, batches)
         return scores
 
     def finalize(self, state: CompressionState) -> StageReport:
@@ -152,8 +153,9 @@ def describe_plan(plan: PrunePlan, scores: Importance) -> dict:
     kept_layers = [lp.source for lp in plan.layers]
     heads, mlp = [], []
     for lp in plan.layers:
-        heads.append({"layer": lp.source, "kept": list(lp.q_heads), "removed": _removed(b.num_attention_heads, lp.q_heads),
-                      "kv_kept": list(lp.kv_heads), "scores": [round(float(x), 6) for x in scores.heads[lp.source]]})
+        heads.append({"layer": lp.source, "kept": list(lp.q_heads),
+                      "removed": _removed(b.num_attention_heads, lp.q_heads), "kv_kept": list(lp.kv_heads),
+                      "scores": [round(float(x), 6) for x in scores.heads[lp.source]]})
         removed = _removed(b.intermediate_size, lp.channels)
         mlp.append({"layer": lp.source, "removed": removed if len(removed) <= MAX_LISTED else None,
                     "sorted_scores": _curve(scores.channels[lp.source])})

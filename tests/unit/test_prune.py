@@ -79,7 +79,8 @@ def test_resolve_dims(targets, expect):
 
 @pytest.mark.parametrize("targets,needle", [
     (Targets(mlp=0.01), "prune.mlp=0.01 removes no channel"),
-    (Targets(intermediate_size=700), "prune.intermediate_size=700 is not a multiple of 64 (multiple_of); use 640 or 704"),
+    (Targets(intermediate_size=700),
+     "prune.intermediate_size=700 is not a multiple of 64 (multiple_of); use 640 or 704"),
     (Targets(intermediate_size=2048), "prune.intermediate_size=2048 is not between 1 and the model's 1023"),
     (Targets(mlp=0.3, intermediate_size=768), "prune.mlp and prune.intermediate_size are both set"),
     (Targets(num_attention_heads=5), "prune.num_attention_heads=5 cannot keep grouped-query attention"),
@@ -335,3 +336,27 @@ def test_prune_needs_calibration_only_when_scoring_from_data():
 
     assert needs("{mlp: 0.3}") and needs("{mlp: 0.3, method: magnitude, layers: 1}")
     assert not needs("{mlp: 0.3, method: magnitude}")
+
+
+@pytest.mark.parametrize("method,layer_method", [("magnitude", "perplexity"), ("activation", "cosine"),
+                                                 ("magnitude", "cosine")])
+def test_prune_stage_scores_layers_as_asked(method, layer_method):
+    from slimserve.compress.prune.stages import PruneOptions, PruneStage
+    from slimserve.compress.stage import CompressionState
+
+    model = _marked_model()
+    calib = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
+    expect = (layer_perplexity_scores(model, list(calib.split(8))) if layer_method == "perplexity"
+              else activation_importance(model, list(calib.split(8))).layers)
+    state = CompressionState(model, None, torch.bfloat16, calibration=calib)
+    stage = PruneStage(PruneOptions(layers=1, mlp=0.5, method=method, layer_method=layer_method))
+    stage.prepare(state)
+    stage.apply(state)
+    d = stage.finalize(state).details
+    imp = d["importance"]
+    # on this random model skipping a layer can even help, so the lowest score goes, whichever it is
+    assert imp["method"] == method and imp["layers"]["removed"] == [int(expect.argmin())]
+    assert imp["layers"]["scores"] == pytest.approx(expect.tolist(), abs=1e-6)
+    assert state.model.config.num_hidden_layers == 2 and state.model.config.intermediate_size == 64
+    assert d["params_after"] == count_parameters(state.model) < d["params_before"]
+    assert int(expect.argmin()) not in state.teacher_map.layers
