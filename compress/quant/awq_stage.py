@@ -11,7 +11,10 @@ Per decoder layer, for each mapping (prev -> Linears, inspected on a submodule) 
 `mappings.py`: capture the inspected submodule's inputs, grid-search the scale (awq.py), apply
 it (smoothing.py) unless no grid point beats plain RTN (then s = 1; the reference applies the
 best grid point regardless). Then clip every Linear except q/k projections on a sample of its
-inputs.
+inputs. With `quantized_inputs` (default), the layer is left fake-quantized by the scheme while
+the engine replays it to make the next layer's inputs, so layer i+1 is searched on what the
+quantized model will feed it (as GPTQ is), and its weights are restored before the next layer is
+searched (and at the end), so the quantizer that follows still sees the unquantized weights.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from slimserve.compress.targets import check_patterns, matches
 
 # Linears whose clipping AWQ skips: clipping q/k distorts attention scores (the reference's list).
 _NO_CLIP = ("q_", "k_", "query", "key", "wqkv")
-_CLIP_TOKENS = 512  # input tokens the clip search sees per Linear (reference: 512)
 _CLIP_GRID, _CLIP_MAX_SHRINK = 20, 0.5  # shrink steps i/20 for i < 10 (reference values)
 
 
@@ -50,6 +52,10 @@ class AwqOptions(BaseModel):
     n_grid: int = Field(20, ge=2)  # scale-search grid points over [0, 1], both ends included
     duo_scaling: bool = True  # s = x^a / w^(1-a) (True) or s = x^a (False)
     clip: bool = True  # also search per-(row, group) clipping thresholds
+    # input tokens the clip search sees per Linear; AutoAWQ uses 512, 4096 measured better (README)
+    clip_tokens: int = Field(4096, ge=1)
+    quantized_inputs: bool = True  # next layer searched on this layer's fake-quantized outputs
+    clip_in_search: bool = False  # score each scale candidate with its clip search applied first
     ignore: list[str] = []  # modules never rescaled or clipped (a mapping touching one is skipped)
 
     @model_validator(mode="after")
@@ -77,9 +83,12 @@ class AwqStage:
         self.report = StageReport(self.name, details={
             "scheme": describe_scheme(self.scheme),
             "n_grid": options.n_grid, "duo_scaling": options.duo_scaling, "clip": options.clip,
+            "clip_tokens": options.clip_tokens, "quantized_inputs": options.quantized_inputs,
+            "clip_in_search": options.clip_in_search,
             "mappings": [], "skipped": {}, "clipped": [],
         })
         self._t0 = 0.0
+        self._restore: list[tuple[nn.Linear, torch.Tensor]] = []  # (Linear, its unquantized weight)
 
     def prepare(self, state: CompressionState) -> None:
         self._t0 = time.perf_counter()
@@ -92,6 +101,7 @@ class AwqStage:
         run_layerwise(state, self)
 
     def compress_layer(self, ctx: LayerContext) -> None:
+        self._restore_weights()  # the previous layer fed this one while fake-quantized
         for m in ctx.mapping.smooth:
             reason = skip_reason(ctx, m, self.options.ignore)
             if reason:
@@ -100,8 +110,11 @@ class AwqStage:
             self._scale_mapping(ctx, m)
         if self.options.clip:
             self._clip_layer(ctx)
+        if self.options.quantized_inputs:
+            self._fake_quantize_layer(ctx)
 
     def finalize(self, state: CompressionState) -> StageReport:
+        self._restore_weights()
         self.report.seconds = time.perf_counter() - self._t0
         return self.report
 
@@ -118,22 +131,34 @@ class AwqStage:
     @torch.no_grad()
     def _scale_mapping(self, ctx: LayerContext, m: SmoothMapping) -> None:
         prev, lins = ctx.module(m.prev), [ctx.module(r) for r in m.linears]
-        absmean = _AbsMean()
-        handle = lins[0].register_forward_pre_hook(absmean)
+        absmean, samples = _AbsMean(), []
+        handles = [lins[0].register_forward_pre_hook(absmean)]
+        clipped = [self.options.clip and self.options.clip_in_search and not _no_clip(r) for r in m.linears]
+        if any(clipped):
+            handles.append(lins[0].register_forward_pre_hook(_sampler(samples, self._clip_step(ctx))))
         try:
             calls = ctx.capture_calls(m.inspect, ctx.device)
         finally:
-            handle.remove()
+            for h in handles:
+                h.remove()
         ref = [ctx.run_call(m.inspect, c) for c in calls]  # outputs of the unquantized submodule
         orig = [lin.weight.detach().clone() for lin in lins]
         args, sdt = self.scheme.weights, ctx.state.storage_dtype
         numel = sum(r.numel() for r in ref)
+        x_clip = torch.cat(samples)[:self.options.clip_tokens] if samples else None  # [T, K]
+
+        def quantized(w: torch.Tensor, clip: bool, s: torch.Tensor) -> torch.Tensor:
+            """Q(W * s) / s, with the clip search of W * s (on inputs x / s) applied first if `clip`."""
+            ws = w.float() * s
+            if clip:
+                ws = _clamp(ws, awq_clip_search(ws, x_clip / s, args, _CLIP_GRID, _CLIP_MAX_SHRINK, sdt))
+            return fake_quantize(ws, args, sdt) / s
 
         def loss(s: torch.Tensor) -> float:
             """Mean squared error of the inspected output with weights Q(W * s) / s."""
             try:
-                for lin, w in zip(lins, orig):
-                    lin.weight.copy_((fake_quantize(w * s, args, sdt) / s).to(w.dtype))
+                for lin, w, clip in zip(lins, orig, clipped):
+                    lin.weight.copy_(quantized(w, clip, s).to(w.dtype))
                 err = sum((ctx.run_call(m.inspect, c).float() - r.float()).pow(2).sum().item()
                           for c, r in zip(calls, ref))
             finally:
@@ -157,12 +182,26 @@ class AwqStage:
         })
 
     @torch.no_grad()
+    def _fake_quantize_layer(self, ctx: LayerContext) -> None:
+        """Quantize this layer's Linears in place until the next compress_layer/finalize restores them."""
+        args, sdt = self.scheme.weights, ctx.state.storage_dtype
+        for rel, lin in ctx.layer.named_modules():
+            if isinstance(lin, nn.Linear) and not matches(f"{ctx.prefix}.{rel}", lin, self.options.ignore):
+                self._restore.append((lin, lin.weight.detach().to("cpu", copy=True)))
+                lin.weight.copy_(fake_quantize(lin.weight, args, sdt).to(lin.weight.dtype))
+
+    @torch.no_grad()
+    def _restore_weights(self) -> None:
+        for lin, w in self._restore:
+            lin.weight.copy_(w)
+        self._restore = []
+
+    @torch.no_grad()
     def _clip_layer(self, ctx: LayerContext) -> None:
         targets = {rel: lin for rel, lin in ctx.layer.named_modules()
                    if isinstance(lin, nn.Linear) and not _no_clip(rel)
                    and not matches(f"{ctx.prefix}.{rel}", lin, self.options.ignore)}
-        total = sum(h.shape[0] * h.shape[1] for h in ctx.inputs.hidden)
-        step = max(1, total // _CLIP_TOKENS)
+        n_tok, step = self.options.clip_tokens, self._clip_step(ctx)
         samples: dict[str, list[torch.Tensor]] = {rel: [] for rel in targets}
         handles = [lin.register_forward_pre_hook(_sampler(samples[rel], step)) for rel, lin in targets.items()]
         try:
@@ -172,17 +211,28 @@ class AwqStage:
                 h.remove()
         args = self.scheme.weights
         for rel, lin in targets.items():
-            x = torch.cat(samples[rel])[:_CLIP_TOKENS]
+            x = torch.cat(samples[rel])[:n_tok]
             w = lin.weight
             max_val = awq_clip_search(w, x, args, _CLIP_GRID, _CLIP_MAX_SHRINK, ctx.state.storage_dtype)
             org_max = w.float().abs().reshape(max_val.shape[0], max_val.shape[1], -1).amax(-1)
-            lim = max_val.repeat_interleave(w.shape[1] // max_val.shape[1], dim=1)
-            w.copy_(torch.clamp(w.float(), -lim, lim).to(w.dtype))
+            w.copy_(_clamp(w.float(), max_val).to(w.dtype))
             self.report.details["clipped"].append({
                 "module": f"{ctx.prefix}.{rel}",
                 "clipped_groups": round_sig((max_val < org_max).float().mean().item(), 4),
                 "mean_shrink": round_sig((1 - max_val / org_max.clamp(min=1e-30)).mean().item(), 4),
             })
+
+
+    def _clip_step(self, ctx: LayerContext) -> int:
+        """Token stride that leaves about `clip_tokens` of the layer's calibration tokens."""
+        total = sum(h.shape[0] * h.shape[1] for h in ctx.inputs.hidden)
+        return max(1, total // self.options.clip_tokens)
+
+
+def _clamp(w: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:
+    """w [N, K] clamped to +-max_val [N, G] of its (row, group)."""
+    lim = max_val.repeat_interleave(w.shape[1] // max_val.shape[1], dim=1)
+    return torch.clamp(w, -lim, lim)
 
 
 class _AbsMean:

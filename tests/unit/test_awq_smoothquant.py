@@ -214,3 +214,60 @@ def test_rescaled_layer_copy_is_independent():
     torch.testing.assert_close(layer.mlp.down_proj.weight, other.mlp.down_proj.weight)
     torch.testing.assert_close(layer.self_attn.q_proj.weight, other.self_attn.q_proj.weight)
     torch.testing.assert_close(layer.mlp.gate_proj.weight, other.mlp.gate_proj.weight * 2)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("quantized_inputs", [True, False])
+def test_awq_stage_feeds_next_layer_quantized_outputs_and_restores_weights(tiny_checkpoint, quantized_inputs):
+    """quantized_inputs: layer 1 is searched on the outputs of layer 0 fake-quantized by the scheme
+    (what rtn will make of it), yet every weight the stage hands on is unquantized."""
+    from transformers import AutoModelForCausalLM
+
+    from slimserve.compress.calibration import run_layerwise
+    from slimserve.compress.quant.awq_stage import AwqOptions, AwqStage
+    from slimserve.compress.stage import CompressionState
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+    stage = AwqStage(AwqOptions(group_size=32, n_grid=3, quantized_inputs=quantized_inputs))
+    seen = []  # layer 1's inputs during the stage (its first replay)
+    hook = model.model.layers[1].register_forward_pre_hook(lambda _m, a: seen.append(a[0].clone()) if not seen else None)
+    stage.prepare(state)
+    run_layerwise(state, stage)
+    stage.finalize(state)
+    hook.remove()
+    args = stage.scheme.weights
+    lins = {n: m for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)}
+    assert all(not torch.equal(fake_quantize(m.weight, args, torch.bfloat16), m.weight) for m in lins.values())
+    # Recompute layer 0's output from the handed-on (scaled, clipped) weights, quantized or not.
+    if quantized_inputs:
+        for m in model.model.layers[0].modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(fake_quantize(m.weight, args, torch.bfloat16))
+    hidden = model(ids, output_hidden_states=True).hidden_states[1]
+    torch.testing.assert_close(seen[0], hidden, rtol=1e-5, atol=1e-5)  # fp32, same ops: replay-exact
+
+
+@torch.no_grad()
+def test_awq_stage_clip_search_sees_clip_tokens(tiny_checkpoint, monkeypatch):
+    """`clip_tokens` input tokens per Linear reach the clip search (all of them when fewer exist)."""
+    from transformers import AutoModelForCausalLM
+
+    from slimserve.compress.calibration import run_layerwise
+    from slimserve.compress.quant import awq_stage
+    from slimserve.compress.stage import CompressionState
+
+    seen = []
+    real = awq_stage.awq_clip_search
+    monkeypatch.setattr(awq_stage, "awq_clip_search", lambda w, x, *a: seen.append(x.shape[0]) or real(w, x, *a))
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    for clip_tokens, expect in ((40, 40), (4096, 4 * 32)):
+        seen.clear()
+        state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+        stage = awq_stage.AwqStage(awq_stage.AwqOptions(group_size=32, n_grid=2, clip_tokens=clip_tokens))
+        stage.prepare(state)
+        run_layerwise(state, stage)
+        stage.finalize(state)
+        assert seen == [expect] * 10  # v, o, gate, up, down in each of the 2 layers (never q/k)
