@@ -72,6 +72,7 @@ class Row:
     tokens: int | None = None  # scored evaluation tokens
     extra: dict = field(default_factory=dict)  # dims after pruning, importance method
     note: str = ""  # why it failed
+    control: bool = False  # a control row (a recipe edited by BenchConfig.transform): its gate means nothing
 
     @property
     def recovered(self) -> float | None:
@@ -125,7 +126,7 @@ def row_from_report(row: Row, rep: dict) -> Row:
 def run_config(cfg: BenchConfig, quick: bool, work: Path) -> Row:
     import yaml
 
-    row = Row(cfg.label, cfg.recipe)
+    row = Row(cfg.label, cfg.recipe, control=cfg.transform is not None)
     slug = cfg.label.lower().replace(" ", "-").replace("%", "").replace(",", "").replace("/", "").replace("+", "p")
     out, recipe = work / slug, work / f"{slug}.yaml"
     recipe.write_text(f"# bench_prune: {cfg.label}\n" + yaml.safe_dump(bench_recipe(cfg, quick, out), sort_keys=False))
@@ -161,7 +162,7 @@ def format_table(meta: dict, rows: list[Row]) -> str:
         _fmt(r.ppl_base, ".3f"), _fmt(r.ppl_prune, ".3f"), _fmt(r.ppl_distill, ".3f"), _fmt(r.ppl_final, ".3f"),
         _fmt(r.recovered and 100 * r.recovered, ".0f") + ("%" if r.recovered is not None else ""),
         _fmt(r.distill_s, ".0f"), _fmt(r.distill_cpu_s, ".0f"), _fmt(r.wall_s, ".0f"),
-        ("pass" if r.gate_passed else "FAIL") if r.status == "ok" else f"failed: {r.note}",
+        f"failed: {r.note}" if r.status != "ok" else "control" if r.control else "pass" if r.gate_passed else "FAIL",
     ) for r in rows]
     widths = [max(len(row[i]) for row in body) for i in range(len(head))]
     for cells in body:
@@ -170,8 +171,9 @@ def format_table(meta: dict, rows: list[Row]) -> str:
         if cells is head:
             lines.append("  ".join("-" * w for w in widths))
     lines += ["", "recovered = (ppl prune - ppl distill) / (ppl prune - ppl base); distill s: wall time of the "
-              "stage; distill cpu s: its CPU time over all threads (about 2x the wall time on an idle "
-              "2-core machine); wall s: the whole child process", "", *check_bars(rows)]
+              "stage; distill cpu s: its CPU time over all threads (up to 2x its wall time on 2 idle cores; "
+              "about 1x when other jobs share them); wall s: the whole child process; gate: the recipe's own",
+              "", *check_bars(rows)]
     return "\n".join(lines)
 
 

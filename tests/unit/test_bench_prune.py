@@ -53,14 +53,14 @@ def _report(prune_ppl, distill_ppl=None) -> dict:
 
 def test_table_and_bars():
     main = row_from_report(Row(CONFIGS[0].label, CONFIGS[0].recipe), _report(15.0, 13.8))
-    control = row_from_report(Row(CONFIGS[1].label, CONFIGS[1].recipe), _report(16.0))
+    control = row_from_report(Row(CONFIGS[1].label, CONFIGS[1].recipe, control=True), _report(16.0))
     failed = Row(CONFIGS[2].label, CONFIGS[2].recipe, status="failed", note="exit 2: boom")
     assert main.recovered == pytest.approx(0.6) and control.ppl_distill is None and main.distill_s == 400.0
     meta = {"hardware": {"cpu": "cpu", "cores": 2, "gpu": "none", "torch": "x", "python": "3"},
             "model": {"name": "demo-model", "params": 9.44e6, "dtype": "bfloat16", "path": "p"},
             "workload": {"quick": False, "tokens": 1000}}
     text = format_table(meta, [main, control, failed])
-    assert "60%" in text and "failed: exit 2: boom" in text and "15.000" in text
+    assert "60%" in text and "failed: exit 2: boom" in text and "15.000" in text and "control" in text
     bars = check_bars([main, control])
     assert bars[0].startswith("bar 1 PASS") and bars[1].startswith("bar 2 PASS")
     slow = row_from_report(Row(CONFIGS[0].label, CONFIGS[0].recipe), _report(15.0, 14.5))
