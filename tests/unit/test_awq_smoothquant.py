@@ -266,8 +266,35 @@ def test_awq_stage_clip_search_sees_clip_tokens(tiny_checkpoint, monkeypatch):
     for clip_tokens, expect in ((40, 40), (4096, 4 * 32)):
         seen.clear()
         state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
-        stage = awq_stage.AwqStage(awq_stage.AwqOptions(group_size=32, n_grid=2, clip_tokens=clip_tokens))
+        stage = awq_stage.AwqStage(awq_stage.AwqOptions(group_size=32, n_grid=2, clip_tokens=clip_tokens,
+                                                            clip_in_search=False))
         stage.prepare(state)
         run_layerwise(state, stage)
         stage.finalize(state)
         assert seen == [expect] * 10  # v, o, gate, up, down in each of the 2 layers (never q/k)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("clip_in_search,calls", [(False, 10), (True, 34)])
+def test_awq_stage_clip_in_search_scores_clipped_candidates(tiny_checkpoint, monkeypatch, clip_in_search, calls):
+    """clip_in_search: every scale candidate (and s = 1) is scored with its clip search applied to the
+    mapping's clippable Linears: per layer 3 evaluations (s = 1 and n_grid=2) x (v + gate + up + down)
+    = 12 searches, plus the 5 of the clip step itself; 2 layers."""
+    from transformers import AutoModelForCausalLM
+
+    from slimserve.compress.calibration import run_layerwise
+    from slimserve.compress.quant import awq_stage
+    from slimserve.compress.stage import CompressionState
+
+    seen = []
+    real = awq_stage.awq_clip_search
+    monkeypatch.setattr(awq_stage, "awq_clip_search", lambda *a: seen.append(1) or real(*a))
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+    stage = awq_stage.AwqStage(awq_stage.AwqOptions(group_size=32, n_grid=2, clip_in_search=clip_in_search))
+    stage.prepare(state)
+    run_layerwise(state, stage)
+    report = stage.finalize(state)
+    assert len(seen) == calls
+    assert all(m["loss_after"] <= m["loss_before"] for m in report.details["mappings"])
