@@ -360,3 +360,26 @@ def test_prune_stage_scores_layers_as_asked(method, layer_method):
     assert state.model.config.num_hidden_layers == 2 and state.model.config.intermediate_size == 64
     assert d["params_after"] == count_parameters(state.model) < d["params_before"]
     assert int(expect.argmin()) not in state.teacher_map.layers
+
+
+@pytest.mark.parametrize("config_name", ["Qwen2Config", "Qwen3Config", "MistralConfig"])
+def test_other_llama_family_layouts_prune_and_reload(config_name, tmp_path):
+    """q/k/v biases (Qwen2), per-head q/k norms and layer_types (Qwen3), Mistral: pruned, saved,
+    reloaded by plain transformers with the same logits."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_name)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    before = Dims.from_config(cfg)
+    after = resolve_dims(before, Targets(heads=0.5, mlp=0.5, hidden=0.5, layers=1, multiple_of=16))
+    imp = activation_importance(model, [IDS])
+    new = apply_plan(model, make_plan(before, after, imp.heads, imp.channels, imp.hidden, imp.layers))
+    new.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert Dims.from_config(back.config) == after
+    assert len(getattr(back.config, "layer_types", None) or [0, 0]) == 2
+    assert torch.equal(logits(back), logits(new))
