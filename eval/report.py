@@ -159,6 +159,7 @@ def plot_importance(details: dict, path: Path) -> None:
         kept = set(row["kept"])
         for h, v in enumerate(row["scores"]):
             ax_h.scatter(row["layer"], v, color="tab:blue" if h in kept else "tab:red", s=14)
+    ax_h.set_xticks([row["layer"] for row in imp["heads"]])
     ax_h.set(title="attention heads (red: removed)", xlabel="layer", ylabel="importance")
     for ax, scores, kept, of, title in (
         (ax_m, [r["sorted_scores"] for r in imp["mlp"]["per_layer"]], imp["mlp"]["kept"], imp["mlp"]["of"],
