@@ -174,3 +174,15 @@ def test_distill_from_a_teacher_checkpoint(tiny_checkpoint, texts):
     w = state.model.model.layers[0].mlp.up_proj.weight
     assert torch.equal(w, w.to(torch.bfloat16).float())  # rounded to what the artifact will store
     assert not state.model.training
+
+
+def test_distill_refuses_the_evaluation_split(tiny_checkpoint):
+    from slimserve.compress.distill.stages import DistillOptions, DistillStage
+    from slimserve.compress.stage import CompressionState
+    from slimserve.eval.datasets import DatasetError
+    from slimserve.runtime.loader import load_model
+
+    loaded = load_model(tiny_checkpoint, dtype=torch.float32)
+    state = CompressionState(loaded.model, loaded.tokenizer, torch.bfloat16, teacher=loaded.model)
+    with pytest.raises(DatasetError, match="is the evaluation split"):
+        DistillStage(DistillOptions(dataset="stdlib:validation")).prepare(state)
