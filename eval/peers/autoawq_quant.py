@@ -36,6 +36,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+from calib_ids import load_ids  # sibling file: these run as scripts
 from types import SimpleNamespace
 
 MODES = ("awq", "scaled", "fake", "rtn")
@@ -60,18 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the torch_dtype AutoAWQ passes, so the script casts the loaded model)")
     p.add_argument("--dequant-out", type=Path, help="awq mode: AutoAWQ's own dequantized weights + logits")
     return p.parse_args(argv)
-
-
-def load_ids(path: Path) -> list[list[int]]:
-    if path.suffix == ".json":
-        ids = json.loads(path.read_text())
-    else:
-        from safetensors.torch import load_file
-
-        ids = load_file(str(path))["input_ids"].tolist()
-    if not ids or len({len(row) for row in ids}) != 1:
-        raise SystemExit(f"{path}: expected a non-empty [num_samples, seq_len] array of token ids")
-    return ids
 
 
 def pseudo_quantizer(args: argparse.Namespace):

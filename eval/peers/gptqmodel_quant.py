@@ -29,6 +29,8 @@ import os
 import time
 from pathlib import Path
 
+from calib_ids import load_ids  # sibling file: these run as scripts
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,18 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--format", default=None, help="GPTQModel `format` (default: its own, gptq)")
     p.add_argument("--dequant-out", type=Path, help="GPTQModel's own dequantized weights + logits")
     return p.parse_args(argv)
-
-
-def load_ids(path: Path) -> list[list[int]]:
-    if path.suffix == ".json":
-        ids = json.loads(path.read_text())
-    else:
-        from safetensors.torch import load_file
-
-        ids = load_file(str(path))["input_ids"].tolist()
-    if not ids or len({len(row) for row in ids}) != 1:
-        raise SystemExit(f"{path}: expected a non-empty [num_samples, seq_len] array of token ids")
-    return ids
 
 
 def dump_dequant(out: Path, path: Path, probe: list[int]) -> None:

@@ -23,6 +23,8 @@ import json
 import time
 from pathlib import Path
 
+from calib_ids import load_ids  # sibling file: these run as scripts
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -37,19 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GPTQ column order (llm-compressor 0.14's default: static)")
     p.add_argument("--dampening-frac", type=float, default=0.01, help="Hessian dampening (llm-compressor's default)")
     return p.parse_args(argv)
-
-
-def load_ids(path: Path) -> list[list[int]]:
-    """The calibration windows as a list of equal-length int lists."""
-    if path.suffix == ".json":
-        ids = json.loads(path.read_text())
-    else:
-        from safetensors.torch import load_file
-
-        ids = load_file(str(path))["input_ids"].tolist()
-    if not ids or len({len(row) for row in ids}) != 1:
-        raise SystemExit(f"{path}: expected a non-empty [num_samples, seq_len] array of token ids")
-    return ids
 
 
 def gptq_modifier(bits: int, group_size: int, actorder: str, dampening_frac: float):
