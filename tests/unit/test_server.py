@@ -1,160 +1,21 @@
-"""The OpenAI-compatible server against a fake AsyncEngine (notes/engine_api.md).
+"""The OpenAI-compatible server against a fake AsyncEngine (tests/unit/server_fakes.py).
 
-The fake generates one character per step ("a", "b", "c", ... shifted by the seed) after a
-small delay, so every answer is known in advance and the tests need no model. Most tests use
-Starlette's TestClient (in-process, buffered); the official `openai` client and client
-disconnects are tested against a real uvicorn server on a free port in a thread.
+Starlette's TestClient (in-process, buffered); the official `openai` client, client disconnects
+and `runtime serve` are in test_server_live.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import threading
-import time
-from dataclasses import dataclass
 
 import httpx
-import openai
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
-
-from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams
 from slimserve.runtime.server.app import build_app
 
+from tests.unit.server_fakes import FakeEngine, _msgs, events
+
 pytestmark = pytest.mark.timeout(60)
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
-
-
-@dataclass
-class FakeStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.25
-    prefix_cache_hit_rate: float = 0.5
-    num_preemptions: int = 3
-    num_blocks: int = 64
-    block_size: int = 16
-    capacity_tokens: int = 1024
-
-
-class FakeTokenizer:
-    """One token per character (token id = code point); renders TEMPLATE-shaped chat prompts."""
-
-    eos_token_id = 0
-
-    def __init__(self, chat_template: str | None = TEMPLATE):
-        self.chat_template = chat_template
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
-        assert not tokenize and add_generation_prompt
-        if any(m["content"] == "REJECT" for m in messages):
-            raise ValueError("Conversation roles must alternate user/assistant")
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-    def encode(self, text, add_special_tokens=True):
-        return [ord(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids)
-
-
-class FakeEngine:
-    """The AsyncEngine interface, deterministic: step i yields chr(ord('a') + (i + seed) % 26)."""
-
-    def __init__(self, delay: float = 0.002, max_model_len: int = 64, chat_template=TEMPLATE):
-        self.model_name = "fake-model"
-        self.tokenizer = FakeTokenizer(chat_template)
-        self.max_model_len = max_model_len
-        self.delay = delay  # s per generated token
-        self.started = self.shut_down = False
-        self.dead = False  # generate/stats raise EngineDeadError
-        self.die_after: int | None = None  # raise EngineDeadError after this many tokens
-        self.fail_with: Exception | None = None  # generate raises this (an engine bug)
-        self.requests: list[tuple[str, list[int], SamplingParams]] = []
-        self.abort_calls: list[str] = []  # engine.abort(request_id) calls
-        self.closed_early: list[str] = []  # generators the consumer left before the end
-        self.waiting = 0
-        self._aborts: dict[str, asyncio.Event] = {}
-
-    async def start(self):
-        self.started = True
-
-    async def shutdown(self):
-        self.shut_down = True
-
-    def stats(self):
-        if self.dead:
-            raise EngineDeadError("fake engine died")
-        return FakeStats(num_running=len(self._aborts), num_waiting=self.waiting)
-
-    def abort(self, request_id):
-        self.abort_calls.append(request_id)
-        if request_id in self._aborts:
-            self._aborts[request_id].set()
-
-    def _output(self, rid, prompt, ids, text, lps, reason, stop, t) -> RequestOutput:
-        return RequestOutput(rid, prompt, [CompletionOutput(0, text, list(ids), lps and list(lps),
-                                                            reason, stop)], reason is not None,
-                             metrics=t)
-
-    async def generate(self, prompt, params, request_id):
-        if self.dead:
-            raise EngineDeadError("fake engine died")
-        if self.fail_with is not None:
-            raise self.fail_with
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise RequestError("prompt", "is empty; send at least one token")
-        if len(ids) >= self.max_model_len:
-            raise RequestError("prompt", f"has {len(ids)} tokens; limit {self.max_model_len}")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestError("max_tokens", f"ask for at most {self.max_model_len - len(ids)}")
-        self.requests.append((request_id, ids, params))
-        aborted = self._aborts[request_id] = asyncio.Event()
-        t = {"arrival": time.monotonic()}
-        out_ids, lps, finished = [], [] if params.logprobs is not None else None, False
-        try:
-            for i in range(params.max_tokens):
-                try:
-                    await asyncio.wait_for(aborted.wait(), self.delay)
-                    finished = True
-                    yield self._output(request_id, ids, out_ids, self.tokenizer.decode(out_ids),
-                                       lps, "abort", None, t)
-                    return
-                except asyncio.TimeoutError:
-                    pass
-                if self.die_after is not None and i >= self.die_after:
-                    raise EngineDeadError("fake engine died mid-request")
-                tok = ord("a") + (i + (params.seed or 0)) % 26
-                out_ids.append(tok)
-                if lps is not None:
-                    top = {tok: -0.5, tok + 1: -1.5, tok + 2: -2.5}
-                    lps.append((-0.5, dict(list(top.items())[:params.logprobs])))
-                t.setdefault("first_token", time.monotonic())
-                t["last_token"] = time.monotonic()
-                text, reason, stop = self.tokenizer.decode(out_ids), None, None
-                hits = [(text.find(s), s) for s in params.stop if s in text]
-                if hits:
-                    cut, stop = min(hits)
-                    text, reason = text[:cut], "stop"
-                elif tok in params.stop_token_ids:
-                    reason, stop = "stop", tok
-                elif i == params.max_tokens - 1:
-                    reason = "length"
-                if reason:
-                    t["finish"] = time.monotonic()
-                    finished = True
-                yield self._output(request_id, ids, out_ids, text, lps, reason, stop, t)
-                if finished:
-                    return
-        finally:
-            self._aborts.pop(request_id, None)
-            if not finished:
-                self.closed_early.append(request_id)
 
 
 @pytest.fixture
@@ -166,16 +27,6 @@ def engine():
 def client(engine):
     with TestClient(build_app(engine)) as c:
         yield c
-
-
-def events(text: str) -> list:
-    """The JSON objects of an SSE body, and the final '[DONE]' as a string."""
-    out = []
-    for block in text.strip().split("\n\n"):
-        assert block.startswith("data: "), block
-        payload = block[len("data: "):]
-        out.append(payload if payload == "[DONE]" else json.loads(payload))
-    return out
 
 
 # -- happy paths -----------------------------------------------------------------------------------
@@ -316,10 +167,6 @@ def test_models_health_metrics_and_lifespan(engine):
 
 # -- errors ----------------------------------------------------------------------------------------
 
-def _msgs(content="hi"):
-    return [{"role": "user", "content": content}]
-
-
 BAD = [  # (endpoint, body, param named in the error)
     ("completions", b'{"prompt": "hi", ', None),
     ("completions", b'["hi"]', None),
@@ -453,127 +300,3 @@ async def test_drain_ends_open_streams_with_abort():
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-# -- a real server: the official client, disconnects --------------------------------------------
-
-@pytest.fixture(scope="module")
-def live():
-    engine = FakeEngine(delay=0.01)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, api_key="sk-test"),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    yield engine, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
-
-
-def test_official_openai_client(live):
-    engine, url = live
-    c = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)
-    assert [m.id for m in c.models.list()] == ["fake-model"]
-    r = c.completions.create(model="fake-model", prompt="hi", max_tokens=3, seed=2)
-    assert r.choices[0].text == "cde" and r.usage.total_tokens == 5
-    parts = list(c.completions.create(model="fake-model", prompt="hi", max_tokens=4, stream=True,
-                                      stream_options={"include_usage": True}))
-    assert "".join(p.choices[0].text for p in parts if p.choices) == "abcd"
-    assert parts[-1].usage.completion_tokens == 4
-    r = c.chat.completions.create(model="fake-model", messages=_msgs(), max_tokens=2,
-                                  logprobs=True, top_logprobs=1)
-    assert r.choices[0].message.content == "ab" and r.choices[0].finish_reason == "length"
-    assert r.choices[0].logprobs.content[0].top_logprobs[0].token == "a"
-    parts = list(c.chat.completions.create(model="fake-model", messages=_msgs(), max_tokens=3,
-                                           stream=True))
-    assert "".join(p.choices[0].delta.content or "" for p in parts) == "abc"
-    with pytest.raises(openai.NotFoundError):
-        c.completions.create(model="nope", prompt="hi")
-    with pytest.raises(openai.BadRequestError) as e:
-        c.completions.create(model="fake-model", prompt="hi", temperature=-1)
-    assert e.value.body["param"] == "temperature"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=url + "/v1", api_key="bad", max_retries=0).models.list()
-
-
-def _wait_for(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def test_client_disconnect_aborts_the_request(live):
-    engine, url = live
-    auth = {"Authorization": "Bearer sk-test"}
-    with httpx.Client(base_url=url, headers=auth, timeout=10) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 60,
-                                                       "stream": True}) as r:
-            lines = r.iter_lines()
-            first = json.loads(next(line for line in lines if line)[len("data: "):])
-        # leaving the block closed the connection mid-stream
-        _wait_for(lambda: first["id"] in engine.closed_early or first["id"] in engine.abort_calls)
-        assert len(engine.requests[-1][1]) == 2 and engine.requests[-1][0] == first["id"]
-        n = len(engine.requests)
-        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request, abandoned while running
-            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 60}, timeout=0.1)
-        _wait_for(lambda: len(engine.requests) > n)
-        rid = engine.requests[n][0]
-        _wait_for(lambda: rid in engine.closed_early or rid in engine.abort_calls)
-
-
-# -- `runtime serve` -----------------------------------------------------------------------------
-
-def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
-    from typer.testing import CliRunner
-
-    from slimserve.runtime import cli
-    from slimserve.runtime.async_engine import AsyncEngine
-    from slimserve.runtime.errors import ArtifactError
-
-    run = CliRunner().invoke
-    for args, needle in [([str(tmp_path / "missing")], "model:"),
-                         ([str(tmp_path), "--block-size", "3"], "block_size:"),
-                         ([str(tmp_path), "--kv-cache-dtype", "int4"], "kv_cache_dtype:"),
-                         ([str(tmp_path), "--kv-cache-memory", "lots"], "kv_cache_memory:")]:
-        r = run(cli.app, ["serve", *args])
-        assert r.exit_code == 2 and needle in r.output, r.output
-        assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
-
-    seen = {}
-
-    def from_config(config):
-        seen["config"] = config
-        if config.served_model_name == "broken":
-            raise ArtifactError(f"{config.model}/config.json: quant_method 'x' is not supported")
-        return FakeEngine()
-
-    monkeypatch.setattr(AsyncEngine, "from_config", staticmethod(from_config))
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.update(server=self))
-    r = run(cli.app, ["serve", str(tmp_path), "--served-model-name", "broken"])
-    assert r.exit_code == 2 and "quant_method" in r.output
-    r = run(cli.app, ["serve", str(tmp_path), "--port", "9001", "--max-num-seqs", "3",
-                      "--max-num-batched-tokens", "256", "--max-model-len", "128",
-                      "--block-size", "32", "--kv-cache-dtype", "fp8_e4m3",
-                      "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching", "--device", "cpu",
-                      "--dtype", "float32", "--served-model-name", "m", "--api-key", "k",
-                      "--max-queue", "4"])
-    assert r.exit_code == 0, r.output
-    assert "1024 tokens" in r.output  # the engine's capacity, from stats()
-    cfg = seen["config"]
-    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, cfg.block_size,
-            cfg.kv_cache_dtype, cfg.kv_cache_memory, cfg.enable_prefix_caching, cfg.device,
-            cfg.dtype, cfg.served_model_name, cfg.trust_remote_code) == \
-        (3, 256, 128, 32, "fp8_e4m3", 2**30, False, "cpu", "float32", "m", False)
-    server = seen["server"]
-    assert (server.config.host, server.config.port) == ("127.0.0.1", 9001)
-    serving = server.config.app.state.serving
-    assert serving.max_queue == 4
-    with TestClient(server.config.app) as c:
-        assert c.get("/v1/models").status_code == 401
