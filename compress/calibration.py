@@ -25,7 +25,7 @@ from slimserve.compress.stage import CompressionState
 
 
 class _StopForward(Exception):
-    """Raised by the capture hook so the model does not run past the first decoder layer."""
+    """Raised by a hook so the model does not run past what a capture needs."""
 
 
 @dataclass(slots=True)
@@ -45,13 +45,38 @@ class LayerContext:
     device: torch.device  # compute device
     extra: dict[str, Any] = field(default_factory=dict)  # per-layer scratch space for the stage
 
-    def forward(self, module: nn.Module | None = None) -> list[torch.Tensor]:
-        """Replay every cached batch through the layer (hooks fire); returns outputs on the CPU."""
-        outs = []
-        with torch.no_grad():
-            for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
-                out = (module or self.layer)(h.to(self.device), **_to(kw, self.device))
-                outs.append((out[0] if isinstance(out, tuple) else out).cpu())
+    def forward(self, module: nn.Module | None = None,
+                stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
+        """Replay every cached batch through the layer (hooks fire); returns outputs on the CPU.
+
+        With `stop_after`, each batch stops as soon as every listed submodule has run (their
+        own hooks, registered earlier, fire first) and nothing is returned: a stage that only
+        needs the inputs of, say, q/k/v skips the rest of the layer.
+        """
+        outs: list[torch.Tensor] = []
+        pending: set[int] = set()
+        handles = []
+
+        def stop_hook(mod, _args, _out):
+            pending.discard(id(mod))
+            if not pending:
+                raise _StopForward
+
+        for sub in stop_after or ():
+            handles.append(sub.register_forward_hook(stop_hook))
+        try:
+            with torch.no_grad():
+                for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
+                    pending.update(id(sub) for sub in stop_after or ())
+                    try:
+                        out = (module or self.layer)(h.to(self.device), **_to(kw, self.device))
+                    except _StopForward:
+                        continue
+                    if not stop_after:
+                        outs.append((out[0] if isinstance(out, tuple) else out).cpu())
+        finally:
+            for handle in handles:
+                handle.remove()
         return outs
 
     def module(self, rel: str) -> nn.Module:
@@ -129,6 +154,36 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
     return cached
 
 
+def replay_dtype(state: CompressionState, stage: Any, device: torch.device) -> torch.dtype | None:
+    """The dtype layer replays run in, None for the model's own (float32).
+
+    `calibration.dtype: auto` replays in the storage dtype for stages that only collect input
+    statistics (`replay_in_storage_dtype`, e.g. GPTQ's Hessians): bf16 anywhere, fp16 on CUDA
+    only (slow on CPUs); stages that compare candidate outputs (AWQ, SmoothQuant) stay float32.
+    An explicit dtype applies to every layerwise stage.
+    """
+    name = state.calibration_dtype
+    if name == "auto":
+        if not getattr(stage, "replay_in_storage_dtype", False):
+            return None
+        dtype = state.storage_dtype
+        if dtype == torch.float16 and device.type != "cuda":
+            return None
+    else:
+        dtype = getattr(torch, name)
+    return None if dtype == torch.float32 else dtype
+
+
+def _cast(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast(x, dtype) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
+
+
 def _move_outside_layers(model: nn.Module, layers_path: str, device: torch.device) -> None:
     """Embeddings, rotary tables and the rest of the trunk go to `device`; decoder layers stay put."""
     for name, mod in model.named_modules():
@@ -150,12 +205,16 @@ def run_layerwise(state: CompressionState, stage: LayerwiseStage, batch_size: in
     mapping = mapping_for(model)
     batches = list(state.calibration.split(batch_size))
     inputs = capture_first_layer_inputs(model, mapping, batches, device)
+    dtype = replay_dtype(state, stage, device)
+    if dtype is not None:
+        inputs = LayerInputs([h.to(dtype) for h in inputs.hidden], [_cast(kw, dtype) for kw in inputs.kwargs])
     layers = decoder_layers(model, mapping)
     for i, layer in enumerate(layers):
-        layer.to(device)
+        compute = next(layer.parameters()).dtype
+        layer.to(device, dtype=dtype)
         ctx = LayerContext(i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device)
         stage.compress_layer(ctx)
         inputs = LayerInputs(ctx.forward(), inputs.kwargs)
-        layer.to("cpu")
+        layer.to("cpu", dtype=compute)
         if on_layer:
             on_layer(i + 1, len(layers))

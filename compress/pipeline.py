@@ -66,6 +66,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
 
     state = CompressionState(model=model, tokenizer=tok, storage_dtype=storage,
                              calibration_dataset=recipe.calibration.dataset, base_dir=recipe.base_dir,
+                             calibration_dtype=recipe.calibration.dtype,
                              progress=progress)
     baseline = measure("baseline")
     base_size, base_params = weight_bytes(model, {}, storage), count_parameters(model)

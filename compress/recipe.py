@@ -30,6 +30,8 @@ class CalibrationSpec(_Strict):
     num_samples: int = Field(64, gt=0)  # number of calibration sequences
     seq_len: int = Field(512, gt=1)  # tokens per calibration sequence
     seed: int = 0  # seed of the window sampler
+    # dtype layer replays run in; auto: the checkpoint's for statistics-only stages (GPTQ)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 class EvalSpec(_Strict):

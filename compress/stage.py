@@ -63,6 +63,7 @@ class CompressionState:
     kv_scales: dict[str, tuple[float, float]] = field(default_factory=dict)  # attention module -> (k, v) fp8 scales
     calibration: torch.Tensor | None = None  # [num_samples, seq_len] token ids, when a stage needs them
     calibration_dataset: str = "stdlib"  # the recipe's calibration dataset spec (distill trains on it)
+    calibration_dtype: str = "auto"  # dtype of layer replays (calibration.replay_dtype)
     base_dir: Path | None = None  # folder relative dataset paths resolve against (the recipe's)
     progress: bool = True  # whether long stages (distill) show a progress bar
     teacher: nn.Module | None = None  # frozen copy of the model before the first prune stage (CPU)

@@ -58,6 +58,7 @@ class GptqStage:
     name = "gptq"
     needs_calibration = True
     layerwise = True
+    replay_in_storage_dtype = True  # only input statistics: replays may run in bf16
 
     def __init__(self, options: GptqOptions):
         self.options = options
@@ -110,7 +111,7 @@ class GptqStage:
 
     def _quantize(self, state: CompressionState, name: str, lin: nn.Linear, h: torch.Tensor) -> None:
         args, opts = self.scheme.weights, self.options
-        w = lin.weight.data
+        w = lin.weight.data.float()  # the layer may replay in bf16 (calibration.dtype)
         res = gptq(w, h, args, state.storage_dtype, opts.block_size, opts.dampening_frac)
         rtn = quantize_weight(w.cpu(), args, state.storage_dtype)  # RTN's min/max runs on CPU only
         rtn_loss = output_loss(w, rtn.dequantize(torch.float32).to(w.device), h)
@@ -149,11 +150,20 @@ class GptqStage:
 
 
 def _collect_hessians(ctx: LayerContext, rels: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Replay the layer once with hooks; H [K, K] fp32 and the token count of each Linear."""
+    """Replay the layer (up to the last of `rels`) with hooks; H [K, K] fp32 and token counts.
+
+    Linears that read one tensor (q/k/v after the input norm, gate/up: the mapping's smooth
+    groups) share one accumulation; each gets its own copy of H.
+    """
+    owner = {rel: rel for rel in rels}
+    for m in ctx.mapping.smooth:
+        readers = [rel for rel in m.linears if rel in owner]
+        for rel in readers:
+            owner[rel] = readers[0]
     hessians: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     handles = []
-    for rel in rels:
+    for rel in dict.fromkeys(owner.values()):
         lin = ctx.module(rel)
         hessians[rel] = torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32,
                                     device=lin.weight.device)
@@ -164,10 +174,13 @@ def _collect_hessians(ctx: LayerContext, rels: list[str]) -> tuple[dict[str, tor
 
         handles.append(lin.register_forward_hook(hook))
     try:
-        ctx.forward()
+        ctx.forward(stop_after=[ctx.module(rel) for rel in rels])
     finally:
         for handle in handles:
             handle.remove()
+    for rel, first in owner.items():
+        if rel != first:
+            hessians[rel], counts[rel] = hessians[first].clone(), counts[first]
     return hessians, counts
 
 

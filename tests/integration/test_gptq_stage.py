@@ -79,7 +79,7 @@ def test_actorder_with_channel_scheme_is_a_clear_error():
         parse_recipe(text)
 
 
-def _stage_on_tiny(tiny_checkpoint, monkeypatch, **options):
+def _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype="auto", **options):
     """Run GptqStage alone (no pipeline) on the tiny model; returns (state, stage, hessian log)."""
     from transformers import AutoModelForCausalLM
 
@@ -89,7 +89,8 @@ def _stage_on_tiny(tiny_checkpoint, monkeypatch, **options):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (4, 32))
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids,
+                             calibration_dtype=calibration_dtype)
     log = []  # (group collected, modules already quantized at that moment)
     real = gptq_stage._collect_hessians
 
@@ -128,3 +129,31 @@ def test_w8a8_attaches_input_quant(tiny_checkpoint, monkeypatch):
     assert qw.args.strategy == "channel" and qw.args.actorder is None and qw.scale.shape == (128, 1)
     assert getattr(state.model.model.layers[1].mlp.down_proj, "_slimserve_input_quant") is not None
     assert report.details["loss_ratio"]["not_worse"] == 14
+
+
+def test_shared_input_hessians_and_bf16_replay(tiny_checkpoint, monkeypatch):
+    """q/k/v (and gate/up) share one accumulation but get their own H; the bf16 replay
+    (calibration.dtype auto on a bf16 checkpoint) gives the fp32 replay's Hessians to bf16
+    accuracy and leaves the model in float32."""
+    from slimserve.compress.quant import gptq_stage
+
+    seen = {}
+    real = gptq_stage._collect_hessians
+
+    def keep(ctx, rels):
+        h, counts = real(ctx, rels)
+        if ctx.index == 0 and "self_attn.q_proj" in rels:
+            seen.setdefault("runs", []).append((dict(h), dict(counts), next(ctx.layer.parameters()).dtype))
+        return h, counts
+
+    monkeypatch.setattr(gptq_stage, "_collect_hessians", keep)
+    dtypes = []
+    for calibration_dtype in ("auto", "float32"):
+        state, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, group_size=32)
+        dtypes.append({p.dtype for p in state.model.parameters()})
+    (h16, c16, dt16), (h32, c32, dt32) = seen["runs"]
+    assert (dt16, dt32) == (torch.bfloat16, torch.float32) and dtypes == [{torch.float32}] * 2
+    q, k, v = (f"self_attn.{p}_proj" for p in "qkv")
+    assert torch.equal(h16[q], h16[k]) and torch.equal(h16[q], h16[v]) and h16[q] is not h16[k]
+    assert c16[q] == c16[k] == c16[v] == 4 * 32 and c32 == c16
+    torch.testing.assert_close(h16[q], h32[q], rtol=0.02, atol=0.02 * h32[q].abs().max().item())
