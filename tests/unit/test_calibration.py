@@ -114,3 +114,26 @@ def test_bf16_replay_tracks_the_fp32_one_and_restores_the_layers(tiny_checkpoint
     assert outs["bfloat16"].dtype == torch.bfloat16
     ref = outs["float32"]
     torch.testing.assert_close(outs["bfloat16"].float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+
+
+class _Writer:
+    """Writes a bf16-exact value into q_proj (as GPTQ writes fake-quantized weights)."""
+
+    name = "write"
+
+    def compress_layer(self, ctx):
+        w = ctx.module("self_attn.q_proj").weight
+        assert w.dtype == torch.bfloat16
+        w.data.fill_(0.375)
+
+
+def test_bf16_replay_writes_back_into_the_same_fp32_storage(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16,
+                             calibration=torch.randint(0, 100, (2, 8)), calibration_dtype="bfloat16")
+    run_layerwise(state, _Writer())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # no reallocation
+    for layer in model.model.layers:
+        w = layer.self_attn.q_proj.weight
+        assert w.dtype == torch.float32 and torch.all(w == 0.375)
