@@ -12,37 +12,34 @@ cancelled by Starlette when the client goes and its generator's `finally` aborts
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.sequence import RequestOutput, SamplingParams
+from slimserve.runtime.server.http import (ClientGone, ClosingStreamingResponse, bearer_auth,
+                                           install_error_handlers, read_body, unless_disconnected)
 from slimserve.runtime.server.metrics import RequestTracker, ServerMetrics
-from slimserve.runtime.server.protocol import (MAX_BODY_BYTES, APIError, ChatCompletionRequest,
-                                               CompletionRequest, chat_logprobs, error_body,
-                                               parse_request, render_chat, sampling_params)
+from slimserve.runtime.server.protocol import (APIError, ChatCompletionRequest,
+                                               CompletionRequest, chat_logprobs, choice_params,
+                                               error_body, parse_request, render_chat,
+                                               sampling_params)
 from slimserve.runtime.server.responses import (DONE, ChatFormat, CompletionFormat, DeltaTracker,
                                                 _Format, sse)
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # Retry-After (whole s) of a 503 for a full queue: the least there is
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
 
 
 @dataclass
@@ -57,37 +54,13 @@ class _Run:
     finished: bool = False  # ended: the engine reported the end, or we aborted it
 
 
-async def _disconnected(request: Request) -> None:
-    """Return once the client has gone (the body is already read, so only disconnect remains)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, aw: Awaitable[Any]) -> Any:
-    """Await `aw`, cancelling it and raising _ClientGone if the client disconnects first."""
-    task = asyncio.ensure_future(aw)
-    watcher = asyncio.ensure_future(_disconnected(request))
+async def _next(run: _Run) -> RequestOutput:
+    """The run's next output; an engine stream that ends without a final output is an engine
+    failure (and a StopAsyncIteration must not escape into an async generator)."""
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():  # client gone, or we were cancelled (server shutdown)
-            task.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait({task})
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()
-
-
-async def _read_body(request: Request) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES // 2**20} MiB")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        return await run.gen.__anext__()
+    except StopAsyncIteration:
+        raise EngineDeadError("the engine ended the request without a final output") from None
 
 
 class OpenAIServing:
@@ -132,7 +105,7 @@ class OpenAIServing:
         return self._card()
 
     async def completions(self, request: Request) -> Response:
-        req: CompletionRequest = parse_request(await _read_body(request), CompletionRequest)
+        req: CompletionRequest = parse_request(await read_body(request), CompletionRequest)
         self._check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo: echo with logprobs needs prompt logprobs, which this "
@@ -146,10 +119,10 @@ class OpenAIServing:
         fmt = CompletionFormat(rid, self.engine.model_name, int(time.time()), self.engine.tokenizer,
                                logprobs=req.logprobs is not None, echo=echo,
                                include_usage=req.include_usage)
-        return await self._answer(request, req.prompt, params, fmt, stream=req.stream)
+        return await self._answer(request, req.prompt, params, fmt, n=req.n, stream=req.stream)
 
     async def chat(self, request: Request) -> Response:
-        req: ChatCompletionRequest = parse_request(await _read_body(request), ChatCompletionRequest)
+        req: ChatCompletionRequest = parse_request(await read_body(request), ChatCompletionRequest)
         self._check_model(req.model)
         logprobs = chat_logprobs(req)
         ids = render_chat(self.engine.tokenizer, req.messages)
@@ -167,7 +140,8 @@ class OpenAIServing:
         names = {"prompt": "messages"}
         if req.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
-        return await self._answer(request, ids, params, fmt, stream=req.stream, field_names=names)
+        return await self._answer(request, ids, params, fmt, n=req.n, stream=req.stream,
+                                  field_names=names)
 
     # -- shared ----------------------------------------------------------------------------------
 
@@ -212,8 +186,8 @@ class OpenAIServing:
         tracker = self.metrics.track()
         self.active.add(request_id)
         try:
-            first = await _unless_disconnected(request, gen.__anext__())
-        except _ClientGone:
+            first = await unless_disconnected(request, gen.__anext__())
+        except ClientGone:
             self.active.discard(request_id)
             self.engine.abort(request_id)
             tracker.finish("abort")
@@ -238,18 +212,34 @@ class OpenAIServing:
             raise APIError(500, "the engine ended the request without output") from None
 
     async def _answer(self, request: Request, prompt: str | list[int], params: SamplingParams,
-                      fmt: _Format, *, stream: bool,
+                      fmt: _Format, *, n: int, stream: bool,
                       field_names: dict[str, str] | None = None) -> Response:
         try:
-            run = await self._first(request, prompt, params, fmt.id, field_names or {})
+            runs = await self._start_all(request, prompt, params, fmt.id, n, field_names or {})
             if stream:
-                return _ClosingStreamingResponse(self._stream(run, fmt),
-                                                 media_type="text/event-stream",
-                                                 headers={"Cache-Control": "no-cache"})
-            final = await _unless_disconnected(request, self._collect(run))
-        except _ClientGone:
+                return ClosingStreamingResponse(self._stream(runs, fmt),
+                                                media_type="text/event-stream",
+                                                headers={"Cache-Control": "no-cache"})
+            finals = await unless_disconnected(request, self._collect_all(runs))
+        except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(fmt.response(final))
+        return JSONResponse(fmt.response(finals))
+
+    async def _start_all(self, request: Request, prompt: str | list[int], params: SamplingParams,
+                         request_id: str, n: int, field_names: dict[str, str]) -> list[_Run]:
+        """One engine request per choice (ids `<id>-<i>` when n > 1), started in turn so later
+        choices find the prompt in the prefix cache; a refusal ends the ones already started."""
+        runs: list[_Run] = []
+        try:
+            for i, p in enumerate(choice_params(params, n)):
+                rid = request_id if n == 1 else f"{request_id}-{i}"
+                runs.append(await self._first(request, prompt, p, rid, field_names))
+        except BaseException:
+            for run in runs:
+                self.active.discard(run.request_id)
+                await self._abort(run)
+            raise
+        return runs
 
     async def _abort(self, run: _Run) -> None:
         """Stop a request the client no longer wants: tell the engine, close its stream."""
@@ -281,81 +271,86 @@ class OpenAIServing:
             if not run.finished:
                 await self._abort(run)
 
-    async def _stream(self, run: _Run, fmt: _Format) -> AsyncIterator[str]:
+    async def _collect_all(self, runs: list[_Run]) -> list[RequestOutput]:
+        if len(runs) == 1:
+            return [await self._collect(runs[0])]
+        tasks = [asyncio.ensure_future(self._collect(run)) for run in runs]
         try:
-            for chunk in fmt.opening():
-                yield sse(chunk)
-            out = run.first
+            return list(await asyncio.gather(*tasks))
+        finally:  # one failed or we were cancelled: the others end (and abort) too
+            for task in tasks:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(tasks)
+            for task in tasks:  # their errors are this one's, already raised
+                if not task.cancelled():
+                    task.exception()
+
+    async def _outputs(self, runs: list[_Run]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, cumulative output) as the engine produces them, until all finish."""
+        if len(runs) == 1:
+            out = runs[0].first
             while True:
-                run.tracker.update(out)
-                d = run.deltas.step(out)
-                if d.text or d.token_ids or d.finish_reason:
-                    yield sse(fmt.chunk(d))
+                yield 0, out
                 if out.finished:
-                    run.finished = True
-                    break
-                out = await run.gen.__anext__()
+                    return
+                out = await _next(runs[0])
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, run: _Run) -> None:
+            try:
+                out = run.first
+                while True:
+                    await queue.put((i, out, None))
+                    if out.finished:
+                        return
+                    out = await _next(run)
+            except Exception as e:
+                await queue.put((i, None, e))
+
+        pumps = [asyncio.ensure_future(pump(i, run)) for i, run in enumerate(runs)]
+        try:
+            left = len(runs)
+            while left:
+                i, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                yield i, out
+                left -= out.finished
+        finally:
+            for task in pumps:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(pumps)
+
+    async def _stream(self, runs: list[_Run], fmt: _Format) -> AsyncIterator[str]:
+        try:
+            for chunk in fmt.opening(len(runs)):
+                yield sse(chunk)
+            last = [run.first for run in runs]
+            async with aclosing(self._outputs(runs)) as outputs:
+                async for i, out in outputs:
+                    run, last[i] = runs[i], out
+                    run.tracker.update(out)
+                    d = run.deltas.step(out)
+                    if d.text or d.token_ids or d.finish_reason:
+                        yield sse(fmt.chunk(d, i))
+                    run.finished = out.finished
             if fmt.include_usage:
-                yield sse(fmt.usage_chunk(out))
+                yield sse(fmt.usage_chunk(last))
         except Exception as e:  # headers are sent: report in-band, as vLLM does
-            if isinstance(e, (EngineDeadError, StopAsyncIteration)):
+            if isinstance(e, EngineDeadError):
                 err = error_body(f"engine stopped while serving the request: {e}", "server_error")
             else:
-                log.exception("stream of %s failed", run.request_id)
+                log.exception("stream of %s failed", fmt.id)
                 err = error_body("internal server error", "server_error")
             yield sse(err)
         finally:
-            self.active.discard(run.request_id)
-            if not run.finished:  # client gone (cancelled) or failed: free the engine's blocks
-                await self._abort(run)
+            for run in runs:
+                self.active.discard(run.request_id)
+                if not run.finished:  # client gone (cancelled) or failed: free the engine's blocks
+                    await self._abort(run)
         yield DONE
-
-
-class _ClosingStreamingResponse(StreamingResponse):
-    """Closes its body generator however the response ends. Starlette cancels the send loop on
-    a disconnect while the generator may sit at a `yield`; closing runs its `finally` (the
-    abort) now instead of whenever the garbage collector finalizes it."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-def _bearer_auth(api_key: str | None):
-    """A dependency that checks `Authorization: Bearer <key>` (constant-time compare)."""
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 api_key.encode()):
-            raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer "
-                                "<key>'", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    return check
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    async def api_error(request: Request, exc: APIError) -> Response:
-        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
-
-    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse(error_body(str(exc.detail), param=None, code=code), exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
-    async def internal(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s", request.url.path, exc_info=exc)
-        return JSONResponse(error_body("internal server error", "server_error"), 500)
-
-    app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, internal)
 
 
 def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None) -> FastAPI:
@@ -376,10 +371,10 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
     app = FastAPI(title="slimserve", lifespan=lifespan)
     serving = OpenAIServing(engine, ServerMetrics(engine), max_queue)
     app.state.serving = serving
-    _install_error_handlers(app)
+    install_error_handlers(app)
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics_text, methods=["GET"])
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_auth(api_key))])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
     v1.add_api_route("/models", serving.models, methods=["GET"])
     v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])
     v1.add_api_route("/completions", serving.completions, methods=["POST"])

@@ -9,6 +9,7 @@ because ignoring them would quietly change what the client asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
@@ -21,6 +22,7 @@ MAX_BODY_BYTES = 32 * 2**20  # request bodies above this are refused (413) befor
 # 1e-45 overflow to inf, the softmax turns NaN and torch.multinomial fails in the engine thread.
 MIN_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_CHOICES = 16  # the largest `n`: each choice is its own engine request
 
 # Known OpenAI/vLLM fields we do not implement -> the values that mean "off" and may pass.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -86,7 +88,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False  # keep generating past EOS (vLLM extension; for benchmarks)
     stream: bool = False  # answer as server-sent events
     stream_options: StreamOptions | None = None  # only with stream=true
-    n: int = 1  # choices per prompt; only 1 is served
+    n: int = 1  # choices per prompt, each its own engine request (seed + i when seeded)
     user: str | None = None  # end-user id; accepted and ignored
 
     @property
@@ -100,9 +102,9 @@ class _SamplingFields(_Strict):
 
     @field_validator("n", mode="after")
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is served, got {v}; send one request per choice")
+    def _choices(cls, v: int) -> int:
+        if not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"must be between 1 and {MAX_CHOICES}, got {v}")
         return v
 
 
@@ -215,6 +217,15 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
             ignore_eos=req.ignore_eos, logprobs=logprobs)
     except SamplingError as e:
         raise APIError(400, str(e), param=e.field) from None
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice: a seeded request samples choice i with seed + i (modulo
+    2^64, the engine's seed range), so choices differ yet the whole answer is reproducible."""
+    if n == 1:
+        return [params]
+    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**64)
+            for i in range(n)]
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:

@@ -22,11 +22,13 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """One request's usage: the prompt once, the completion tokens of every choice (as OpenAI)."""
+    prompt = len(outs[0].prompt_token_ids)
+    completion = sum(len(out.outputs[0].token_ids) for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
 
 
 def _partial_stop(text: str, stops: list[str]) -> int:
@@ -102,8 +104,8 @@ class _Format:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_object, []), "usage": usage(out)}
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object, []), "usage": usage(outs)}
 
 
 class CompletionFormat(_Format):
@@ -115,40 +117,43 @@ class CompletionFormat(_Format):
     def __init__(self, *args: Any, echo: str = "", **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.echo = echo  # prompt text prepended to the output ("" = no echo)
-        self.offset = len(echo)  # text_offset of the next token, characters
+        self.offsets: dict[int, int] = {}  # per choice: text_offset of its next token, characters
 
-    def _lp(self, d: Delta) -> dict[str, Any] | None:
+    def _lp(self, d: Delta, index: int) -> dict[str, Any] | None:
         if not self.logprobs or d.logprobs is None:
             return None
         tokens, offsets, tops = [], [], []
         for tid in d.token_ids:
             tokens.append(self.token_str(tid))
-            offsets.append(self.offset)
-            self.offset += len(tokens[-1])
+            offsets.append(self.offsets.get(index, len(self.echo)))
+            self.offsets[index] = offsets[-1] + len(tokens[-1])
         for tid, (lp, top) in zip(d.token_ids, d.logprobs):
             # OpenAI always includes the sampled token, so up to logprobs + 1 entries
             tops.append({self.token_str(t): v for t, v in {**top, tid: lp}.items()})
         return {"tokens": tokens, "token_logprobs": [lp for lp, _ in d.logprobs],
                 "top_logprobs": tops, "text_offset": offsets}
 
-    def _choice(self, text: str, d: Delta) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": self._lp(d),
+    def _choice(self, text: str, d: Delta, index: int) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": self._lp(d, index),
                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
-    def opening(self) -> list[dict[str, Any]]:
-        """Chunks sent before any output: the echoed prompt, if asked."""
+    def opening(self, n: int = 1) -> list[dict[str, Any]]:
+        """Chunks sent before any output: the echoed prompt of each choice, if asked."""
         if not self.echo:
             return []
-        return [self.chunk_envelope([{"index": 0, "text": self.echo, "logprobs": None,
-                                      "finish_reason": None, "stop_reason": None}])]
+        return [self.chunk_envelope([{"index": i, "text": self.echo, "logprobs": None,
+                                      "finish_reason": None, "stop_reason": None}])
+                for i in range(n)]
 
-    def chunk(self, d: Delta) -> dict[str, Any]:
-        return self.chunk_envelope([self._choice(d.text, d)])
+    def chunk(self, d: Delta, index: int = 0) -> dict[str, Any]:
+        return self.chunk_envelope([self._choice(d.text, d, index)])
 
-    def response(self, out: RequestOutput) -> dict[str, Any]:
-        d = DeltaTracker([]).step(out)
-        body = self._envelope(self.object, [self._choice(self.echo + d.text, d)])
-        return {**body, "usage": usage(out)}
+    def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outs):
+            d = DeltaTracker([]).step(out)
+            choices.append(self._choice(self.echo + d.text, d, i))
+        return {**self._envelope(self.object, choices), "usage": usage(outs)}
 
 
 class ChatFormat(_Format):
@@ -170,20 +175,23 @@ class ChatFormat(_Format):
             content.append(entry)
         return {"content": content}
 
-    def opening(self) -> list[dict[str, Any]]:
-        """OpenAI's first chunk announces the role with empty content."""
-        return [self.chunk_envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])]
+    def opening(self, n: int = 1) -> list[dict[str, Any]]:
+        """OpenAI's first chunk of each choice announces the role with empty content."""
+        return [self.chunk_envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                for i in range(n)]
 
-    def chunk(self, d: Delta) -> dict[str, Any]:
+    def chunk(self, d: Delta, index: int = 0) -> dict[str, Any]:
         delta = {"content": d.text} if d.text else {}
-        return self.chunk_envelope([{"index": 0, "delta": delta, "logprobs": self._lp(d),
+        return self.chunk_envelope([{"index": index, "delta": delta, "logprobs": self._lp(d),
                                      "finish_reason": d.finish_reason,
                                      "stop_reason": d.stop_reason}])
 
-    def response(self, out: RequestOutput) -> dict[str, Any]:
-        d = DeltaTracker([]).step(out)
-        choice = {"index": 0, "message": {"role": "assistant", "content": d.text},
-                  "logprobs": self._lp(d), "finish_reason": d.finish_reason,
-                  "stop_reason": d.stop_reason}
-        return {**self._envelope(self.object, [choice]), "usage": usage(out)}
+    def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outs):
+            d = DeltaTracker([]).step(out)
+            choices.append({"index": i, "message": {"role": "assistant", "content": d.text},
+                            "logprobs": self._lp(d), "finish_reason": d.finish_reason,
+                            "stop_reason": d.stop_reason})
+        return {**self._envelope(self.object, choices), "usage": usage(outs)}

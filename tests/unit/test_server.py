@@ -11,6 +11,7 @@ import asyncio
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from slimserve.runtime.errors import RequestError
 from slimserve.runtime.server.app import build_app
 
 from tests.unit.server_fakes import FakeEngine, _msgs, events
@@ -117,6 +118,64 @@ def test_stream_completion_matches_non_stream_and_usage(client):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
 
 
+def test_n_choices_seeded_apart_with_summed_usage(client, engine):
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": 1, "n": 3,
+                                             "logprobs": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == ["bcd", "cde", "def"]  # seeds 1, 2, 3
+    assert all(c["logprobs"]["text_offset"] == [0, 1, 2] for c in body["choices"])  # per choice
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 9, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    rids = [rid for rid, _, _ in engine.requests[-3:]]
+    assert rids == [f"{body['id']}-{i}" for i in range(3)]
+    assert [p.seed for _, _, p in engine.requests[-3:]] == [1, 2, 3]
+
+
+def test_n_choices_stream_interleaved_per_index(client):
+    req = {"messages": _msgs(), "max_tokens": 4, "seed": 5, "n": 2}
+    whole = client.post("/v1/chat/completions", json=req).json()
+    r = client.post("/v1/chat/completions",
+                    json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    ev = events(r.text)
+    assert ev[-1] == "[DONE]" and ev.count("[DONE]") == 1
+    chunks, usage = ev[:-2], ev[-2]
+    texts, roles, finished = {0: "", 1: ""}, [], []
+    for c in chunks:
+        (choice,) = c["choices"]
+        roles += [choice["index"]] if choice["delta"].get("role") else []
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        finished += [choice["index"]] if choice["finish_reason"] else []
+    assert sorted(roles) == [0, 1] and sorted(finished) == [0, 1]
+    assert [texts[i] for i in (0, 1)] == [c["message"]["content"] for c in whole["choices"]]
+    assert texts[0] != texts[1] and usage["usage"]["completion_tokens"] == 8
+
+
+def test_a_refused_later_choice_ends_the_started_ones(client, engine, monkeypatch):
+    real, calls = engine.generate, []
+
+    def generate(prompt, params, request_id):
+        calls.append(request_id)
+        if len(calls) == 2:
+            raise RequestError("max_tokens", "too many for the second choice")
+        return real(prompt, params, request_id)
+
+    monkeypatch.setattr(engine, "generate", generate)
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 30, "n": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert len(calls) == 2 and calls[0] in engine.abort_calls
+
+
+def test_choice_seeds_wrap_into_the_seed_range():
+    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.server.protocol import choice_params
+
+    seeds = [p.seed for p in choice_params(SamplingParams(max_tokens=1, seed=2**64 - 1), 3)]
+    assert seeds == [2**64 - 1, 0, 1]
+    assert [p.seed for p in choice_params(SamplingParams(max_tokens=1), 2)] == [None, None]
+
+
 def test_stream_chat_chunks(client):
     r = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
@@ -188,7 +247,8 @@ BAD = [  # (endpoint, body, param named in the error)
     ("completions", {"prompt": ["a", "b"]}, "prompt"),
     ("completions", {"prompt": [1, "b"]}, "prompt"),
     ("completions", {"prompt": 5}, "prompt"),
-    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "n": 17}, "n"),
+    ("chat/completions", {"messages": _msgs(), "n": 0}, "n"),
     ("completions", {"prompt": "hi", "stop": [1]}, "stop"),
     ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("completions", {"prompt": "hi", "logprobs": True}, "logprobs"),

@@ -140,3 +140,15 @@ def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
     assert serving.max_queue == 4
     with TestClient(server.config.app) as c:
         assert c.get("/v1/models").status_code == 401
+
+
+def test_disconnect_aborts_every_choice(live):
+    engine, url = live
+    auth = {"Authorization": "Bearer sk-test"}
+    with httpx.Client(base_url=url, headers=auth, timeout=10) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 60, "n": 3,
+                                                       "stream": True}) as r:
+            first = json.loads(next(line for line in r.iter_lines() if line)[len("data: "):])
+    rids = [f"{first['id']}-{i}" for i in range(3)]
+    _wait_for(lambda: all(rid in engine.closed_early or rid in engine.abort_calls for rid in rids))
+

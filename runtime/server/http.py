@@ -1,0 +1,103 @@
+"""HTTP glue of the server: bearer-token auth, OpenAI-style error handlers, a streaming response
+that always closes its body generator, body size limit, client-disconnect watching."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slimserve.runtime.server.protocol import MAX_BODY_BYTES, APIError, error_body
+
+log = logging.getLogger("slimserve.runtime.server.app")
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body generator however the response ends. Starlette cancels the send loop on
+    a disconnect while the generator may sit at a `yield`; closing runs its `finally` (the
+    abort) now instead of whenever the garbage collector finalizes it."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def bearer_auth(api_key: str | None):
+    """A dependency that checks `Authorization: Bearer <key>` (constant-time compare)."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 api_key.encode()):
+            raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer "
+                                "<key>'", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(error_body(str(exc.detail), param=None, code=code), exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    async def internal(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal server error", "server_error"), 500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body is already read, so only disconnect remains)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, aw: Awaitable[Any]) -> Any:
+    """Await `aw`, cancelling it and raising ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():  # client gone, or we were cancelled (server shutdown)
+            task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def read_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES // 2**20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
