@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slimserve.eval.bench_quant import hardware_info, run_child
+from slimserve.eval.bench_quant import fmt_cell, hardware_info, hardware_line, run_child
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "recipes" / "demo-model"
 DEFAULT_LAYERS = (8, 32)
@@ -147,18 +147,15 @@ def verdict(rows: list[Row], tolerance: float = TOLERANCE) -> Verdict:
     return Verdict(lo.layers, hi.layers, ratio, grows, per_param, text)
 
 
-def _fmt(value, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
-
-
 def format_table(meta: dict, rows: list[Row], v: Verdict) -> str:
     """The benchmark's one table: hardware, model, workload, a row per depth, the verdict."""
     hw, m, wl = meta["hardware"], meta["model"], meta["workload"]
     lines = [
-        f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}, python {hw['python']}",
+        hardware_line(hw),
         f"model: random-init LlamaForCausalLM, demo-model width (hidden {m['hidden_size']}, intermediate "
         f"{m['intermediate_size']}, {m['heads']} heads / {m['kv_heads']} KV heads x {m['head_dim']}, "
-        f"vocab {m['vocab_size']}), bf16 checkpoint, compressed in fp32; tokenizer: {m['tokenizer']}",
+        f"vocab {m['vocab_size']}), bf16 checkpoint, compressed in fp32 (GPTQ replays in bf16); "
+        f"tokenizer: {m['tokenizer']}",
         f"workload: compress run, gptq W4A16 g{wl['group_size']}; calibration stdlib train "
         f"{wl['num_samples']} x {wl['calib_seq_len']} tokens, seed {wl['seed']}; eval stdlib validation "
         f"{wl['max_windows']} windows x {wl['eval_seq_len']} (baseline + after gptq); export compressed-tensors; "
@@ -167,7 +164,8 @@ def format_table(meta: dict, rows: list[Row], v: Verdict) -> str:
     head = ("layers", "params M", "weight MB bf16", "fp32 MB", "peak RSS MB", "RSS - fp32 MB", "gptq s", "wall s", "note")
     body = [head] + [(
         str(r.layers), f"{r.params / 1e6:.2f}", f"{r.weight_mb:.0f}", f"{r.fp32_mb:.0f}",
-        _fmt(r.peak_rss_mb, ".0f"), _fmt(r.working_mb, ".0f"), _fmt(r.gptq_s, ".1f"), _fmt(r.wall_s, ".1f"),
+        fmt_cell(r.peak_rss_mb, ".0f"), fmt_cell(r.working_mb, ".0f"), fmt_cell(r.gptq_s, ".1f"),
+        fmt_cell(r.wall_s, ".1f"),
         "" if r.status == "ok" else f"{r.status}: {r.note}",
     ) for r in rows]
     widths = [max(len(row[i]) for row in body) for i in range(len(head) - 1)]

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slimserve.eval.bench_quant import hardware_info, model_info, run_child
+from slimserve.eval.bench_quant import fmt_cell, hardware_info, hardware_line, model_info, run_child
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 RECOVERY_BAR = 0.5  # distillation must win back at least this share of the ppl lost to pruning
@@ -140,17 +140,13 @@ def run_config(cfg: BenchConfig, quick: bool, work: Path) -> Row:
     return row_from_report(row, json.loads(report.read_text()))
 
 
-def _fmt(value, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
-
-
 def format_table(meta: dict, rows: list[Row]) -> str:
     """The one table with its header (hardware, model, workload) and the two bars checked."""
     hw, m, wl = meta["hardware"], meta["model"], meta["workload"]
     lines = [
-        f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}, python {hw['python']}",
+        hardware_line(hw),
         f"model: {m['name']} ({m['params'] / 1e6:.2f}M params, {m['dtype']}) at {m['path']}",
-        f"workload: eval stdlib validation, seq_len 512, {_fmt(wl['tokens'], ',')} scored tokens; calibration and "
+        f"workload: eval stdlib validation, seq_len 512, {fmt_cell(wl['tokens'], ',')} scored tokens; calibration and "
         f"distillation: stdlib "
         f"train split{' (quick: 16 calibration windows, 1/10 of the distillation steps)' if wl['quick'] else ''}",
         "",
@@ -158,10 +154,11 @@ def format_table(meta: dict, rows: list[Row]) -> str:
     head = ("recipe", "params M", "size MB", "ppl base", "ppl prune", "ppl distill", "ppl final",
             "recovered", "distill s", "distill cpu s", "wall s", "gate")
     body = [head] + [(
-        r.label, _fmt(r.params and r.params / 1e6, ".2f"), _fmt(r.size_bytes and r.size_bytes / 1e6, ".2f"),
-        _fmt(r.ppl_base, ".3f"), _fmt(r.ppl_prune, ".3f"), _fmt(r.ppl_distill, ".3f"), _fmt(r.ppl_final, ".3f"),
-        _fmt(r.recovered and 100 * r.recovered, ".0f") + ("%" if r.recovered is not None else ""),
-        _fmt(r.distill_s, ".0f"), _fmt(r.distill_cpu_s, ".0f"), _fmt(r.wall_s, ".0f"),
+        r.label, fmt_cell(r.params and r.params / 1e6, ".2f"), fmt_cell(r.size_bytes and r.size_bytes / 1e6, ".2f"),
+        fmt_cell(r.ppl_base, ".3f"), fmt_cell(r.ppl_prune, ".3f"), fmt_cell(r.ppl_distill, ".3f"),
+        fmt_cell(r.ppl_final, ".3f"),
+        fmt_cell(r.recovered and 100 * r.recovered, ".0f") + ("%" if r.recovered is not None else ""),
+        fmt_cell(r.distill_s, ".0f"), fmt_cell(r.distill_cpu_s, ".0f"), fmt_cell(r.wall_s, ".0f"),
         f"failed: {r.note}" if r.status != "ok" else "control" if r.control else "pass" if r.gate_passed else "FAIL",
     ) for r in rows]
     widths = [max(len(row[i]) for row in body) for i in range(len(head))]

@@ -140,26 +140,32 @@ def add_ratios(rows: list[Row]) -> None:
         r.ratio = r.drift / ref if r.drift is not None and ref is not None and ref > 0 else None
 
 
-def _fmt(value, spec: str) -> str:
+def fmt_cell(value, spec: str) -> str:
+    """A table cell: `value` formatted, or an em dash when there is none."""
     return "—" if value is None else format(value, spec)
+
+
+def hardware_line(hw: dict) -> str:
+    """The `hardware:` header line of every benchmark table (from hardware_info())."""
+    return f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}, python {hw['python']}"
 
 
 def format_table(meta: dict, rows: list[Row]) -> str:
     """The benchmark's one table: header lines (hardware, model, workload), rows, column notes."""
     hw, m, wl = meta["hardware"], meta["model"], meta["workload"]
     lines = [
-        f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}, python {hw['python']}",
+        hardware_line(hw),
         f"model: {m['name']} ({m['params'] / 1e6:.2f}M params, {m['dtype']}) at {m['path']}",
-        f"workload: eval {wl['dataset']} validation, seq_len {wl['eval_seq_len']}, {_fmt(wl['windows'], 'd')} "
-        f"windows = {_fmt(wl['tokens'], ',')} scored tokens; calibration {wl['dataset']} train, "
+        f"workload: eval {wl['dataset']} validation, seq_len {wl['eval_seq_len']}, {fmt_cell(wl['windows'], 'd')} "
+        f"windows = {fmt_cell(wl['tokens'], ',')} scored tokens; calibration {wl['dataset']} train, "
         f"{wl['num_samples']} x {wl['calib_seq_len']} tokens, seed {wl['seed']}",
     ]
     if meta.get("peer"):
         lines.append(f"peer: {meta['peer']}")
     head = ("scheme", "method", "ppl", "drift %", "x RTN", "quant s", "wall s", "peak RSS MB", "note")
     body = [head] + [(
-        r.scheme, r.method, _fmt(r.ppl, ".4f"), _fmt(None if r.drift is None else 100 * r.drift, "+.2f"),
-        _fmt(r.ratio, ".2f"), _fmt(r.quant_s, ".1f"), _fmt(r.wall_s, ".1f"), _fmt(r.rss_mb, ".0f"),
+        r.scheme, r.method, fmt_cell(r.ppl, ".4f"), fmt_cell(None if r.drift is None else 100 * r.drift, "+.2f"),
+        fmt_cell(r.ratio, ".2f"), fmt_cell(r.quant_s, ".1f"), fmt_cell(r.wall_s, ".1f"), fmt_cell(r.rss_mb, ".0f"),
         r.note if r.status == "ok" else f"{r.status}: {r.note}",
     ) for r in rows]
     widths = [max(len(row[i]) for row in body) for i in range(len(head) - 1)]

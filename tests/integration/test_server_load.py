@@ -4,19 +4,17 @@ may answer 5xx, and the KV cache must be empty afterwards (no leaked blocks)."""
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from slimserve.runtime.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.server.app import build_app
 
 from tests.conftest import DEMO_MODEL
+from tests.live_server import serve_in_thread
 
 N_VALID, N_CANCEL, N_INVALID = 160, 24, 16
 
@@ -25,19 +23,8 @@ N_VALID, N_CANCEL, N_INVALID = 160, 24, 16
 def server():
     engine = AsyncEngine.from_config(EngineConfig(model=str(DEMO_MODEL), max_num_seqs=64,
                                                   max_num_batched_tokens=512))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(30)
+    with serve_in_thread(build_app(engine), start_timeout=60) as url:
+        yield url, engine
 
 
 async def _stream(client, body, cancel_after=None):

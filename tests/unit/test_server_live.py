@@ -5,8 +5,6 @@ the official `openai` client, client disconnects, and the `runtime serve` comman
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -16,6 +14,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from slimserve.runtime.server.app import build_app
 
+from tests.live_server import serve_in_thread
 from tests.unit.server_fakes import FakeEngine, _msgs
 
 pytestmark = pytest.mark.timeout(60)
@@ -24,20 +23,8 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def live():
     engine = FakeEngine(delay=0.01)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, api_key="sk-test"),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    yield engine, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with serve_in_thread(build_app(engine, api_key="sk-test")) as url:
+        yield engine, url
 
 
 def test_official_openai_client(live):
