@@ -157,24 +157,20 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
 
 @contextmanager
 def _on_device(layer: nn.Module, device: torch.device, dtype: torch.dtype | None):
-    """The layer on `device` (in `dtype`) for the block, then back where it was.
+    """The layer on `device` (in `dtype`) for the block, then back in its CPU storage.
 
-    Without a dtype change the layer just moves. With one, each floating tensor gets a working
-    copy and its original storage is kept and written back at the end: casting the layer back
-    and forth would free and reallocate every layer's weights, and the allocator's fragmentation
-    then grew the process by ~10 bytes per parameter (bench_memory, 32 layers).
+    Each floating tensor gets a working copy and its original storage is kept and written back
+    at the end: moving or casting the layer back and forth would free and reallocate every
+    layer's weights, and the allocator's fragmentation then grew the process by ~10 bytes per
+    parameter (bench_memory, 32 layers, bf16 replays).
     """
-    if dtype is None:
-        layer.to(device)
-        try:
-            yield
-        finally:
-            layer.to("cpu")
+    if device.type == "cpu" and dtype is None:
+        yield
         return
     tensors = [t for t in list(layer.parameters()) + list(layer.buffers()) if t.is_floating_point()]
     originals = [t.data for t in tensors]
     for t, orig in zip(tensors, originals):
-        t.data = orig.to(device=device, dtype=dtype)
+        t.data = orig.to(device=device, dtype=dtype or orig.dtype)
     try:
         yield
     finally:
@@ -225,12 +221,16 @@ def _move_outside_layers(model: nn.Module, layers_path: str, device: torch.devic
 
 
 def run_layerwise(state: CompressionState, stage: LayerwiseStage, batch_size: int = 8,
-                  device: torch.device | str = "cpu",
+                  device: torch.device | str | None = None,
                   on_layer: Callable[[int, int], None] | None = None) -> None:
-    """Apply a layerwise stage to every decoder layer, feeding each the compressed previous one."""
+    """Apply a layerwise stage to every decoder layer, feeding each the compressed previous one.
+
+    Layers run on `device` (default: the recipe's, `state.device`) one at a time; the cached
+    activations stay on the CPU and the whole model is back on the CPU afterwards.
+    """
     if state.calibration is None:
         raise RuntimeError("layerwise stages need calibration data; the pipeline builds it first")
-    model, device = state.model, torch.device(device)
+    model, device = state.model, torch.device(device) if device is not None else state.device
     mapping = mapping_for(model)
     batches = list(state.calibration.split(batch_size))
     inputs = capture_first_layer_inputs(model, mapping, batches, device)
@@ -238,10 +238,13 @@ def run_layerwise(state: CompressionState, stage: LayerwiseStage, batch_size: in
     if dtype is not None:
         inputs = LayerInputs([h.to(dtype) for h in inputs.hidden], [_cast(kw, dtype) for kw in inputs.kwargs])
     layers = decoder_layers(model, mapping)
-    for i, layer in enumerate(layers):
-        with _on_device(layer, device, dtype):
-            ctx = LayerContext(i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device)
-            stage.compress_layer(ctx)
-            inputs = LayerInputs(ctx.forward(), inputs.kwargs)
-        if on_layer:
-            on_layer(i + 1, len(layers))
+    try:
+        for i, layer in enumerate(layers):
+            with _on_device(layer, device, dtype):
+                ctx = LayerContext(i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device)
+                stage.compress_layer(ctx)
+                inputs = LayerInputs(ctx.forward(), inputs.kwargs)
+            if on_layer:
+                on_layer(i + 1, len(layers))
+    finally:
+        _move_outside_layers(model, mapping.layers, torch.device("cpu"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from slimserve.compress.calibration import run_layerwise
+from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import check_exportable, export_artifact
 from slimserve.compress.export.io import size_bytes
@@ -46,6 +48,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     """Run every stage of `recipe`, gate on perplexity drift, export and report."""
     t_start = time.perf_counter()
     torch.manual_seed(0)
+    device = resolve_device(recipe.device, "device")  # before any work: an absent GPU is a recipe error
     loaded = load_model(recipe.model, dtype=COMPUTE_DTYPE)
     if loaded.quantized:
         raise UnsupportedModelError(
@@ -60,14 +63,18 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     eval_ids = encode_documents(tok, load_texts(eval_spec))
 
     def measure(label: str):
-        res = evaluate_perplexity(state.model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size, progress=progress)
+        with _on(state.model, state.device):
+            res = evaluate_perplexity(state.model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size,
+                                      progress=progress)
         log(f"{label}: ppl {res.ppl:.4f} over {res.tokens} tokens ({res.seconds:.1f}s)")
         return res
 
     state = CompressionState(model=model, tokenizer=tok, storage_dtype=storage,
                              calibration_dataset=recipe.calibration.dataset, base_dir=recipe.base_dir,
                              calibration_dtype=recipe.calibration.dtype,
-                             progress=progress)
+                             device=device, progress=progress)
+    if state.device.type != "cpu":
+        log(f"device: {state.device} (calibration replays layer by layer; evaluation holds the whole model)")
     baseline = measure("baseline")
     base_size, base_params = weight_bytes(model, {}, storage), count_parameters(model)
     if recipe.needs_calibration:
@@ -173,6 +180,19 @@ def _run_stage(spec, stage, state: CompressionState, measure, storage: torch.dty
     report.ppl = measure(f"after {spec.name}").ppl
     report.size_bytes = weight_bytes(state.model, state.quantized, storage)
     return report
+
+
+@contextmanager
+def _on(model: nn.Module, device: torch.device):
+    """The whole model on `device` for the block (perplexity), then back on the CPU."""
+    if device.type == "cpu":
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to("cpu")
 
 
 def _storage_dtype(recipe: Recipe, model: nn.Module) -> torch.dtype:

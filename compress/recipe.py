@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from slimserve.compress.devices import parse_device
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.registry import STAGE_SPECS, STAGES
 
@@ -50,6 +51,7 @@ class RecipeModel(_Strict):
     model: str  # HF model id or a path (relative to the recipe file)
     output: str  # artifact folder (relative to the recipe file)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # storage dtype of the artifact
+    device: str = "auto"  # calibration replays and perplexity: auto (cuda when available), cpu, cuda:N
     calibration: CalibrationSpec = CalibrationSpec()
     eval: EvalSpec = EvalSpec()
     stages: list[dict[str, Any]] = Field(min_length=1)
@@ -69,6 +71,7 @@ class Recipe:
     model: str  # resolved model path, or the HF id when no such local path exists
     output: Path  # resolved artifact folder
     dtype: str  # storage dtype: auto (the checkpoint's) or an explicit one
+    device: str  # compute device of calibration and evaluation (compress/devices.py)
     calibration: CalibrationSpec
     eval: EvalSpec
     stages: tuple[StageSpec, ...]
@@ -104,6 +107,7 @@ def parse_recipe(text: str, path: Path | None = None, output: str | Path | None 
     if not isinstance(raw, dict):
         raise RecipeError(f"{where}: a recipe is a YAML mapping with keys model, output, stages, ...")
     top = _validate(RecipeModel, raw, "")
+    parse_device(top.device, "device")
     stages = tuple(_parse_stage(i, s) for i, s in enumerate(top.stages))
     _check_order(stages)
     base = path.parent if path else Path.cwd()
@@ -113,6 +117,7 @@ def parse_recipe(text: str, path: Path | None = None, output: str | Path | None 
         model=_resolve_model(top.model, base),
         output=(Path(output) if output is not None else base / top.output).resolve(),
         dtype=top.dtype,
+        device=top.device,
         calibration=top.calibration,
         eval=top.eval,
         stages=stages,

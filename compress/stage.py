@@ -64,6 +64,7 @@ class CompressionState:
     calibration: torch.Tensor | None = None  # [num_samples, seq_len] token ids, when a stage needs them
     calibration_dataset: str = "stdlib"  # the recipe's calibration dataset spec (distill trains on it)
     calibration_dtype: str = "auto"  # dtype of layer replays (calibration.replay_dtype)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # calibration + eval device
     base_dir: Path | None = None  # folder relative dataset paths resolve against (the recipe's)
     progress: bool = True  # whether long stages (distill) show a progress bar
     teacher: nn.Module | None = None  # frozen copy of the model before the first prune stage (CPU)

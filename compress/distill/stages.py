@@ -17,6 +17,7 @@ from torch import nn
 
 from slimserve.compress.distill.loop import HiddenMap, TrainConfig, distill
 from slimserve.compress.distill.losses import LossWeights
+from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.stage import CompressionState, StageReport
 from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
@@ -45,7 +46,7 @@ class DistillOptions(BaseModel):
     hidden_weight: float = Field(0.0, ge=0)  # weight of the hidden-state MSE on mapped layers
     hidden_layers: list[int] | None = None  # student layers matched by the hidden MSE; None: all
     gradient_checkpointing: bool = False  # recompute activations in backward (saves memory)
-    device: str = "auto"  # 'auto' (cuda when available), 'cpu', 'cuda', 'cuda:1', ...
+    device: str = "auto"  # 'auto' (the recipe's device), 'cpu', 'cuda', 'cuda:1', ...
     # bf16 autocast of the forwards: 'auto' = on CUDA only; CPUs with AVX512-BF16/AMX gain ~1.5x too
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     seed: int = 0  # seed of the window sampler
@@ -131,7 +132,7 @@ class DistillStage:
 
     def apply(self, state: CompressionState) -> None:
         t0, cpu0 = time.perf_counter(), time.process_time()
-        device = _device(self.options.device)
+        device = resolve_device(self.options.device, f"stages.{self.name}.device", auto=state.device)
         student, teacher = state.model, self._teacher
         student.to(device)
         teacher.to(device)
@@ -173,15 +174,6 @@ def round_to_storage(model: nn.Module, storage: torch.dtype) -> None:
     measured after this stage is the perplexity of what the artifact holds."""
     for p in model.parameters():
         p.copy_(p.to(storage).to(p.dtype))
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RecipeError(f"distill.device={name!r} but no CUDA device is available; use device: auto or cpu")
-    return dev
 
 
 def describe_training(opts: DistillOptions, history: list[dict], dataset: str, device: torch.device,
