@@ -173,13 +173,25 @@ def _run_stages(specs, stages: list, state: CompressionState, measure, storage: 
 def _run_stage(spec, stage, state: CompressionState, measure, storage: torch.dtype) -> StageReport:
     stage.prepare(state)
     if stage.layerwise:
-        run_layerwise(state, stage)
+        with _layer_bar(spec.name, state.model.config.num_hidden_layers, state.progress) as on_layer:
+            run_layerwise(state, stage, on_layer=on_layer)
     else:
         stage.apply(state)
     report = stage.finalize(state)
     report.ppl = measure(f"after {spec.name}").ppl
     report.size_bytes = weight_bytes(state.model, state.quantized, storage)
     return report
+
+
+@contextmanager
+def _layer_bar(name: str, layers: int | None, enabled: bool):
+    """A progress bar over decoder layers for a layerwise stage; yields run_layerwise's on_layer."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn(f"{name} layers"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, disable=not enabled, transient=True) as bar:
+        task = bar.add_task(name, total=layers)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 @contextmanager
