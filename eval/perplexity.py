@@ -95,11 +95,8 @@ def evaluate_perplexity(
     """
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    _check_args(token_ids, seq_len, max_windows, batch_size)
-    num_windows = token_ids.numel() // seq_len
-    if max_windows is not None:
-        num_windows = min(num_windows, max_windows)
-    windows = token_ids[: num_windows * seq_len].view(num_windows, seq_len).long()  # [W, seq_len]
+    windows = eval_windows(token_ids, seq_len, max_windows, batch_size)  # [W, seq_len]
+    num_windows = windows.shape[0]
     device, kwargs, was_training = _model_device(model), _forward_kwargs(model), model.training
     model.eval()
     nll_sum = 0.0  # nats, accumulated in float64 on the host
@@ -111,13 +108,30 @@ def evaluate_perplexity(
             for i in range(0, num_windows, batch_size):
                 batch = windows[i : i + batch_size].to(device)  # [B, seq_len]
                 logits = _logits(model(input_ids=batch, **kwargs))  # [B, seq_len, V]
-                pred = logits[:, :-1].to(dtype)  # [B, seq_len-1, V]: position t predicts t+1
-                loss = F.cross_entropy(pred.reshape(-1, pred.size(-1)), batch[:, 1:].reshape(-1), reduction="sum")
-                nll_sum += loss.item()
+                nll_sum += window_nll(logits, batch, dtype)
                 bar.advance(task, batch.size(0))
     finally:
         model.train(was_training)
-    seconds = time.perf_counter() - start
+    return perplexity_result(nll_sum, num_windows, seq_len, time.perf_counter() - start, dataset)
+
+
+def eval_windows(token_ids: torch.Tensor, seq_len: int, max_windows: int | None, batch_size: int) -> torch.Tensor:
+    """The first `max_windows` non-overlapping windows of `token_ids` [N], as [W, seq_len] int64."""
+    _check_args(token_ids, seq_len, max_windows, batch_size)
+    num_windows = token_ids.numel() // seq_len
+    if max_windows is not None:
+        num_windows = min(num_windows, max_windows)
+    return token_ids[: num_windows * seq_len].view(num_windows, seq_len).long()
+
+
+def window_nll(logits: torch.Tensor, batch: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """Summed NLL (nats) of windows `batch` [B, T] under `logits` [B, T, V]: position t predicts t+1."""
+    pred = logits[:, :-1].to(dtype)  # [B, T-1, V]
+    return F.cross_entropy(pred.reshape(-1, pred.size(-1)), batch[:, 1:].reshape(-1), reduction="sum").item()
+
+
+def perplexity_result(nll_sum: float, num_windows: int, seq_len: int, seconds: float,
+                      dataset: str = "") -> PerplexityResult:
     tokens = num_windows * (seq_len - 1)
     nll_mean = nll_sum / tokens
     ppl = math.exp(nll_mean) if nll_mean < _MAX_EXP_ARG else math.inf

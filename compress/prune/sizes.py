@@ -177,7 +177,7 @@ def _resolve_heads(dims: Dims, t: Targets) -> tuple[int, int]:
 
 
 def _absolute_heads(dims: Dims, heads: int | None, kv: int | None) -> tuple[int, int]:
-    n_q, n_kv, group = dims.num_attention_heads, dims.num_key_value_heads, dims.heads_per_group
+    n_kv, group = dims.num_key_value_heads, dims.heads_per_group
     kv = n_kv if kv is None else kv
     if not 1 <= kv <= n_kv:
         raise RecipeError(f"{KEY}.num_key_value_heads={kv} is not between 1 and the model's {n_kv}")

@@ -30,6 +30,7 @@ class ArchMapping:
     v_proj: str = "self_attn.v_proj"
     o_proj: str = "self_attn.o_proj"
     attention: str = "self_attn"
+    final_norm: str = "model.norm"  # the norm between the last decoder layer and lm_head
 
 
 _LLAMA = ArchMapping(
