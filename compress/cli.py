@@ -75,20 +75,24 @@ def eval_cmd(
     max_windows: Optional[int] = typer.Option(None, "--max-windows", min=1, help="evaluate at most N windows"),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="windows per forward pass"),
     as_json: bool = typer.Option(False, "--json", help='print {"ppl", "tokens", "seconds"} as JSON'),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when available) | cpu | cuda | cuda:N"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code from the model repo"),
 ) -> None:
     """Perplexity of a model or artifact on a dataset (non-overlapping windows)."""
     import torch
 
+    from slimserve.compress.devices import resolve_device
+    from slimserve.compress.layerwise_eval import perplexity_on_device
     from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
-    from slimserve.eval.perplexity import evaluate_perplexity
     from slimserve.runtime.loader import load_model
 
     try:
+        dev = resolve_device(device, "--device")
         spec = parse_dataset(dataset, Path.cwd())
         loaded = load_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
         ids = encode_documents(loaded.tokenizer, load_texts(spec))
-        res = evaluate_perplexity(loaded.model, ids, seq_len, max_windows, batch_size, progress=not as_json)
+        res = perplexity_on_device(loaded.model, ids, seq_len, max_windows, batch_size, dev, not as_json,
+                                   note=lambda m: None if as_json else console.print(m, highlight=False))
     except _user_errors() as e:
         _fail(str(e))
     if as_json:

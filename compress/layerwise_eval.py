@@ -3,19 +3,23 @@
 The same computation as eval.perplexity.evaluate_perplexity (same windows, same ops, same loss),
 reordered: every evaluation window's hidden states pass layer 0, then layer 1, ... (kept on the
 CPU between layers: windows x seq_len x hidden x 4 bytes), then the final norm and lm_head run
-batch by batch on the device. The pipeline uses it when the whole float32 model does not fit.
+batch by batch on the device. `perplexity_on_device` (the pipeline's and `compress eval`'s
+measurement) uses it when the whole float32 model does not fit.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from slimserve.compress.calibration import LayerInputs, _on_device, _to, capture_first_layer_inputs
 from slimserve.compress.quant.mappings import decoder_layers, mapping_for
-from slimserve.eval.perplexity import PerplexityResult, eval_windows, perplexity_result, window_nll
+from slimserve.eval.perplexity import (PerplexityResult, eval_windows, evaluate_perplexity, perplexity_result,
+                                       window_nll)
 
 
 @torch.no_grad()
@@ -62,3 +66,40 @@ def _move_trunk_to_cpu(model: nn.Module, layers_path: str) -> None:
     from slimserve.compress.calibration import _move_outside_layers
 
     _move_outside_layers(model, layers_path, torch.device("cpu"))
+
+
+def whole_model_shortfall(model: nn.Module, device: torch.device, batch_tokens: int) -> str:
+    """Why the whole model cannot be evaluated on `device` ('' when it can, always on the CPU):
+    its weights plus ~3 float32 copies of a batch's logits must fit in 90% of the free memory."""
+    if device.type != "cuda":
+        return ""
+    free, _ = torch.cuda.mem_get_info(device)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    need = weights + 3 * 4 * batch_tokens * model.config.vocab_size
+    return "" if need < 0.9 * free else f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+
+
+@contextmanager
+def model_on(model: nn.Module, device: torch.device):
+    """The whole model on `device` for the block (perplexity), then back on the CPU."""
+    if device.type == "cpu":
+        yield
+        return
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to("cpu")
+
+
+def perplexity_on_device(model: nn.Module, token_ids: torch.Tensor, seq_len: int, max_windows: int | None,
+                         batch_size: int, device: torch.device, progress: bool = False,
+                         note: Callable[[str], None] = lambda m: None) -> PerplexityResult:
+    """evaluate_perplexity with the whole model on `device` when it fits there, else layer by
+    layer (the same number); the model is back on the CPU afterwards."""
+    short = whole_model_shortfall(model, device, batch_size * seq_len)
+    if short:
+        note(f"the whole model does not fit on {device} ({short}): evaluating layer by layer")
+        return layerwise_perplexity(model, token_ids, seq_len, max_windows, batch_size, device, progress)
+    with model_on(model, device):
+        return evaluate_perplexity(model, token_ids, seq_len, max_windows, batch_size, progress=progress)

@@ -19,7 +19,7 @@ from torch import nn
 
 from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.devices import resolve_device
-from slimserve.compress.layerwise_eval import layerwise_perplexity
+from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import check_exportable, export_artifact
 from slimserve.compress.export.io import size_bytes
@@ -30,7 +30,6 @@ from slimserve.compress.recipe import Recipe
 from slimserve.compress.registry import STAGES
 from slimserve.compress.stage import CompressionState, StageReport
 from slimserve.eval.datasets import calibration_batches, encode_documents, load_texts, parse_dataset
-from slimserve.eval.perplexity import evaluate_perplexity
 from slimserve.eval.report import write_report
 from slimserve.runtime.loader import load_model
 
@@ -64,14 +63,8 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     eval_ids = encode_documents(tok, load_texts(eval_spec))
 
     def measure(label: str):
-        args = (state.model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size)
-        short = _short_of_memory(state.model, state.device, ev.batch_size * ev.seq_len)
-        if short:
-            log(f"{label}: the whole model does not fit on {state.device} ({short}): layer by layer")
-            res = layerwise_perplexity(*args, device=state.device, progress=progress)
-        else:
-            with _on(state.model, state.device):
-                res = evaluate_perplexity(*args, progress=progress)
+        res = perplexity_on_device(state.model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size,
+                                   state.device, progress, note=lambda m: log(f"{label}: {m}"))
         log(f"{label}: ppl {res.ppl:.4f} over {res.tokens} tokens ({res.seconds:.1f}s)")
         return res
 
@@ -198,30 +191,6 @@ def _layer_bar(name: str, layers: int | None, enabled: bool):
     with Progress(*columns, disable=not enabled, transient=True) as bar:
         task = bar.add_task(name, total=layers)
         yield lambda done, total: bar.update(task, completed=done, total=total)
-
-
-def _short_of_memory(model: nn.Module, device: torch.device, batch_tokens: int) -> str:
-    """Why the whole model cannot be evaluated on `device` ('' when it can, always on the CPU):
-    its weights plus ~3 float32 copies of a batch's logits must fit in 90% of the free memory."""
-    if device.type != "cuda":
-        return ""
-    free, _ = torch.cuda.mem_get_info(device)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    need = weights + 3 * 4 * batch_tokens * model.config.vocab_size
-    return "" if need < 0.9 * free else f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
-
-
-@contextmanager
-def _on(model: nn.Module, device: torch.device):
-    """The whole model on `device` for the block (perplexity), then back on the CPU."""
-    if device.type == "cpu":
-        yield
-        return
-    model.to(device)
-    try:
-        yield
-    finally:
-        model.to("cpu")
 
 
 def _storage_dtype(recipe: Recipe, model: nn.Module) -> torch.dtype:

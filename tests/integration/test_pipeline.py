@@ -89,6 +89,7 @@ def test_cli_bad_recipe_one_line_exit_2(tmp_path):
     (["run", "nope.yaml"], "recipe file not found"),
     (["eval", "/no/such/model"], "/no/such/model"),
     (["eval", "x", "--dataset", "bogus"], "bogus"),
+    (["eval", "x", "--device", "tpu"], "--device: 'tpu' is not a device"),
 ])
 def test_cli_user_errors(args, needle):
     r = _cli(*args)

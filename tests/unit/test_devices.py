@@ -45,14 +45,14 @@ def test_resolve_device_auto_and_absent_cuda():
 def test_whole_model_evaluation_only_where_it_fits(monkeypatch, tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    from slimserve.compress.pipeline import _short_of_memory
+    from slimserve.compress.layerwise_eval import whole_model_shortfall
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
     weights = sum(p.numel() * 4 for p in model.parameters())
     logits = 3 * 4 * 2 * 64 * model.config.vocab_size  # batch of 2 x 64 tokens
     cuda = torch.device("cuda")
-    assert _short_of_memory(model, torch.device("cpu"), 2 * 64) == ""
+    assert whole_model_shortfall(model, torch.device("cpu"), 2 * 64) == ""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(1.2 * (weights + logits)), 2**40))
-    assert _short_of_memory(model, cuda, 2 * 64) == ""
+    assert whole_model_shortfall(model, cuda, 2 * 64) == ""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (weights, 2**40))
-    assert "GiB free" in _short_of_memory(model, cuda, 2 * 64)
+    assert "GiB free" in whole_model_shortfall(model, cuda, 2 * 64)
