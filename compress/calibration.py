@@ -169,6 +169,7 @@ def _on_device(layer: nn.Module, device: torch.device, dtype: torch.dtype | None
         return
     tensors = [t for t in list(layer.parameters()) + list(layer.buffers()) if t.is_floating_point()]
     originals = [t.data for t in tensors]
+    home = originals[0].dtype if originals else torch.float32
     for t, orig in zip(tensors, originals):
         t.data = orig.to(device=device, dtype=dtype or orig.dtype)
     try:
@@ -177,6 +178,11 @@ def _on_device(layer: nn.Module, device: torch.device, dtype: torch.dtype | None
         for t, orig in zip(tensors, originals):
             orig.copy_(t.data)
             t.data = orig
+        known = {id(t) for t in tensors}
+        for mod in layer.modules():  # buffers a stage registered meanwhile (kv_cache's k/v scales)
+            for name, b in mod._buffers.items():
+                if b is not None and id(b) not in known and b.is_floating_point():
+                    mod._buffers[name] = b.to(device="cpu", dtype=home)
 
 
 def replay_dtype(state: CompressionState, stage: Any, device: torch.device) -> torch.dtype | None:

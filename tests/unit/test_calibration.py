@@ -137,3 +137,24 @@ def test_bf16_replay_writes_back_into_the_same_fp32_storage(tiny_checkpoint):
     for layer in model.model.layers:
         w = layer.self_attn.q_proj.weight
         assert w.dtype == torch.float32 and torch.all(w == 0.375)
+
+
+class _Registers:
+    """Registers a buffer during the replay, as the kv_cache stage does with k_scale/v_scale."""
+
+    name = "register"
+
+    def compress_layer(self, ctx):
+        attn = ctx.module("self_attn")
+        ref = attn.q_proj.weight
+        attn.register_buffer("k_scale", torch.tensor([0.5], dtype=ref.dtype, device=ref.device), persistent=False)
+
+
+def test_buffers_registered_in_a_replay_come_home(tiny_checkpoint):
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16,
+                             calibration=torch.randint(0, 100, (2, 8)), calibration_dtype="bfloat16")
+    run_layerwise(state, _Registers())
+    for layer in model.model.layers:
+        b = layer.self_attn.k_scale
+        assert (b.dtype, b.device.type, b.item()) == (torch.float32, "cpu", 0.5)
