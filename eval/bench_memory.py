@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slimserve.eval.bench_quant import fmt_cell, hardware_info, hardware_line, run_child
+from slimserve.eval.bench_common import fmt_cell, hardware_info, hardware_line, run_child
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "recipes" / "demo-model"
 DEFAULT_LAYERS = (8, 32)

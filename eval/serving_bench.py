@@ -287,7 +287,7 @@ def warm_up(url: str, model: str | None, requests: list[BenchRequest], args: Ben
 
 def run_bench(args: BenchArgs) -> dict:
     """Run the workload at every rate (and the HF baseline), print one table, save JSON/PNG."""
-    from slimserve.eval.bench_quant import hardware_info
+    from slimserve.eval.bench_common import hardware_info
     from slimserve.eval.serving_report import describe_workload, finish_result
 
     args.validate()

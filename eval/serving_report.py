@@ -51,7 +51,7 @@ def _lengths(s: dict) -> str:
 def model_summary(model: str | None, served_name: str | None) -> dict:
     """Name, parameters and dtype from a local checkpoint's headers; the served name otherwise."""
     if model and (Path(model) / "config.json").is_file() and any(Path(model).glob("*.safetensors")):
-        from slimserve.eval.bench_quant import model_info
+        from slimserve.eval.bench_common import model_info
 
         return model_info(Path(model))
     return {"name": served_name or model or "unknown", "path": model}

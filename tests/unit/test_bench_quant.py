@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
-
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.registry import STAGES
+from slimserve.eval.bench_common import json_tail, last_line, run_child
 from slimserve.eval.bench_quant import (
     CONFIGS,
     PEER_METHOD,
@@ -18,12 +18,9 @@ from slimserve.eval.bench_quant import (
     Workload,
     add_ratios,
     format_table,
-    json_tail,
-    last_line,
     missing_stages,
     recipe_dict,
     recipe_yaml,
-    run_child,
     workload,
 )
 
@@ -150,7 +147,7 @@ def test_run_child_measures_that_child_alone(tmp_path):
     compress code); pytest's process is not, hence the measurement runs from a fresh interpreter.
     """
     child = "b = bytearray(80_000_000); b[::4096] = b'x' * len(b[::4096])"
-    driver = ("import json, sys; from pathlib import Path; from slimserve.eval.bench_quant import run_child; "
+    driver = ("import json, sys; from pathlib import Path; from slimserve.eval.bench_common import run_child; "
               f"r = run_child([sys.executable, '-c', {child!r}], Path({str(tmp_path / 'big')!r})); "
               "print(json.dumps([r.returncode, r.seconds, r.max_rss_bytes]))")
     out = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, check=True)
