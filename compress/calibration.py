@@ -48,37 +48,8 @@ class LayerContext:
 
     def forward(self, module: nn.Module | None = None,
                 stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
-        """Replay every cached batch through the layer (hooks fire); returns outputs on the CPU.
-
-        With `stop_after`, each batch stops as soon as every listed submodule has run (their
-        own hooks, registered earlier, fire first) and nothing is returned: a stage that only
-        needs the inputs of, say, q/k/v skips the rest of the layer.
-        """
-        outs: list[torch.Tensor] = []
-        pending: set[int] = set()
-        handles = []
-
-        def stop_hook(mod, _args, _out):
-            pending.discard(id(mod))
-            if not pending:
-                raise _StopForward
-
-        for sub in stop_after or ():
-            handles.append(sub.register_forward_hook(stop_hook))
-        try:
-            with torch.no_grad():
-                for h, kw in zip(self.inputs.hidden, self.inputs.kwargs):
-                    pending.update(id(sub) for sub in stop_after or ())
-                    try:
-                        out = (module or self.layer)(h.to(self.device), **_to(kw, self.device))
-                    except _StopForward:
-                        continue
-                    if not stop_after:
-                        outs.append((out[0] if isinstance(out, tuple) else out).cpu())
-        finally:
-            for handle in handles:
-                handle.remove()
-        return outs
+        """Replay every cached batch through the layer (hooks fire); see `replay`."""
+        return replay(module or self.layer, self.inputs, self.device, stop_after)
 
     def module(self, rel: str) -> nn.Module:
         return self.layer.get_submodule(rel)
@@ -110,21 +81,57 @@ class LayerContext:
         return out[0] if isinstance(out, tuple) else out
 
 
+def replay(module: nn.Module, inputs: LayerInputs, device: torch.device,
+           stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
+    """Run every cached batch through `module` on `device`; its outputs, on the CPU.
+
+    With `stop_after`, each batch stops as soon as every listed submodule has run (their own
+    hooks, registered earlier, fire first) and nothing is returned: a stage that only needs the
+    inputs of, say, q/k/v skips the rest of the layer.
+    """
+    outs: list[torch.Tensor] = []
+    pending: set[int] = set()
+    handles = []
+
+    def stop_hook(mod, _args, _out):
+        pending.discard(id(mod))
+        if not pending:
+            raise _StopForward
+
+    for sub in stop_after or ():
+        handles.append(sub.register_forward_hook(stop_hook))
+    try:
+        with torch.no_grad():
+            for h, kw in zip(inputs.hidden, inputs.kwargs):
+                pending.update(id(sub) for sub in stop_after or ())
+                try:
+                    out = module(h.to(device), **_to(kw, device))
+                except _StopForward:
+                    continue
+                if not stop_after:
+                    outs.append((out[0] if isinstance(out, tuple) else out).cpu())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outs
+
+
 class LayerwiseStage(Protocol):
     name: str
 
     def compress_layer(self, ctx: LayerContext) -> None: ...
 
 
-def _to(obj: Any, device: torch.device) -> Any:
+def _to(obj: Any, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Any:
+    """Tensors inside tuples/lists/dicts moved to `device`, floating ones cast to `dtype`."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None)
     if isinstance(obj, tuple):
-        return tuple(_to(x, device) for x in obj)
+        return tuple(_to(x, device, dtype) for x in obj)
     if isinstance(obj, list):
-        return [_to(x, device) for x in obj]
+        return [_to(x, device, dtype) for x in obj]
     if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
+        return {k: _to(v, device, dtype) for k, v in obj.items()}
     return obj
 
 
@@ -141,7 +148,7 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
         cached.kwargs.append(_to(kw, torch.device("cpu")))
         raise _StopForward
 
-    _move_outside_layers(model, mapping.layers, device)
+    move_trunk(model, mapping.layers, device)
     handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     try:
         with torch.no_grad():
@@ -156,7 +163,7 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
 
 
 @contextmanager
-def _on_device(layer: nn.Module, device: torch.device, dtype: torch.dtype | None):
+def layer_on_device(layer: nn.Module, device: torch.device, dtype: torch.dtype | None):
     """The layer on `device` (in `dtype`) for the block, then back in its CPU storage.
 
     Each floating tensor gets a working copy and its original storage is kept and written back
@@ -205,17 +212,7 @@ def replay_dtype(state: CompressionState, stage: Any, device: torch.device) -> t
     return None if dtype == torch.float32 else dtype
 
 
-def _cast(obj: Any, dtype: torch.dtype) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_cast(x, dtype) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
-    return obj
-
-
-def _move_outside_layers(model: nn.Module, layers_path: str, device: torch.device) -> None:
+def move_trunk(model: nn.Module, layers_path: str, device: torch.device) -> None:
     """Embeddings, rotary tables and the rest of the trunk go to `device`; decoder layers stay put."""
     for name, mod in model.named_modules():
         if name == layers_path or name.startswith(layers_path + "."):
@@ -242,15 +239,15 @@ def run_layerwise(state: CompressionState, stage: LayerwiseStage, batch_size: in
     inputs = capture_first_layer_inputs(model, mapping, batches, device)
     dtype = replay_dtype(state, stage, device)
     if dtype is not None:
-        inputs = LayerInputs([h.to(dtype) for h in inputs.hidden], [_cast(kw, dtype) for kw in inputs.kwargs])
+        inputs = LayerInputs([h.to(dtype) for h in inputs.hidden], [_to(kw, dtype=dtype) for kw in inputs.kwargs])
     layers = decoder_layers(model, mapping)
     try:
         for i, layer in enumerate(layers):
-            with _on_device(layer, device, dtype):
+            with layer_on_device(layer, device, dtype):
                 ctx = LayerContext(i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device)
                 stage.compress_layer(ctx)
                 inputs = LayerInputs(ctx.forward(), inputs.kwargs)
             if on_layer:
                 on_layer(i + 1, len(layers))
     finally:
-        _move_outside_layers(model, mapping.layers, torch.device("cpu"))
+        move_trunk(model, mapping.layers, torch.device("cpu"))

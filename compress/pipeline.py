@@ -19,17 +19,18 @@ from torch import nn
 
 from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.devices import resolve_device
-from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import check_exportable, export_artifact
 from slimserve.compress.export.io import size_bytes
 from slimserve.compress.export.manifest import ArtifactManifest, hash_checkpoint
+from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.prune.structured import count_parameters
 from slimserve.compress.quant.primitives import QuantizedWeight
 from slimserve.compress.recipe import Recipe
 from slimserve.compress.registry import STAGES
 from slimserve.compress.stage import CompressionState, StageReport
 from slimserve.eval.datasets import calibration_batches, encode_documents, load_texts, parse_dataset
+from slimserve.eval.progress import counting_bar
 from slimserve.eval.report import write_report
 from slimserve.runtime.loader import load_model
 
@@ -185,10 +186,7 @@ def _run_stage(spec, stage, state: CompressionState, measure, storage: torch.dty
 @contextmanager
 def _layer_bar(name: str, layers: int | None, enabled: bool):
     """A progress bar over decoder layers for a layerwise stage; yields run_layerwise's on_layer."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (TextColumn(f"{name} layers"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, disable=not enabled, transient=True) as bar:
+    with counting_bar(f"{name} layers", enabled) as bar:
         task = bar.add_task(name, total=layers)
         yield lambda done, total: bar.update(task, completed=done, total=total)
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from slimserve.eval.progress import counting_bar
+
 # exp() of a mean NLL above this overflows a float64; such a model is reported as ppl = inf.
 _MAX_EXP_ARG = 709.0
 
@@ -93,17 +95,14 @@ def evaluate_perplexity(
 
     `dtype` is the precision of the loss (log-softmax) computation; the model runs in its own dtype.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     windows = eval_windows(token_ids, seq_len, max_windows, batch_size)  # [W, seq_len]
     num_windows = windows.shape[0]
     device, kwargs, was_training = _model_device(model), _forward_kwargs(model), model.training
     model.eval()
     nll_sum = 0.0  # nats, accumulated in float64 on the host
-    columns = (TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     start = time.perf_counter()
     try:
-        with Progress(*columns, disable=not progress, transient=True) as bar:
+        with counting_bar("perplexity", progress) as bar:
             task = bar.add_task("perplexity", total=num_windows)
             for i in range(0, num_windows, batch_size):
                 batch = windows[i : i + batch_size].to(device)  # [B, seq_len]

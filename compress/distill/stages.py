@@ -15,12 +15,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from slimserve.compress.devices import resolve_device
 from slimserve.compress.distill.loop import HiddenMap, TrainConfig, distill
 from slimserve.compress.distill.losses import LossWeights
-from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.stage import CompressionState, StageReport
 from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
+from slimserve.eval.progress import counting_bar
 
 CURVE_POINTS = 200  # loss-curve records kept in the report (evenly spaced steps)
 
@@ -150,11 +151,9 @@ class DistillStage:
         self.report.details["cpu_seconds"] = time.process_time() - cpu0
 
     def _train(self, student, teacher, device, progress: bool) -> list[dict]:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import TextColumn
 
-        columns = (TextColumn("distill"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn())
-        with Progress(*columns, disable=not progress, transient=True) as bar:
+        with counting_bar("distill", progress, TextColumn("loss {task.fields[loss]}")) as bar:
             task = bar.add_task("distill", total=self.options.steps, loss="—")
 
             def on_step(_step: int, record: dict) -> None:

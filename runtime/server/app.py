@@ -272,8 +272,6 @@ class OpenAIServing:
                 await self._abort(run)
 
     async def _collect_all(self, runs: list[_Run]) -> list[RequestOutput]:
-        if len(runs) == 1:
-            return [await self._collect(runs[0])]
         tasks = [asyncio.ensure_future(self._collect(run)) for run in runs]
         try:
             return list(await asyncio.gather(*tasks))
@@ -288,13 +286,6 @@ class OpenAIServing:
 
     async def _outputs(self, runs: list[_Run]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, cumulative output) as the engine produces them, until all finish."""
-        if len(runs) == 1:
-            out = runs[0].first
-            while True:
-                yield 0, out
-                if out.finished:
-                    return
-                out = await _next(runs[0])
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, run: _Run) -> None:

@@ -319,6 +319,9 @@ def test_layer_perplexity_scores_find_the_identity_layer():
     ("- prune: {mlp: 0.3, heads_mode: groups}", "stages[0].prune.heads_mode"),
     ("- rtn: {}\n  - prune: {mlp: 0.3}", "stages[1].prune comes after rtn; prune changes the weights"),
     ("- distill: {steps: 2}", "stages[0].distill: no teacher; the teacher is the model before the first prune"),
+    ("- prune: {mlp: 0.3}\n  - distill: {kl_weight: 0}", "kl_weight, ce_weight and hidden_weight are all 0"),
+    ("- prune: {mlp: 0.3}\n  - distill: {steps: 0}", "stages[1].distill.steps"),
+    ("- prune: {mlp: 0.3}\n  - distill: {precision: fp16}", "stages[1].distill.precision"),
 ])
 def test_recipe_refuses_bad_prune_and_distill_stages(stages, needle):
     from slimserve.compress.recipe import parse_recipe
