@@ -21,7 +21,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from slimserve.compress.quant.mappings import ArchMapping, decoder_layers, mapping_for
+from slimserve.compress.mappings import ArchMapping, decoder_layers, mapping_for
 from slimserve.compress.stage import CompressionState
 
 

@@ -28,8 +28,8 @@ EXIT_GATE_FAILED = 3
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from slimserve.compress.errors import RecipeError, UnsupportedModelError
-    from slimserve.compress.quant.scheme import SchemeError
-    from slimserve.eval.datasets import DatasetError
+    from slimserve.runtime.artifact.scheme import SchemeError
+    from slimserve.compress.datasets import DatasetError
     from slimserve.runtime.errors import ArtifactError
 
     return (RecipeError, UnsupportedModelError, SchemeError, DatasetError, ArtifactError, FileNotFoundError)
@@ -83,7 +83,7 @@ def eval_cmd(
 
     from slimserve.compress.devices import resolve_device
     from slimserve.compress.layerwise_eval import perplexity_on_device
-    from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
     from slimserve.runtime.loader import load_model
 
     try:

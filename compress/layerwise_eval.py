@@ -18,10 +18,10 @@ from torch import nn
 
 from slimserve.compress.calibration import (LayerInputs, capture_first_layer_inputs, layer_on_device, move_trunk,
                                            replay)
-from slimserve.compress.quant.mappings import decoder_layers, mapping_for
-from slimserve.eval.perplexity import (PerplexityResult, eval_windows, evaluate_perplexity, perplexity_result,
+from slimserve.compress.mappings import decoder_layers, mapping_for
+from slimserve.compress.perplexity import (PerplexityResult, eval_windows, evaluate_perplexity, perplexity_result,
                                        window_nll)
-from slimserve.eval.progress import counting_bar
+from slimserve.compress.progress import counting_bar
 
 
 @torch.no_grad()

@@ -22,16 +22,16 @@ from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import check_exportable, export_artifact
 from slimserve.compress.export.io import size_bytes
-from slimserve.compress.export.manifest import ArtifactManifest, hash_checkpoint
+from slimserve.runtime.artifact.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.prune.structured import count_parameters
-from slimserve.compress.quant.primitives import QuantizedWeight
+from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.compress.recipe import Recipe
 from slimserve.compress.registry import STAGES
 from slimserve.compress.stage import CompressionState, StageReport
-from slimserve.eval.datasets import calibration_batches, encode_documents, load_texts, parse_dataset
-from slimserve.eval.progress import counting_bar
-from slimserve.eval.report import write_report
+from slimserve.compress.datasets import calibration_batches, encode_documents, load_texts, parse_dataset
+from slimserve.compress.progress import counting_bar
+from slimserve.compress.report import write_report
 from slimserve.runtime.loader import load_model
 
 COMPUTE_DTYPE = torch.float32

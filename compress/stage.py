@@ -14,8 +14,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from slimserve.compress.quant.primitives import QuantizedWeight
-from slimserve.compress.quant.scheme import QuantScheme
+from slimserve.runtime.artifact.qweight import QuantizedWeight
+from slimserve.runtime.artifact.scheme import QuantScheme
 
 
 @dataclass(slots=True)

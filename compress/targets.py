@@ -1,24 +1,13 @@
-"""Which modules a stage touches: compressed-tensors' `targets` / `ignore` matching rules.
-
-An entry is an exact module name, `re:<regex>` (Python `re.match` on the full name), or a module
-class name (`Linear` matches every `torch.nn.Linear`).
-"""
+"""Which modules a stage touches, by compressed-tensors' `targets` / `ignore` rules (the matching
+itself is the artifact's: runtime/artifact/targets.py), and the refusal of an entry that matches
+nothing."""
 
 from __future__ import annotations
 
-import re
-
 from torch import nn
 
-
-def matches(name: str, module: nn.Module, patterns: list[str] | tuple[str, ...]) -> bool:
-    for p in patterns:
-        if p.startswith("re:"):
-            if re.match(p[3:], name):
-                return True
-        elif p == name or p == type(module).__name__:
-            return True
-    return False
+from slimserve.compress.errors import RecipeError
+from slimserve.runtime.artifact.targets import matches
 
 
 def select_linears(model: nn.Module, targets: list[str], ignore: list[str]) -> dict[str, nn.Linear]:
@@ -32,8 +21,6 @@ def select_linears(model: nn.Module, targets: list[str], ignore: list[str]) -> d
 
 def check_patterns(model: nn.Module, patterns: list[str], what: str) -> None:
     """Refuse a `targets`/`ignore` entry that matches nothing (usually a typo)."""
-    from slimserve.compress.errors import RecipeError
-
     modules = list(model.named_modules())
     for p in patterns:
         if not any(matches(n, m, [p]) for n, m in modules):

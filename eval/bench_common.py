@@ -1,5 +1,6 @@
-"""What the benchmarks share: child processes timed with their peak RSS, the hardware and
-checkpoint facts every table header states, table cells."""
+"""What the benchmarks share: child processes timed with their peak RSS and table cells (the
+hardware and checkpoint facts every table header states are the runtime bench's:
+runtime/bench/sysinfo.py)."""
 
 from __future__ import annotations
 
@@ -55,42 +56,6 @@ def json_tail(text: str) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-def hardware_info() -> dict:
-    from importlib.metadata import version
-
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"cpu": cpu, "cores": cores, "gpu": gpu, "torch": version("torch"), "python": platform.python_version()}
-
-
-def model_info(model: Path) -> dict:
-    """Name, parameter count (from the safetensors headers, nothing loaded) and dtype of a checkpoint."""
-    from safetensors import safe_open
-
-    params = 0
-    for f in sorted(model.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            params += sum(math.prod(st.get_slice(key).get_shape()) for key in st.keys())
-    cfg = json.loads((model / "config.json").read_text())
-    return {"name": model.name, "path": str(model), "params": params,
-            "dtype": cfg.get("dtype") or cfg.get("torch_dtype") or "unknown"}
-
-
 def fmt_cell(value, spec: str) -> str:
     """A table cell: `value` formatted, or an em dash when there is none."""
     return "—" if value is None else format(value, spec)
-
-
-def hardware_line(hw: dict) -> str:
-    """The `hardware:` header line of every benchmark table (from hardware_info())."""
-    return f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}, python {hw['python']}"

@@ -31,7 +31,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slimserve.eval.bench_common import fmt_cell, hardware_info, hardware_line, run_child
+from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
+from slimserve.eval.bench_common import fmt_cell, run_child
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "recipes" / "demo-model"
 DEFAULT_LAYERS = (8, 32)
@@ -186,7 +187,7 @@ def make_tokenizer(work: Path):
 
     if (DEMO_MODEL / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(DEMO_MODEL)), f"copied from {DEMO_MODEL}"
-    from slimserve.eval.corpus import read_texts
+    from slimserve.runtime.corpus import read_texts
     from slimserve.eval.demo_model import train_tokenizer, wrap_tokenizer
 
     tok = wrap_tokenizer(train_tokenizer(read_texts("train")[:TOKENIZER_FILES], TOKENIZER_VOCAB))

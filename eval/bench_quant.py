@@ -34,8 +34,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slimserve.eval.bench_common import (fmt_cell, hardware_info, hardware_line, json_tail,
-                                         last_line, model_info, run_child)
+from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line, model_info
+from slimserve.eval.bench_common import fmt_cell, json_tail, last_line, run_child
 
 PEER_METHOD = "llm-compressor gptq"
 PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "llmcompressor_gptq.py"
@@ -201,7 +201,7 @@ def dump_calibration(model: Path, wl: Workload, path: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from slimserve.eval.datasets import calibration_batches
+    from slimserve.compress.datasets import calibration_batches
 
     tok = AutoTokenizer.from_pretrained(str(model))
     ids = calibration_batches(tok, wl.dataset, wl.num_samples, wl.calib_seq_len, wl.seed)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from slimserve.eval.corpus import read_texts
-from slimserve.eval.datasets import encode_documents as encode_split
+from slimserve.runtime.corpus import read_texts
+from slimserve.compress.datasets import encode_documents as encode_split
 
 EOS = "<|endoftext|>"
 # A minimal ChatML-style template so `/v1/chat/completions` has something to render.
@@ -183,8 +183,8 @@ def acceptance(model_dir: Path, seq_len: int = 512, prompt: str = "def read_conf
     """
     from slimserve.compress.quant.stages import RtnOptions, RtnStage
     from slimserve.compress.stage import CompressionState
-    from slimserve.eval.datasets import encode_documents, load_texts
-    from slimserve.eval.perplexity import evaluate_perplexity
+    from slimserve.compress.datasets import encode_documents, load_texts
+    from slimserve.compress.perplexity import evaluate_perplexity
     from slimserve.runtime.loader import load_model
 
     loaded = load_model(model_dir, dtype=torch.float32)

@@ -45,7 +45,7 @@ def quantize_randomly(model: CausalLM, group_size: int = 128, seed: int = 0,
                       scheme_name: str = "W4A16") -> int:
     """Swap every decoder Linear for a QuantLinear (W4A16 packed int4, group `group_size`; or
     W8A8 int8 per channel) with random codes and plausible scales. Returns the count."""
-    from slimserve.compress.quant.scheme import preset
+    from slimserve.runtime.artifact.scheme import preset
     from slimserve.runtime.layers.quant_linear import QuantLinear
 
     scheme = preset(scheme_name)

@@ -20,7 +20,7 @@ AOT_MODULES = (
     "w8a8_gemm",
     "act_quant",
     "kv_cache",
-    "paged_attention_aot",
+    "paged_attention",
     "rms_norm",
     "activation",
 )

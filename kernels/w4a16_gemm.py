@@ -9,7 +9,7 @@ dispatches on M through `DISPATCH`:
   * "gemm", mid M: the same kernel with bigger M tiles; split-K only while the tiles under-fill
     the GPU.
   * "dequant", large M (prefill): `dequantize_w4a16` writes W [N, K] once per call and cuBLAS
-    does the product; the M at which this wins is for eval/kernel_bench.py to measure.
+    does the product; the M at which this wins is for eval/kernels/bench.py to measure.
 Dequantization is W[n, k] = (q[n, k] - zp[n, g(k)]) * scale[n, g(k)] in fp32 (exact, see
 reference.py), rounded once to x's dtype for the tensor cores; accumulation is fp32.
 """
@@ -49,7 +49,7 @@ class W4A16Config:
 
 
 # Dispatch table: the first row whose max_m >= M wins (None = no upper bound). Every launch choice
-# lives here for eval/kernel_bench.py to set by measurement. These defaults are NOT measured (no
+# lives here for eval/kernels/bench.py to set by measurement. These defaults are NOT measured (no
 # GPU when written): decode keeps ~4 KiB of int4 words per pipeline stage per program and
 # split-K fills 2 programs per SM; the mid rows are wgmma-sized tiles (BLOCK_M 64 per warpgroup);
 # from M = 513 on, dequantizing a 4096x4096 W (~40 MB of traffic, ~10 us at 4 TB/s) is small

@@ -1,5 +1,5 @@
 """The `runtime` command: `serve` (the OpenAI-compatible server), `bench` (the serving load
-generator, eval/serving_bench.py) and `generate` (one prompt, a quick look).
+generator, runtime/bench/driver.py) and `generate` (one prompt, a quick look).
 
 `serve` runs the continuous-batching engine behind the HTTP API of runtime/server/.
 """
@@ -151,8 +151,8 @@ def serve(
                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run()
 
 
-# The load generator lives in eval/serving_bench.py; its typed keyword signature is the CLI.
-from slimserve.eval.serving_bench import bench_main as _bench_main  # noqa: E402
+# The load generator lives in runtime/bench/driver.py; its typed keyword signature is the CLI.
+from slimserve.runtime.bench.driver import bench_main as _bench_main  # noqa: E402
 
 app.command("bench")(_bench_main)
 

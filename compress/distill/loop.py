@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from slimserve.compress.distill.losses import LossWeights, distill_loss
-from slimserve.compress.quant.mappings import decoder_layers, mapping_for
+from slimserve.compress.mappings import decoder_layers, mapping_for
 
 
 @dataclass(frozen=True, slots=True)

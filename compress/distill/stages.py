@@ -20,8 +20,8 @@ from slimserve.compress.distill.loop import HiddenMap, TrainConfig, distill
 from slimserve.compress.distill.losses import LossWeights
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.stage import CompressionState, StageReport
-from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
-from slimserve.eval.progress import counting_bar
+from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+from slimserve.compress.progress import counting_bar
 
 CURVE_POINTS = 200  # loss-curve records kept in the report (evenly spaced steps)
 

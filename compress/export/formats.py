@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from slimserve.compress.export import awq_format, gptq_format
-from slimserve.compress.export.compressed_tensors import SUPPORTED_FORMATS
+from slimserve.runtime.artifact import awq_format, gptq_format
+from slimserve.runtime.artifact.compressed_tensors import SUPPORTED_FORMATS
 from slimserve.compress.export.io import artifact_tensors, export_compressed_tensors, linear_classes, write_artifact
-from slimserve.compress.export.manifest import ArtifactManifest
-from slimserve.compress.quant.primitives import QuantizedWeight
-from slimserve.compress.quant.scheme import QuantScheme, SchemeError
+from slimserve.runtime.artifact.manifest import ArtifactManifest
+from slimserve.runtime.artifact.qweight import QuantizedWeight
+from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 
 COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"

@@ -19,15 +19,15 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from slimserve.compress.export.compressed_tensors import (
+from slimserve.runtime.artifact.compressed_tensors import (
     kv_cache_scheme,
     kv_tensors,
     linear_tensors,
     quantization_config,
 )
-from slimserve.compress.export.manifest import ArtifactManifest, sha256_file, write_manifest
-from slimserve.compress.quant.primitives import QuantizedWeight
-from slimserve.compress.quant.scheme import QuantScheme
+from slimserve.runtime.artifact.manifest import ArtifactManifest, sha256_file, write_manifest
+from slimserve.runtime.artifact.qweight import QuantizedWeight
+from slimserve.runtime.artifact.scheme import QuantScheme
 
 WEIGHTS_NAME = "model.safetensors"
 # module name, its QuantizedWeight -> the tensors that replace `<name>.weight` on disk

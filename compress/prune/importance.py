@@ -23,7 +23,7 @@ from torch import nn
 
 from slimserve.compress.calibration import LayerContext, LayerInputs, capture_first_layer_inputs
 from slimserve.compress.prune.sizes import Dims
-from slimserve.compress.quant.mappings import decoder_layers, mapping_for
+from slimserve.compress.mappings import decoder_layers, mapping_for
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from slimserve.compress.quant.scheme import QuantArgs
+from slimserve.runtime.artifact.scheme import QuantArgs
 from slimserve.kernels.reference import fake_quantize_per_token_int8
 
 _HOOK_ATTR = "_slimserve_input_quant"

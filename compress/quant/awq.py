@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from slimserve.compress.quant.primitives import quantize_weight
-from slimserve.compress.quant.scheme import QuantArgs
+from slimserve.runtime.artifact.scheme import QuantArgs
 
 # Floor of a candidate scale and the term that keeps 1 / w_mean finite (AutoAWQ's constants).
 _MIN_SCALE = 1e-4

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from slimserve.compress.quant.primitives import QuantizedWeight, num_groups, qparams_from_range
-from slimserve.compress.quant.scheme import QuantArgs
+from slimserve.runtime.artifact.qweight import QuantizedWeight, num_groups
+from slimserve.compress.quant.primitives import qparams_from_range
+from slimserve.runtime.artifact.scheme import QuantArgs
 
 # Dampening multipliers tried after the requested one fails (relative to max(damp, 1e-3)).
 _DAMP_RETRIES = (10.0, 100.0)

@@ -21,9 +21,10 @@ from torch import nn
 from slimserve.compress.calibration import LayerContext, run_layerwise
 from slimserve.compress.quant.activations import attach_input_quant
 from slimserve.compress.quant.gptq import accumulate_hessian, gptq, output_loss
-from slimserve.compress.quant.mappings import mapping_for
-from slimserve.compress.quant.primitives import QuantizedWeight, quantize_weight
-from slimserve.compress.quant.scheme import QuantScheme, SchemeError
+from slimserve.compress.mappings import mapping_for
+from slimserve.runtime.artifact.qweight import QuantizedWeight
+from slimserve.compress.quant.primitives import quantize_weight
+from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.compress.quant.stages import WeightQuantOptions
 from slimserve.compress.stage import CompressionState, ModuleReport, StageReport
 from slimserve.compress.targets import check_patterns, select_linears

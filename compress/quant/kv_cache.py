@@ -1,14 +1,8 @@
-"""FP8 KV-cache scales: calibrate one static per-tensor scale for K and for V in every layer.
+"""The `kv_cache` stage: calibrate one static fp8 scale for K and for V in every attention layer.
 
-The KV cache stores `k_fp8 = k / k_scale` in float8_e4m3fn, where K is the key *as cached*:
-after Qwen3's `k_norm` and after RoPE (formats.md §1.6). `scale = absmax / 448` puts the largest
-calibration value at the top of e4m3's range.
-
-Pure part: `fp8_e4m3_roundtrip`, `kv_scale_from_absmax`. Model plumbing: the attention function
-`slimserve_fp8kv` (registered with transformers' `AttentionInterface`) fake-quantizes
-`key_states`/`value_states` with the attention module's `k_scale`/`v_scale` buffers and then runs
-the sdpa implementation, so perplexity measured in the pipeline and after `load_model` both see
-fp8 KV. `install_kv_scales` sets those buffers and selects that attention implementation.
+The scale arithmetic is the artifact's (runtime/artifact/kv_scales.py); the model attends over
+fp8-round-tripped K/V through the runtime's transformers plug-in (runtime/hf_fp8kv.py), so each
+layer is calibrated on the outputs of the fp8-KV layers before it.
 """
 
 from __future__ import annotations
@@ -20,80 +14,8 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from torch import nn
 
 from slimserve.compress.stage import CompressionState, StageReport
-
-FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
-# Floor of a scale: the smallest normal float16, so a scale stored in any model dtype is > 0.
-_MIN_SCALE = torch.finfo(torch.float16).tiny
-KV_ATTENTION = "slimserve_fp8kv"  # name registered with transformers' AttentionInterface
-SUPPORTED_KV_DTYPES = ("fp8_e4m3",)
-
-
-def fp8_e4m3_roundtrip(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """What reading back `x` from an fp8 e4m3 cache with `scale` gives, in x's dtype.
-
-    x / scale is computed in float32, saturated to ±448 (e4m3fn has no infinity), rounded to
-    nearest-even by torch's cast, and multiplied back by the scale.
-    """
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    q = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
-
-
-def kv_scale_from_absmax(absmax: float) -> float:
-    """Static per-tensor fp8 scale: absmax maps to 448; an all-zero tensor still gets a positive scale."""
-    return max(absmax, _MIN_SCALE * FP8_E4M3_MAX) / FP8_E4M3_MAX
-
-
-def fp8kv_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
-    """sdpa attention on fp8-round-tripped K and V ([batch, kv_heads, seq, head_dim]).
-
-    A module without `k_scale`/`v_scale` buffers (a layer not calibrated yet) gets plain sdpa.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    k_scale, v_scale = getattr(module, "k_scale", None), getattr(module, "v_scale", None)
-    if k_scale is not None and v_scale is not None:
-        key, value = fp8_e4m3_roundtrip(key, k_scale), fp8_e4m3_roundtrip(value, v_scale)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-def register_fp8kv_attention() -> str:
-    """Register `slimserve_fp8kv` (attention + sdpa-style mask) with transformers; idempotent."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(KV_ATTENTION, fp8kv_attention_forward)
-    AttentionMaskInterface.register(KV_ATTENTION, sdpa_mask)
-    return KV_ATTENTION
-
-
-def use_fp8kv_attention(model: nn.Module) -> None:
-    """Route every attention call of `model` through `slimserve_fp8kv` (sdpa underneath, whatever
-    implementation the model used before; masks are built as for sdpa)."""
-    register_fp8kv_attention()
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(KV_ATTENTION)
-    else:
-        model.config._attn_implementation = KV_ATTENTION
-
-
-def set_kv_scale_buffers(attn: nn.Module, k_scale: float, v_scale: float) -> None:
-    """Give an attention module its `k_scale`/`v_scale` buffers ([1], the module's dtype).
-
-    Non-persistent: the exporter writes them from `CompressionState.kv_scales`, not the state dict.
-    """
-    # Model dtype and device, from a float parameter or (QuantLinear holds buffers) buffer.
-    ref = next(t for t in (*attn.parameters(), *attn.buffers()) if t.is_floating_point())
-    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-        attn.register_buffer(name, torch.tensor([value], dtype=ref.dtype, device=ref.device), persistent=False)
-
-
-def install_kv_scales(model: nn.Module, kv_scales: dict[str, tuple[float, float]]) -> None:
-    """Set the scales of every named attention module and switch the model to fp8-KV attention."""
-    for name, (k, v) in kv_scales.items():
-        set_kv_scale_buffers(model.get_submodule(name), k, v)
-    use_fp8kv_attention(model)
+from slimserve.runtime.artifact.kv_scales import SUPPORTED_KV_DTYPES, kv_scale_from_absmax
+from slimserve.runtime.hf_fp8kv import set_kv_scale_buffers, use_fp8kv_attention
 
 
 class KvCacheOptions(BaseModel):

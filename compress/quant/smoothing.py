@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from slimserve.compress.errors import RecipeError
-from slimserve.compress.quant.mappings import SmoothMapping, decoder_layers, mapping_for
-from slimserve.compress.targets import matches
+from slimserve.compress.mappings import SmoothMapping, decoder_layers, mapping_for
+from slimserve.runtime.artifact.targets import matches
 
 if TYPE_CHECKING:
     from slimserve.compress.calibration import LayerContext

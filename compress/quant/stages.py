@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slimserve.compress.quant.activations import attach_input_quant
 from slimserve.compress.quant.primitives import quantize_weight
-from slimserve.compress.quant.scheme import QuantScheme, SchemeError, preset
+from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError, preset
 from slimserve.compress.stage import CompressionState, ModuleReport, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
 

@@ -23,7 +23,10 @@ import json
 import time
 from pathlib import Path
 
-from calib_ids import load_ids  # sibling file: these run as scripts
+if __package__:  # imported as slimserve.eval.peers.* (the wheel check imports every module)
+    from slimserve.eval.peers.calib_ids import load_ids
+else:  # run as a script by a peer venv's python, which has no slimserve
+    from calib_ids import load_ids
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

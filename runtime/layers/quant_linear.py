@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimserve.compress.quant.scheme import QuantScheme
+from slimserve.runtime.artifact.scheme import QuantScheme
 from slimserve.kernels import reference
 from slimserve.kernels._launch import use_triton
 

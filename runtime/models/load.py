@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimserve.compress.export.manifest import read_manifest, verify_files
+from slimserve.runtime.artifact.manifest import read_manifest, verify_files
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.importers import import_checkpoint, read_quant_config
+from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_config
 from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loader import (SUPPORTED_QUANT_METHODS, load_state_strict, pop_kv_scales,
                                       read_safetensors, replace_linears)

@@ -53,8 +53,8 @@ def test_quickstart_passes_gate(quickstart):
 def test_transformers_matches_our_loader_on_artifact(quickstart):
     from transformers import AutoModelForCausalLM
 
-    from slimserve.eval.datasets import encode_documents, load_texts
-    from slimserve.eval.perplexity import evaluate_perplexity
+    from slimserve.compress.datasets import encode_documents, load_texts
+    from slimserve.compress.perplexity import evaluate_perplexity
     from slimserve.runtime.loader import load_model
 
     _, out = quickstart

@@ -13,7 +13,7 @@ from slimserve.compress.quant.awq_stage import AwqOptions, AwqStage
 from slimserve.compress.quant.smoothquant_stage import SmoothQuantOptions, SmoothQuantStage
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.stage import CompressionState
-from slimserve.eval.corpus import read_texts
+from slimserve.runtime.corpus import read_texts
 from slimserve.runtime.loader import load_model
 
 RECIPE = """

@@ -13,7 +13,7 @@ from slimserve.runtime.llm import LLM
 from slimserve.runtime.loader import load_model
 from slimserve.runtime.sequence import SamplingParams
 
-from tests.conftest import DEMO_MODEL
+from tests.helpers import DEMO_MODEL
 
 PREFIX = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"
 PROMPTS = [

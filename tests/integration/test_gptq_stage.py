@@ -9,7 +9,7 @@ from safetensors import safe_open
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
-from slimserve.eval.corpus import read_texts
+from slimserve.runtime.corpus import read_texts
 from slimserve.runtime.loader import load_model
 
 

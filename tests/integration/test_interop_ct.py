@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from slimserve.compress.export.io import export_compressed_tensors
-from slimserve.compress.export.manifest import ArtifactManifest
+from slimserve.runtime.artifact.manifest import ArtifactManifest
 from slimserve.compress.quant.primitives import quantize_weight
-from slimserve.compress.quant.scheme import QuantArgs
+from slimserve.runtime.artifact.scheme import QuantArgs
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import QuantLinear
 from slimserve.runtime.loader import load_model

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
-from slimserve.eval.corpus import read_texts
+from slimserve.runtime.corpus import read_texts
 from slimserve.runtime.layers import QuantLinear
 from slimserve.runtime.loader import load_model
 

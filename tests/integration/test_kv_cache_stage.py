@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slimserve.compress.export.compressed_tensors import kv_cache_scheme
+from slimserve.runtime.artifact.compressed_tensors import kv_cache_scheme
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.loader import load_model
@@ -30,7 +30,7 @@ KV = "  - kv_cache: {dtype: fp8_e4m3}"
 
 
 def _run(tmp_path, model, stages: list[str], name: str, dtype: str = "auto"):
-    from slimserve.eval.corpus import read_texts
+    from slimserve.runtime.corpus import read_texts
 
     # A few stdlib train documents: tokenizing the whole 10 MB train split would dominate the test.
     calib = tmp_path / "calib.txt"
@@ -41,8 +41,8 @@ def _run(tmp_path, model, stages: list[str], name: str, dtype: str = "auto"):
 
 
 def _reload_ppl(artifact) -> float:
-    from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
-    from slimserve.eval.perplexity import evaluate_perplexity
+    from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.compress.perplexity import evaluate_perplexity
 
     loaded = load_model(artifact, dtype=torch.float32)
     ids = encode_documents(loaded.tokenizer, load_texts(parse_dataset("stdlib")))

@@ -26,7 +26,7 @@ from torch import nn
 from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loader import load_model
 
-from tests.conftest import DEMO_MODEL
+from tests.helpers import DEMO_MODEL
 
 FIXTURES = DEMO_MODEL.parents[1] / "tests" / "fixtures" / "peers"
 # name -> (logits atol, modules the peer left unquantized: AWQ modules_to_not_convert ["o_proj"],

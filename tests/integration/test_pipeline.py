@@ -48,8 +48,8 @@ def test_run_writes_artifact_and_report(tmp_path, tiny_checkpoint):
 
 def test_final_ppl_is_the_artifacts_ppl(tmp_path, tiny_checkpoint):
     """The ppl the pipeline reports is what a loader measures on the exported artifact."""
-    from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
-    from slimserve.eval.perplexity import evaluate_perplexity
+    from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.compress.perplexity import evaluate_perplexity
     from slimserve.runtime.loader import load_model
 
     res = run_recipe(parse_recipe(_recipe(tmp_path, tiny_checkpoint).read_text(), tmp_path / "r.yaml"),

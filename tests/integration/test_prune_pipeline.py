@@ -15,9 +15,9 @@ from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.prune.sizes import Dims
 from slimserve.compress.prune.structured import expected_parameters
 from slimserve.compress.recipe import parse_recipe
-from slimserve.eval.corpus import read_texts
-from slimserve.eval.datasets import encode_documents, load_texts, parse_dataset
-from slimserve.eval.perplexity import evaluate_perplexity
+from slimserve.runtime.corpus import read_texts
+from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+from slimserve.compress.perplexity import evaluate_perplexity
 
 SEQ, WINDOWS = 64, 6
 RECIPE = """# test
@@ -179,7 +179,7 @@ def test_distill_from_a_teacher_checkpoint(tiny_checkpoint, texts):
 def test_distill_refuses_the_evaluation_split(tiny_checkpoint):
     from slimserve.compress.distill.stages import DistillOptions, DistillStage
     from slimserve.compress.stage import CompressionState
-    from slimserve.eval.datasets import DatasetError
+    from slimserve.compress.datasets import DatasetError
     from slimserve.runtime.loader import load_model
 
     loaded = load_model(tiny_checkpoint, dtype=torch.float32)

@@ -13,8 +13,8 @@ from slimserve.runtime.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.server.app import build_app
 
-from tests.conftest import DEMO_MODEL
-from tests.live_server import serve_in_thread
+from tests.helpers import DEMO_MODEL
+from tests.helpers.live_server import serve_in_thread
 
 N_VALID, N_CANCEL, N_INVALID = 160, 24, 16
 

@@ -1,0 +1,395 @@
+"""Serving benchmark: a client-side load generator in the style of `vllm bench serve`.
+
+    runtime bench recipes/demo-model --num-prompts 200 --baseline hf --json-out bench.json
+    runtime bench --url http://127.0.0.1:8000 --tokenizer recipes/demo-model --sweep 1,2,4,inf
+
+Without --url it serves MODEL itself (`runtime serve` on a free port, engine flags passed on),
+waits for /health and stops it at the end. Requests stream from POST /v1/completions (greedy,
+ignore_eos, usage chunk) with prompts of exact drawn token lengths, Poisson arrivals, at most
+--max-concurrency in flight (workload, timing fields and scoring: runtime/bench/workload.py).
+--baseline hf runs the same requests through transformers `generate` in static batches
+afterwards; runtime/bench/report.py prints the one table and writes the JSON and sweep plot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import httpx
+import typer
+from tqdm.auto import tqdm
+
+from slimserve.runtime.bench.workload import (BenchRequest, LengthDist, RequestResult,
+                                             compute_metrics, corpus_requests, hf_baseline,
+                                             jsonl_requests, poisson_arrivals)
+
+WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
+STOP_GRACE_S = 30  # s the served engine gets to exit on SIGTERM before it is killed
+ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
+                "device")  # BenchArgs fields passed to `runtime serve` as --flags when set
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not run (server did not start, warm-up failed)."""
+
+
+@dataclass(slots=True)
+class BenchArgs:
+    url: str | None = None  # base URL of a running server (http://host:port); None: serve `model`
+    model: str | None = None  # artifact/checkpoint folder: served, tokenizer, HF baseline model
+    tokenizer: str | None = None  # tokenizer for the prompts; None: the model's
+    served_model_name: str | None = None  # requests' "model"; None: the server's first /v1/models
+    dataset: str = "stdlib"  # "stdlib" (validation split) or a JSONL file with a "prompt" field
+    num_prompts: int = 200  # requests per run
+    request_rate: float = math.inf  # Poisson arrivals, requests/s; inf: all at t=0
+    max_concurrency: int | None = None  # requests in flight at most; None: no limit
+    input_len: LengthDist = LengthDist(128, 0.8, 32, 512)  # prompt tokens (JSONL: cut to .high)
+    output_len: LengthDist = LengthDist(64, 1.0, 16, 512)  # output tokens asked for
+    seed: int = 0  # seeds lengths, prompt offsets and arrivals
+    text_prompts: bool = False  # send prompts as text (a server with another tokenizer)
+    slo_ttft_ms: float | None = None  # goodput SLO on time to first token, ms
+    slo_tpot_ms: float | None = None  # goodput SLO on time per output token, ms
+    json_out: str | None = None  # where to save the JSON result
+    sweep: list[float] = field(default_factory=list)  # request rates, one run each (overrides rate)
+    plot_out: str | None = None  # sweep PNG; None: beside json_out, else serving_sweep.png
+    baseline: str | None = None  # "hf": transformers generate, static batches, same prompts
+    hf_batch_size: int = 8  # rows per static HF batch
+    hf_device: str = "cpu"  # device of the HF baseline
+    max_num_seqs: int | None = None  # engine flags for the served model; None: serve's default
+    max_num_batched_tokens: int | None = None
+    kv_cache_dtype: str | None = None
+    kv_cache_memory: str | None = None
+    device: str | None = None
+    api_key: str | None = None  # Bearer token for --url servers that require one
+    warmup_requests: int = 1  # untimed requests before the runs
+    request_timeout_s: float = 600.0  # per HTTP read/connect, s
+    server_start_timeout_s: float = 600.0  # s `runtime serve` gets to answer /health
+    progress: bool = True  # progress bars on stderr
+
+    @property
+    def rates(self) -> list[float]:
+        return list(self.sweep) or [self.request_rate]
+
+    def validate(self) -> None:
+        if self.url is None and self.model is None:
+            raise ValueError("give a MODEL to serve, or --url of a running server")
+        if self.tokenizer is None and self.model is None:
+            raise ValueError("--url without MODEL needs --tokenizer to build the prompts")
+        if self.baseline not in (None, "hf"):
+            raise ValueError(f"--baseline {self.baseline!r} is unknown; use hf")
+        if self.baseline == "hf" and self.model is None:
+            raise ValueError("--baseline hf needs MODEL (the folder transformers loads)")
+        for name in ("num_prompts", "hf_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency {self.max_concurrency} must be >= 1 (omit: no limit)")
+        if self.dataset != "stdlib" and not Path(self.dataset).is_file():
+            raise ValueError(f"--dataset {self.dataset}: no such file; use stdlib or a JSONL path")
+        for rate in self.rates:
+            poisson_arrivals(1, rate, 0)  # raises for rates <= 0
+
+
+def build_requests(args: BenchArgs) -> list[BenchRequest]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    if args.dataset == "stdlib":
+        return corpus_requests(tok, args.num_prompts, args.input_len, args.output_len, args.seed)
+    return jsonl_requests(args.dataset, tok, args.num_prompts, args.input_len, args.output_len,
+                          args.seed)
+
+
+def serve_command(args: BenchArgs, port: int) -> list[str]:
+    cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", str(args.model),
+           "--host", "127.0.0.1", "--port", str(port)]
+    for name in ENGINE_FLAGS:
+        if (value := getattr(args, name)) is not None:
+            cmd += [f"--{name.replace('_', '-')}", str(value)]
+    return cmd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _last_line(path: Path) -> str:
+    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+@contextmanager
+def launched_server(cmd: list[str], url: str, timeout_s: float, log_path: Path) -> Iterator[str]:
+    """Run `cmd` (a server listening at url) until the block ends; yields url once /health is 200."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise BenchError(f"`runtime serve` exited with code {proc.returncode} before it was "
+                                 f"ready: {_last_line(log_path)} (log: {log_path})")
+            try:
+                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError(f"`runtime serve` did not answer /health within {timeout_s:.0f} s "
+                                 f"(log: {log_path}); raise server_start_timeout_s")
+            time.sleep(0.25)
+        yield url
+    finally:
+        proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def server_for(args: BenchArgs) -> Iterator[tuple[str, str | None]]:
+    """(base URL, server log path or None): --url as given, else a freshly served MODEL."""
+    if args.url is not None:
+        yield args.url.rstrip("/"), None
+        return
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="slimserve-bench-serve-", suffix=".log")[1])
+    with launched_server(serve_command(args, port), f"http://127.0.0.1:{port}",
+                         args.server_start_timeout_s, log) as url:
+        yield url, str(log)
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace").strip()[:200]
+
+
+async def send_one(client: httpx.AsyncClient, model: str | None, req: BenchRequest,
+                   text_prompt: bool, start_s: float) -> RequestResult:
+    """One streamed /v1/completions request, timed per token chunk (perf_counter)."""
+    res = RequestResult(req.prompt_len, req.output_len, start_s)
+    payload = {"model": model, "prompt": req.prompt_text if text_prompt else req.prompt_ids,
+               "max_tokens": req.output_len, "temperature": 0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}}
+    chunks, t0 = 0, time.perf_counter()
+    last = t0
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    res.error = f"error in stream: {obj['error'].get('message', obj['error'])}"
+                    return res
+                if obj.get("usage"):
+                    res.output_tokens = int(obj["usage"]["completion_tokens"])
+                choice = (obj.get("choices") or [None])[0]
+                # a token chunk; an empty one that only carries finish_reason is no token
+                if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        res.ttft_s = now - t0
+                    else:
+                        res.itl_s.append(now - last)
+                    last, chunks = now, chunks + 1
+    except Exception as e:  # transport errors, bad JSON: the request failed, the run goes on
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency_s = time.perf_counter() - t0
+    if chunks == 0:
+        res.error = "the stream ended without a token"
+        return res
+    res.output_tokens = res.output_tokens or chunks  # no usage chunk: count chunks
+    res.success = True
+    return res
+
+
+async def run_requests(url: str, model: str | None, requests: list[BenchRequest],
+                       arrivals: list[float], *, max_concurrency: int | None = None,
+                       text_prompts: bool = False, timeout_s: float = 600.0,
+                       api_key: str | None = None, desc: str | None = None
+                       ) -> tuple[list[RequestResult], float]:
+    """Send each request at its arrival time (s), at most max_concurrency at once, through one
+    client; returns the results in request order and the run's duration in s. desc: progress bar."""
+    conc = max_concurrency or len(requests)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    sem = asyncio.Semaphore(conc)
+    bar = tqdm(total=len(requests), desc=desc, unit="req", disable=desc is None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, trust_env=False,
+                                 timeout=httpx.Timeout(timeout_s),
+                                 limits=httpx.Limits(max_connections=conc,
+                                                     max_keepalive_connections=conc)) as client:
+        t0 = time.perf_counter()
+
+        async def one(req: BenchRequest) -> RequestResult:
+            async with sem:
+                res = await send_one(client, model, req, text_prompts, time.perf_counter() - t0)
+            bar.update()
+            return res
+
+        tasks = []
+        for req, at in zip(requests, arrivals):
+            if (delay := t0 + at - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    bar.close()
+    return list(results), duration
+
+
+def served_model_name(url: str, args: BenchArgs) -> str | None:
+    if args.served_model_name:
+        return args.served_model_name
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    try:
+        r = httpx.get(url + "/v1/models", headers=headers, timeout=10, trust_env=False)
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return Path(args.model).name if args.model else None
+
+
+def warm_up(url: str, model: str | None, requests: list[BenchRequest], args: BenchArgs) -> None:
+    """A few short untimed requests; a failure here stops the benchmark with its message."""
+    warm = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS))
+            for r in requests[:args.warmup_requests]]
+    results, _ = asyncio.run(run_requests(url, model, warm, [0.0] * len(warm), max_concurrency=1,
+                                          text_prompts=args.text_prompts, api_key=args.api_key,
+                                          timeout_s=args.request_timeout_s))
+    if failed := [r for r in results if not r.success]:
+        raise BenchError(f"warm-up request failed: {failed[0].error}")
+
+
+def run_bench(args: BenchArgs) -> dict:
+    """Run the workload at every rate (and the HF baseline), print one table, save JSON/PNG."""
+    from slimserve.runtime.bench.sysinfo import hardware_info
+    from slimserve.runtime.bench.report import describe_workload, finish_result
+
+    args.validate()
+    requests = build_requests(args)
+    load_before = os.getloadavg()[0]  # other work on the machine skews every number: recorded
+    runs = []
+    with server_for(args) as (url, server_log):
+        model = served_model_name(url, args)
+        if args.warmup_requests:
+            warm_up(url, model, requests, args)
+        for rate in args.rates:
+            arrivals = poisson_arrivals(len(requests), rate, args.seed)
+            results, duration = asyncio.run(run_requests(
+                url, model, requests, arrivals, max_concurrency=args.max_concurrency,
+                text_prompts=args.text_prompts, timeout_s=args.request_timeout_s,
+                api_key=args.api_key, desc=f"rate {rate:g} req/s" if args.progress else None))
+            metrics = compute_metrics(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+            runs.append({"request_rate": rate, "max_concurrency": args.max_concurrency, **metrics,
+                         "requests": [asdict(r) for r in results]})
+    baseline = (hf_baseline(requests, args.model, args.hf_batch_size, args.hf_device,
+                            args.progress) if args.baseline == "hf" else None)
+    engine_flags = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    hardware = {**hardware_info(), "load_avg_1m": [load_before, os.getloadavg()[0]]}
+    result = {"hardware": hardware, "served_model": model,
+              "server": {"url": args.url, "engine_flags": engine_flags, "log": server_log},
+              "workload": describe_workload(args, requests), "runs": runs, "baseline": baseline,
+              "args": {**asdict(args), "api_key": "(set)" if args.api_key else None}}
+    return finish_result(result, args)
+
+
+def parse_rates(sweep: str | list[float] | None) -> list[float]:
+    """'1,2,4,inf' (or a list of numbers) -> request rates."""
+    if sweep is None or isinstance(sweep, (list, tuple)):
+        return [float(r) for r in sweep or []]
+    try:
+        return [float(r) for r in sweep.split(",") if r.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep {sweep!r}: give request rates separated by commas, e.g. "
+                         "1,2,4,inf") from None
+
+
+Opt = typer.Option
+
+
+def bench_main(
+    model: Annotated[Optional[str], typer.Argument(
+        help="artifact or checkpoint folder: served (without --url), tokenizer, HF baseline")] = None,
+    url: Annotated[Optional[str], Opt(help="base URL of a running server; default: serve MODEL")] = None,
+    tokenizer: Annotated[Optional[str], Opt(help="tokenizer for the prompts (default: MODEL's)")] = None,
+    served_model_name: Annotated[Optional[str], Opt(help="requests' model (default: /v1/models)")] = None,
+    dataset: Annotated[str, Opt(help="stdlib, or a JSONL file with a \"prompt\" field")] = "stdlib",
+    num_prompts: Annotated[int, Opt(help="requests per run")] = 200,
+    request_rate: Annotated[float, Opt(help="Poisson arrivals, req/s; inf: all at once")] = math.inf,
+    max_concurrency: Annotated[Optional[int], Opt(help="requests in flight at most")] = None,
+    input_len_median: Annotated[int, Opt(help="prompt tokens: log-normal median")] = 128,
+    input_len_sigma: Annotated[float, Opt(help="prompt tokens: sigma of log(length)")] = 0.8,
+    input_len_min: int = 32, input_len_max: int = 512,
+    output_len_median: Annotated[int, Opt(help="output tokens: log-normal median")] = 64,
+    output_len_sigma: Annotated[float, Opt(help="output tokens: sigma of log(length)")] = 1.0,
+    output_len_min: int = 16, output_len_max: int = 512,
+    seed: Annotated[int, Opt(help="seeds lengths, prompt offsets and arrivals")] = 0,
+    text_prompts: Annotated[bool, Opt(help="send text, not token ids (server with another "
+                                      "tokenizer)")] = False,
+    slo_ttft_ms: Annotated[Optional[float], Opt(help="goodput SLO: time to first token, ms")] = None,
+    slo_tpot_ms: Annotated[Optional[float], Opt(help="goodput SLO: time per output token, ms")] = None,
+    json_out: Annotated[Optional[str], Opt(help="save everything as JSON here")] = None,
+    sweep: Annotated[Optional[str], Opt(help="request rates, e.g. 1,2,4,inf: a run each + plot")] = None,
+    plot_out: Annotated[Optional[str], Opt(help="sweep PNG (default: beside --json-out)")] = None,
+    baseline: Annotated[Optional[str], Opt(help="hf: transformers generate, static batches")] = None,
+    hf_batch_size: Annotated[int, Opt(help="rows per static HF batch")] = 8,
+    hf_device: Annotated[str, Opt(help="device of the HF baseline")] = "cpu",
+    max_num_seqs: Annotated[Optional[int], Opt(help="engine flag for the served MODEL")] = None,
+    max_num_batched_tokens: Annotated[Optional[int], Opt(help="engine flag")] = None,
+    kv_cache_dtype: Annotated[Optional[str], Opt(help="engine flag: auto | fp8_e4m3")] = None,
+    kv_cache_memory: Annotated[Optional[str], Opt(help="engine flag, e.g. 512MiB")] = None,
+    device: Annotated[Optional[str], Opt(help="engine flag: auto | cpu | cuda")] = None,
+    api_key: Annotated[Optional[str], Opt(envvar="SLIMSERVE_API_KEY", help="Bearer key")] = None,
+    warmup_requests: Annotated[int, Opt(help="untimed requests first")] = 1,
+    progress: Annotated[bool, Opt(help="progress bars")] = True,
+) -> dict:
+    """Load-test a served model (vllm bench serve style); optionally against HF generate."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from slimserve.runtime.errors import ArtifactError
+
+    try:
+        args = BenchArgs(
+            url=url, model=model, tokenizer=tokenizer, served_model_name=served_model_name,
+            dataset=dataset, num_prompts=num_prompts, request_rate=request_rate,
+            max_concurrency=max_concurrency, seed=seed, text_prompts=text_prompts,
+            input_len=LengthDist(input_len_median, input_len_sigma, input_len_min, input_len_max),
+            output_len=LengthDist(output_len_median, output_len_sigma, output_len_min,
+                                  output_len_max),
+            slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, json_out=json_out,
+            sweep=parse_rates(sweep), plot_out=plot_out, baseline=baseline,
+            hf_batch_size=hf_batch_size, hf_device=hf_device, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory=kv_cache_memory, device=device, api_key=api_key,
+            warmup_requests=warmup_requests, progress=progress)
+        return run_bench(args)
+    except (ValueError, BenchError, ArtifactError, OSError) as e:  # user errors and a server that would not run
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e).splitlines()[0])}",
+                                   highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None

@@ -1,0 +1,173 @@
+"""The serving benchmark's report: one rich table, the sweep plot (PNG) and the JSON file.
+
+The table has a column per run (request rate) and one for the HF baseline; its caption states
+hardware, model, server flags and workload (design.md §4.10). The plot puts each run's output
+throughput against its P99 TTFT, TPOT and E2E latency, the HF baseline's throughput as a line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from slimserve.runtime.bench.workload import length_stats
+
+LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
+# (label, key into a run or baseline dict (dots descend), format spec)
+ROWS = [("requests completed", "completed", "d"), ("requests failed", "failed", "d"),
+        ("duration (s)", "duration_s", ".1f"),
+        ("request throughput (req/s)", "request_throughput", ".2f"),
+        ("output throughput (tok/s)", "output_throughput", ".1f"),
+        ("total token throughput (tok/s)", "total_token_throughput", ".1f"),
+        ("goodput (req/s)", "goodput", ".2f"),
+        *[(f"{stat} {name} (ms)", f"{key}.{stat}", ".1f")
+          for key, name in LATENCIES for stat in ("mean", "median", "p99")],
+        ("output throughput / HF (x)", "ratio_vs_hf", ".2f")]
+
+
+def rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _get(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def _cell(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _lengths(s: dict) -> str:
+    return f"mean {s['mean']:.0f}, median {s['median']:.0f}, {s['min']}..{s['max']}"
+
+
+def model_summary(model: str | None, served_name: str | None) -> dict:
+    """Name, parameters and dtype from a local checkpoint's headers; the served name otherwise."""
+    if model and (Path(model) / "config.json").is_file() and any(Path(model).glob("*.safetensors")):
+        from slimserve.runtime.bench.sysinfo import model_info
+
+        return model_info(Path(model))
+    return {"name": served_name or model or "unknown", "path": model}
+
+
+def describe_workload(args, requests: list) -> dict:
+    """The workload facts of a run (args: BenchArgs; requests: its BenchRequests)."""
+    return {"dataset": args.dataset, "num_prompts": len(requests), "seed": args.seed,
+            "prompt_format": "text" if args.text_prompts else "token ids",
+            "input_len": length_stats([r.prompt_len for r in requests]),
+            "output_len": length_stats([r.output_len for r in requests]),
+            "request_rates": args.rates, "max_concurrency": args.max_concurrency,
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+
+
+def caption(result: dict) -> str:
+    hw, wl, m, srv = result["hardware"], result["workload"], result["model"], result["server"]
+    params = f", {m['params'] / 1e6:.1f}M params, {m['dtype']}" if "params" in m else ""
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in srv["engine_flags"].items())
+    where = f"server {srv['url']}" if srv["url"] else f"runtime serve {flags or '(defaults)'}"
+    slos = [f"{k} {wl[k]:g} ms" for k in ("slo_ttft_ms", "slo_tpot_ms") if wl[k] is not None]
+    load = " -> ".join(f"{x:.1f}" for x in hw.get("load_avg_1m", []))
+    lines = [f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}; "
+             f"load average {load or '?'} (1 min, start -> end)",
+             f"model: {m['name']}{params}; {where}",
+             f"workload: {wl['num_prompts']} prompts from {wl['dataset']} sent as "
+             f"{wl['prompt_format']}, seed {wl['seed']}; input tokens {_lengths(wl['input_len'])}; "
+             f"output tokens {_lengths(wl['output_len'])} (EOS ignored)",
+             f"arrivals: Poisson at the column's rate (req/s; inf = all at once), max concurrency "
+             f"{wl['max_concurrency'] or 'unlimited'}; goodput SLOs: {', '.join(slos) or 'none'}"]
+    if hf := result["baseline"]:
+        lines.append(f"HF: transformers generate, static batches of {hf['batch_size']}, left "
+                     f"padding, greedy, EOS off, float32 on {hf['device']}; "
+                     f"{hf['padding_waste']:.0%} of its generated tokens ran past a request's length")
+    return "\n".join(lines)
+
+
+def format_table(result: dict) -> Table:
+    runs, hf = result["runs"], result["baseline"]
+    table = Table(title=f"serving benchmark: {escape(result['model']['name'])}",
+                  caption=escape(caption(result)), caption_justify="left", min_width=100)
+    table.add_column("metric")
+    for run in runs:
+        table.add_column(f"rate {rate_label(run['request_rate'])}", justify="right")
+    if hf:
+        table.add_column("HF generate", justify="right")
+    cols = runs + ([hf] if hf else [])
+    has_slo = any(run["goodput"] is not None for run in runs)
+    for label, key, spec in ROWS:
+        if (key == "goodput" and not has_slo) or (key == "ratio_vs_hf" and not hf):
+            continue
+        table.add_row(label, *(_cell(_get(c, key), spec) for c in cols))
+    return table
+
+
+def save_sweep_plot(result: dict, path: Path) -> None:
+    """Output throughput vs P99 TTFT / TPOT / E2E, one point per rate (Agg, no pyplot state)."""
+    from matplotlib.figure import Figure
+
+    runs = sorted((r for r in result["runs"] if r["completed"]), key=lambda r: r["request_rate"])
+    fig = Figure(figsize=(13, 4))
+    hf = result["baseline"]
+    for ax, (key, name) in zip(fig.subplots(1, 3), (LATENCIES[0], LATENCIES[1], LATENCIES[3])):
+        x = [r["output_throughput"] for r in runs]
+        y = [r[key]["p99"] if r[key] else math.nan for r in runs]
+        ax.plot(x, y, "o-", label="slimserve")
+        for xi, yi, r in zip(x, y, runs):
+            ax.annotate(f"{rate_label(r['request_rate'])} req/s", (xi, yi),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+        if hf:
+            ax.axvline(hf["output_throughput"], ls="--", color="gray", label="HF generate")
+        ax.set_xlabel("output throughput (tok/s)")
+        ax.set_ylabel(f"P99 {name} (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['model']['name']}: throughput vs P99 latency over request rates")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def jsonable(obj):
+    """inf/nan (request rates) as strings: JSON has no literal for them."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+def finish_result(result: dict, args, console: Console | None = None) -> dict:
+    """Add the HF ratios and model facts, write the plot (sweeps) and JSON, print the table."""
+    hf = result["baseline"]
+    for run in result["runs"]:
+        run["ratio_vs_hf"] = (run["output_throughput"] / hf["output_throughput"]
+                              if hf and hf["output_throughput"] else None)
+    result["model"] = model_summary(args.model, result["served_model"])
+    result["plot"] = None
+    if args.sweep:
+        plot = Path(args.plot_out or (Path(args.json_out).with_suffix(".png") if args.json_out
+                                      else "serving_sweep.png"))
+        save_sweep_plot(result, plot)
+        result["plot"] = str(plot)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    console = console or Console()
+    console.print(format_table(result))
+    for run in result["runs"]:
+        for err in run["errors"]:
+            console.print(f"[red]rate {rate_label(run['request_rate'])}: failed request:[/] "
+                          f"{escape(err)}", highlight=False)
+        if run["wrong_length"]:
+            console.print(f"[yellow]rate {rate_label(run['request_rate'])}: {run['wrong_length']} "
+                          "requests got another output length than asked for[/]")
+    for what, path in (("plot", result["plot"]), ("json", args.json_out)):
+        if path:
+            console.print(f"{what}: {path}", highlight=False)
+    return result

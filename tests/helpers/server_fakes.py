@@ -1,0 +1,160 @@
+"""A fake AsyncEngine for the server tests (notes/engine_api.md).
+
+The fake generates one character per step ("a", "b", "c", ... shifted by the seed) after a
+small delay, so every answer is known in advance and the tests need no model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+from slimserve.runtime.errors import EngineDeadError, RequestError
+from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+@dataclass
+class FakeStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.25
+    prefix_cache_hit_rate: float = 0.5
+    num_preemptions: int = 3
+    num_blocks: int = 64
+    block_size: int = 16
+    capacity_tokens: int = 1024
+
+
+class FakeTokenizer:
+    """One token per character (token id = code point); renders TEMPLATE-shaped chat prompts."""
+
+    eos_token_id = 0
+
+    def __init__(self, chat_template: str | None = TEMPLATE):
+        self.chat_template = chat_template
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        assert not tokenize and add_generation_prompt
+        if any(m["content"] == "REJECT" for m in messages):
+            raise ValueError("Conversation roles must alternate user/assistant")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class FakeEngine:
+    """The AsyncEngine interface, deterministic: step i yields chr(ord('a') + (i + seed) % 26)."""
+
+    def __init__(self, delay: float = 0.002, max_model_len: int = 64, chat_template=TEMPLATE):
+        self.model_name = "fake-model"
+        self.tokenizer = FakeTokenizer(chat_template)
+        self.max_model_len = max_model_len
+        self.delay = delay  # s per generated token
+        self.started = self.shut_down = False
+        self.dead = False  # generate/stats raise EngineDeadError
+        self.die_after: int | None = None  # raise EngineDeadError after this many tokens
+        self.fail_with: Exception | None = None  # generate raises this (an engine bug)
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.abort_calls: list[str] = []  # engine.abort(request_id) calls
+        self.closed_early: list[str] = []  # generators the consumer left before the end
+        self.waiting = 0
+        self._aborts: dict[str, asyncio.Event] = {}
+
+    async def start(self):
+        self.started = True
+
+    async def shutdown(self):
+        self.shut_down = True
+
+    def stats(self):
+        if self.dead:
+            raise EngineDeadError("fake engine died")
+        return FakeStats(num_running=len(self._aborts), num_waiting=self.waiting)
+
+    def abort(self, request_id):
+        self.abort_calls.append(request_id)
+        if request_id in self._aborts:
+            self._aborts[request_id].set()
+
+    def _output(self, rid, prompt, ids, text, lps, reason, stop, t) -> RequestOutput:
+        return RequestOutput(rid, prompt, [CompletionOutput(0, text, list(ids), lps and list(lps),
+                                                            reason, stop)], reason is not None,
+                             metrics=t)
+
+    async def generate(self, prompt, params, request_id):
+        if self.dead:
+            raise EngineDeadError("fake engine died")
+        if self.fail_with is not None:
+            raise self.fail_with
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("prompt", "is empty; send at least one token")
+        if len(ids) >= self.max_model_len:
+            raise RequestError("prompt", f"has {len(ids)} tokens; limit {self.max_model_len}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError("max_tokens", f"ask for at most {self.max_model_len - len(ids)}")
+        self.requests.append((request_id, ids, params))
+        aborted = self._aborts[request_id] = asyncio.Event()
+        t = {"arrival": time.monotonic()}
+        out_ids, lps, finished = [], [] if params.logprobs is not None else None, False
+        try:
+            for i in range(params.max_tokens):
+                try:
+                    await asyncio.wait_for(aborted.wait(), self.delay)
+                    finished = True
+                    yield self._output(request_id, ids, out_ids, self.tokenizer.decode(out_ids),
+                                       lps, "abort", None, t)
+                    return
+                except asyncio.TimeoutError:
+                    pass
+                if self.die_after is not None and i >= self.die_after:
+                    raise EngineDeadError("fake engine died mid-request")
+                tok = ord("a") + (i + (params.seed or 0)) % 26
+                out_ids.append(tok)
+                if lps is not None:
+                    top = {tok: -0.5, tok + 1: -1.5, tok + 2: -2.5}
+                    lps.append((-0.5, dict(list(top.items())[:params.logprobs])))
+                t.setdefault("first_token", time.monotonic())
+                t["last_token"] = time.monotonic()
+                text, reason, stop = self.tokenizer.decode(out_ids), None, None
+                hits = [(text.find(s), s) for s in params.stop if s in text]
+                if hits:
+                    cut, stop = min(hits)
+                    text, reason = text[:cut], "stop"
+                elif tok in params.stop_token_ids:
+                    reason, stop = "stop", tok
+                elif i == params.max_tokens - 1:
+                    reason = "length"
+                if reason:
+                    t["finish"] = time.monotonic()
+                    finished = True
+                yield self._output(request_id, ids, out_ids, text, lps, reason, stop, t)
+                if finished:
+                    return
+        finally:
+            self._aborts.pop(request_id, None)
+            if not finished:
+                self.closed_early.append(request_id)
+
+
+
+def events(text: str) -> list:
+    """The JSON objects of an SSE body, and the final '[DONE]' as a string."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+
+def chat_messages(content="hi"):
+    return [{"role": "user", "content": content}]
