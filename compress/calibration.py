@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from slimserve.compress.mappings import ArchMapping, decoder_layers, mapping_for
-from slimserve.compress.stage import CompressionState
+from slimserve.compress.stage import CompressionState, Stage
+from slimserve.runtime.dtypes import DTYPES
 
 
 class _StopForward(Exception):
@@ -116,12 +117,6 @@ def replay(module: nn.Module, inputs: LayerInputs, device: torch.device,
     return outs
 
 
-class LayerwiseStage(Protocol):
-    name: str
-
-    def compress_layer(self, ctx: LayerContext) -> None: ...
-
-
 def _to(obj: Any, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Any:
     """Tensors inside tuples/lists/dicts moved to `device`, floating ones cast to `dtype`."""
     if isinstance(obj, torch.Tensor):
@@ -168,8 +163,8 @@ def layer_on_device(layer: nn.Module, device: torch.device, dtype: torch.dtype |
 
     Each floating tensor gets a working copy and its original storage is kept and written back
     at the end: moving or casting the layer back and forth would free and reallocate every
-    layer's weights, and the allocator's fragmentation then grew the process by ~10 bytes per
-    parameter (bench_memory, 32 layers, bf16 replays).
+    layer's weights, and the allocator's fragmentation then made working memory grow with depth
+    (eval/bench_memory.py with bf16 replays; the README has the numbers).
     """
     if device.type == "cpu" and dtype is None:
         yield
@@ -192,7 +187,7 @@ def layer_on_device(layer: nn.Module, device: torch.device, dtype: torch.dtype |
                     mod._buffers[name] = b.to(device="cpu", dtype=home)
 
 
-def replay_dtype(state: CompressionState, stage: Any, device: torch.device) -> torch.dtype | None:
+def replay_dtype(state: CompressionState, stage: Stage, device: torch.device) -> torch.dtype | None:
     """The dtype layer replays run in, None for the model's own (float32).
 
     `calibration.dtype: auto` replays in the storage dtype for stages that only collect input
@@ -202,13 +197,13 @@ def replay_dtype(state: CompressionState, stage: Any, device: torch.device) -> t
     """
     name = state.calibration_dtype
     if name == "auto":
-        if not getattr(stage, "replay_in_storage_dtype", False):
+        if not stage.replay_in_storage_dtype:
             return None
         dtype = state.storage_dtype
         if dtype == torch.float16 and device.type != "cuda":
             return None
     else:
-        dtype = getattr(torch, name)
+        dtype = DTYPES[name]
     return None if dtype == torch.float32 else dtype
 
 
@@ -223,10 +218,13 @@ def move_trunk(model: nn.Module, layers_path: str, device: torch.device) -> None
             mod._buffers[key] = b.to(device)
 
 
-def run_layerwise(state: CompressionState, stage: LayerwiseStage, batch_size: int = 8,
+def run_layerwise(state: CompressionState, stage: Stage, batch_size: int = 8,
                   device: torch.device | str | None = None,
                   on_layer: Callable[[int, int], None] | None = None) -> None:
     """Apply a layerwise stage to every decoder layer, feeding each the compressed previous one.
+
+    The one runner of layerwise stages (`Stage.compress_layer`): the pipeline calls it between the
+    stage's prepare and finalize.
 
     Layers run on `device` (default: the recipe's, `state.device`) one at a time; the cached
     activations stay on the CPU and the whole model is back on the CPU afterwards.

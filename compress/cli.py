@@ -83,14 +83,14 @@ def eval_cmd(
 
     from slimserve.compress.devices import resolve_device
     from slimserve.compress.layerwise_eval import perplexity_on_device
-    from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.compress.datasets import load_token_documents, parse_dataset
     from slimserve.runtime.loader import load_model
 
     try:
         dev = resolve_device(device, "--device")
-        spec = parse_dataset(dataset, Path.cwd())
+        spec = parse_dataset(dataset, Path.cwd())  # a bad spec fails before the model loads
         loaded = load_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
-        ids = encode_documents(loaded.tokenizer, load_texts(spec))
+        ids = load_token_documents(spec, loaded.tokenizer)
         res = perplexity_on_device(loaded.model, ids, seq_len, max_windows, batch_size, dev, not as_json,
                                    note=lambda m: None if as_json else console.print(m, highlight=False))
     except _user_errors() as e:

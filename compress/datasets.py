@@ -217,6 +217,14 @@ def encode_documents(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def load_token_documents(spec: DatasetSpec | str, tokenizer, base_dir: Path | None = None) -> torch.Tensor:
+    """A dataset's token stream: its documents (named corpora: the split `spec` names, else the
+    eval split) encoded by `encode_documents`. A spec string is parsed against `base_dir`.
+    [num_tokens] int64."""
+    spec = parse_dataset(spec, base_dir) if isinstance(spec, str) else spec
+    return encode_documents(tokenizer, load_texts(spec))
+
+
 def calibration_batches(
     tokenizer, spec: DatasetSpec | str, num_samples: int, seq_len: int, seed: int = 0
 ) -> torch.Tensor:
@@ -228,7 +236,7 @@ def calibration_batches(
         raise DatasetError(f"calibration needs num_samples >= 1 and seq_len >= 1 "
                            f"(got num_samples={num_samples}, seq_len={seq_len})")
     spec = (parse_dataset(spec) if isinstance(spec, str) else spec).for_calibration()
-    stream = encode_documents(tokenizer, load_texts(spec))  # [num_tokens]
+    stream = load_token_documents(spec, tokenizer)  # [num_tokens]
     if stream.numel() < seq_len + 1:
         raise DatasetError(f"calibration dataset {spec} has {stream.numel()} tokens, fewer than "
                            f"seq_len + 1 = {seq_len + 1}; use a larger dataset or a smaller seq_len")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from slimserve.compress.errors import RecipeError
+from slimserve.runtime.devices import DeviceUnavailableError
+from slimserve.runtime.devices import resolve_device as resolve_runtime_device
 
 
 def parse_device(name: str, field: str) -> torch.device | None:
@@ -21,15 +23,14 @@ def parse_device(name: str, field: str) -> torch.device | None:
 
 
 def resolve_device(name: str, field: str, auto: torch.device | None = None) -> torch.device:
-    """The device to run on: `auto` is `auto` when given, else CUDA when available; a CUDA device
-    that is not present is a RecipeError naming `field`."""
-    dev = parse_device(name, field)
-    if dev is None:
-        return auto if auto is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RecipeError(f"{field}: {name!r} but no CUDA device is available; use auto or cpu")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise RecipeError(f"{field}: {name!r} but only {torch.cuda.device_count()} CUDA device(s) "
-                              "exist; use cuda:0 .. cuda:N-1")
+    """The device to run on (runtime.devices.resolve_device): `auto` is `auto` when given, else CUDA
+    when available; a CUDA device that is not present is a RecipeError naming `field`."""
+    explicit = parse_device(name, field) is not None
+    try:
+        dev = resolve_runtime_device(name, auto)
+    except DeviceUnavailableError:
+        raise RecipeError(f"{field}: {name!r} but no CUDA device is available; use auto or cpu") from None
+    if explicit and dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RecipeError(f"{field}: {name!r} but only {torch.cuda.device_count()} CUDA device(s) "
+                          "exist; use cuda:0 .. cuda:N-1")
     return dev

@@ -1,6 +1,6 @@
 """Perplexity with one decoder layer on the device at a time, for models larger than it.
 
-The same computation as eval.perplexity.evaluate_perplexity (same windows, same ops, same loss),
+The same computation as perplexity.evaluate_perplexity (same windows, same ops, same loss),
 reordered: every evaluation window's hidden states pass layer 0, then layer 1, ... (kept on the
 CPU between layers: windows x seq_len x hidden x 4 bytes), then the final norm and lm_head run
 batch by batch on the device. `perplexity_on_device` (the pipeline's and `compress eval`'s

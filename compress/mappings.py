@@ -1,7 +1,8 @@
 """Per-architecture layer mappings: where the decoder layers are, which norm feeds which Linears.
 
-Stages never branch on class names (design.md §4.7): they look the model's `config.model_type`
-up here. An architecture missing from `ARCHITECTURES` is refused with the list of supported ones.
+Stages never branch on class names (docs/architecture.md, "A new architecture"): they look the
+model's `config.model_type` up here. An architecture missing from `ARCHITECTURES` is refused
+with the list of supported ones.
 """
 
 from __future__ import annotations

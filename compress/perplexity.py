@@ -147,8 +147,8 @@ def perplexity_on(
     progress: bool = True,
 ) -> PerplexityResult:
     """Encode a dataset (spec string or `DatasetSpec`; named corpora: their eval split) and score it."""
-    from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.compress.datasets import load_token_documents, parse_dataset
 
     spec = parse_dataset(dataset_spec) if isinstance(dataset_spec, str) else dataset_spec
-    token_ids = encode_documents(tokenizer, load_texts(spec))  # [num_tokens]
+    token_ids = load_token_documents(spec, tokenizer)  # [num_tokens]
     return evaluate_perplexity(model, token_ids, seq_len, max_windows, batch_size, progress, dataset=str(spec))

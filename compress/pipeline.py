@@ -24,18 +24,16 @@ from slimserve.compress.export.formats import check_exportable, export_artifact
 from slimserve.compress.export.io import size_bytes
 from slimserve.runtime.artifact.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.compress.layerwise_eval import perplexity_on_device
-from slimserve.compress.prune.structured import count_parameters
-from slimserve.runtime.artifact.qweight import QuantizedWeight
+from slimserve.compress.model_size import count_parameters, weight_bytes
 from slimserve.compress.recipe import Recipe
-from slimserve.compress.registry import STAGES
-from slimserve.compress.stage import CompressionState, StageReport
-from slimserve.compress.datasets import calibration_batches, encode_documents, load_texts, parse_dataset
+from slimserve.compress.stage import CompressionState, Stage, StageReport
+from slimserve.compress.datasets import calibration_batches, load_token_documents, parse_dataset
 from slimserve.compress.progress import counting_bar
 from slimserve.compress.report import write_report
+from slimserve.runtime.dtypes import DTYPES, checkpoint_dtype
 from slimserve.runtime.loader import load_model
 
 COMPUTE_DTYPE = torch.float32
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +58,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     model.eval()
     storage = _storage_dtype(recipe, model)
     ev = recipe.eval
-    eval_spec = parse_dataset(ev.dataset, recipe.base_dir)
-    eval_ids = encode_documents(tok, load_texts(eval_spec))
+    eval_ids = load_token_documents(ev.dataset, tok, recipe.base_dir)
 
     def measure(label: str):
         res = perplexity_on_device(state.model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size,
@@ -117,26 +114,27 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
 
 
-def _build_stages(recipe: Recipe, config) -> list:
+def _build_stages(recipe: Recipe, config) -> list[Stage]:
     """The recipe's stage objects, after refusing what cannot work before any work is done."""
-    for spec in recipe.stages:  # a scheme the export format cannot store
-        if hasattr(spec.config, "resolve_scheme"):
-            check_exportable(recipe.export.format, spec.config.resolve_scheme())
-    stages = [STAGES[spec.name][1](spec.config) for spec in recipe.stages]
+    stages = [spec.build() for spec in recipe.stages]
+    for stage in stages:  # a scheme the export format cannot store
+        if stage.scheme is not None:
+            check_exportable(recipe.export.format, stage.scheme)
     _preflight(recipe.stages, stages, config)
     return stages
 
 
-def _preflight(specs, stages: list, config) -> None:
+def _preflight(specs, stages: list[Stage], config) -> None:
     """Refuse impossible shape targets before any work: each reshaping stage checks the config the
-    stages before it leave (`preflight(config) -> config`), and a later group-quantization stage
+    stages before it leave (`preflight(config) -> config | None`), and a later group-quantization stage
     must find every pruned Linear input width a multiple of its group size."""
     pruned_by = None
     for spec, stage in zip(specs, stages):
-        if hasattr(stage, "preflight"):
-            config, pruned_by = stage.preflight(config), spec.name
-        elif pruned_by and hasattr(spec.config, "resolve_scheme"):
-            w = spec.config.resolve_scheme().weights
+        after = stage.preflight(config)
+        if after is not None:
+            config, pruned_by = after, spec.name
+        elif pruned_by and stage.scheme is not None:
+            w = stage.scheme.weights
             widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
                       "num_attention_heads * head_dim": config.num_attention_heads * config.head_dim}
             for key, width in widths.items():
@@ -146,12 +144,9 @@ def _preflight(specs, stages: list, config) -> None:
                         f"{w.group_size}; set {pruned_by}.multiple_of: {w.group_size} or another size")
 
 
-def _keeps_teacher(stages: list, i: int) -> bool:
+def _keeps_teacher(stages: list[Stage], i: int) -> bool:
     """Stage i is the first that snapshots the teacher, and a later stage distills from it."""
-    if not getattr(stages[i], "snapshots_teacher", False):
-        return False
-    return any(getattr(s, "uses_teacher", False) and getattr(s.options, "teacher", None) is None
-               for s in stages[i + 1:])
+    return stages[i].snapshots_teacher and any(s.uses_teacher for s in stages[i + 1:])
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -160,7 +155,7 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return teacher.requires_grad_(False)
 
 
-def _run_stages(specs, stages: list, state: CompressionState, measure, storage: torch.dtype) -> list[StageReport]:
+def _run_stages(specs, stages: list[Stage], state: CompressionState, measure, storage: torch.dtype) -> list[StageReport]:
     reports = []
     for i, (spec, stage) in enumerate(zip(specs, stages)):
         if _keeps_teacher(stages, i) and state.teacher is None:
@@ -170,7 +165,7 @@ def _run_stages(specs, stages: list, state: CompressionState, measure, storage: 
     return reports
 
 
-def _run_stage(spec, stage, state: CompressionState, measure, storage: torch.dtype) -> StageReport:
+def _run_stage(spec, stage: Stage, state: CompressionState, measure, storage: torch.dtype) -> StageReport:
     stage.prepare(state)
     if stage.layerwise:
         with _layer_bar(spec.name, state.model.config.num_hidden_layers, state.progress) as on_layer:
@@ -194,30 +189,6 @@ def _layer_bar(name: str, layers: int | None, enabled: bool):
 def _storage_dtype(recipe: Recipe, model: nn.Module) -> torch.dtype:
     """The recipe's dtype, or the checkpoint's own (read from config.json, not the loaded copy)."""
     if recipe.dtype != "auto":
-        return _DTYPES[recipe.dtype]
-    from transformers import AutoConfig
-
-    cfg_dtype = getattr(AutoConfig.from_pretrained(recipe.model), "dtype", None)
-    if isinstance(cfg_dtype, str):
-        cfg_dtype = _DTYPES.get(cfg_dtype)
-    return cfg_dtype if cfg_dtype in _DTYPES.values() else torch.bfloat16
-
-
-def weight_bytes(model: nn.Module, quantized: dict[str, QuantizedWeight], storage: torch.dtype) -> int:
-    """Bytes the model's weights take on disk: packed codes + scales for quantized Linears."""
-    total, seen = 0, set()
-    elem = torch.empty(0, dtype=storage).element_size()
-    for mod_name, module in model.named_modules():
-        for p_name, p in module.named_parameters(recurse=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            qw = quantized.get(mod_name) if p_name == "weight" else None
-            if qw is None:
-                total += p.numel() * elem
-                continue
-            n, k = qw.shape
-            total += n * k * qw.args.num_bits // 8 + qw.scale.numel() * elem
-            if qw.zero_point is not None:
-                total += qw.zero_point.numel() * qw.args.num_bits // 8
-    return total
+        return DTYPES[recipe.dtype]
+    cfg_dtype = checkpoint_dtype(recipe.model)
+    return cfg_dtype if cfg_dtype in DTYPES.values() else torch.bfloat16

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from slimserve.compress.devices import parse_device
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.registry import STAGE_SPECS, STAGES
+from slimserve.compress.stage import Stage
 
 
 class _Strict(BaseModel):
@@ -63,6 +64,10 @@ class StageSpec:
     name: str  # registry key, e.g. 'rtn'
     config: BaseModel  # the stage's validated options
 
+    def build(self) -> Stage:
+        """A new stage object for these options (cheap: no model is needed)."""
+        return STAGES[self.name][1](self.config)
+
 
 @dataclass(frozen=True, slots=True)
 class Recipe:
@@ -83,9 +88,8 @@ class Recipe:
 
     @property
     def needs_calibration(self) -> bool:
-        """Whether any stage needs the calibration windows (its options may say, else its class)."""
-        return any(getattr(s.config, "needs_calibration", STAGES[s.name][1].needs_calibration)
-                   for s in self.stages)
+        """Whether any stage needs the calibration windows."""
+        return any(s.build().needs_calibration for s in self.stages)
 
 
 def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
@@ -153,19 +157,17 @@ def _parse_stage(i: int, entry: Any) -> StageSpec:
 def _check_order(stages: tuple[StageSpec, ...]) -> None:
     """Stages that reshape or retrain the model (prune, distill) come before every quantization
     stage; one that distills from the pre-pruning model needs a prune stage before it."""
-    for i, spec in enumerate(stages):
-        cls = STAGES[spec.name][1]
-        if getattr(cls, "runs_before_quantization", False):
-            later = next((s for s in stages[:i] if not getattr(STAGES[s.name][1], "runs_before_quantization",
-                                                               False)), None)
+    built = [spec.build() for spec in stages]
+    for i, (spec, stage) in enumerate(zip(stages, built)):
+        if stage.runs_before_quantization:
+            later = next((s for s, b in zip(stages[:i], built) if not b.runs_before_quantization), None)
             if later is not None:
                 raise RecipeError(f"stages[{i}].{spec.name} comes after {later.name}; {spec.name} changes the "
                                   f"weights, so move it before the quantization stages")
-        if getattr(cls, "uses_teacher", False) and getattr(spec.config, "teacher", None) is None:
-            if not any(getattr(STAGES[s.name][1], "snapshots_teacher", False) for s in stages[:i]):
-                raise RecipeError(f"stages[{i}].{spec.name}: no teacher; the teacher is the model before "
-                                  f"the first prune stage, so put a prune stage before it or set "
-                                  f"stages[{i}].{spec.name}.teacher to a checkpoint")
+        if stage.uses_teacher and not any(b.snapshots_teacher for b in built[:i]):
+            raise RecipeError(f"stages[{i}].{spec.name}: no teacher; the teacher is the model before "
+                              f"the first prune stage, so put a prune stage before it or set "
+                              f"stages[{i}].{spec.name}.teacher to a checkpoint")
 
 
 def _validate(cls: type[BaseModel], data: dict, prefix: str) -> BaseModel:

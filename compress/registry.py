@@ -1,4 +1,5 @@
-"""The explicit registry of stages (design.md §4.7): name -> (options model, stage class).
+"""The explicit registry of stages (docs/architecture.md, "A new stage"): name -> (options model,
+stage class).
 
 Only stages that exist are listed; a recipe naming another one is refused with this list.
 """

@@ -1,21 +1,25 @@
 """The contract between the pipeline and its stages.
 
-A stage is a small stateful wrapper around a pure algorithm (design.md §4.1): it finds the
-modules it works on, hands their tensors to a function, and writes the results back into the
-model and into `CompressionState`. The pipeline measures perplexity and sizes around it.
+A stage is a small stateful wrapper around a pure algorithm (docs/architecture.md, "The stage
+contract"): it finds the modules it works on, hands their tensors to a function, and writes the
+results back into the model and into `CompressionState`. The pipeline measures perplexity and
+sizes around it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantScheme
+
+if TYPE_CHECKING:  # calibration imports this module
+    from slimserve.compress.calibration import LayerContext
 
 
 @dataclass(slots=True)
@@ -71,20 +75,88 @@ class CompressionState:
     teacher_map: TeacherMap | None = None  # set by prune: student layers/channels -> teacher's
 
 
-class Stage(Protocol):
-    """What every registered stage provides.
+class Stage:
+    """The contract between the pipeline and a stage: every capability and hook, with defaults.
 
-    `needs_calibration`: the pipeline builds `state.calibration` before running it.
-    `layerwise`: the stage runs decoder layer by decoder layer inside the calibration engine
-    (whole-model stages such as `rtn` set it False and do all their work in `apply`).
+    A stage class sets `name` and overrides the capabilities that differ from the defaults below
+    (class attributes; a stage whose options decide one sets it on the instance in `__init__`).
+    The registry builds it as `cls(options)`. The pipeline then runs, per stage:
+
+        prepare(state)
+        layerwise: calibration.run_layerwise(state, stage), which calls compress_layer(ctx) once
+                   per decoder layer, in order (the only runner of layerwise stages)
+        otherwise: apply(state)
+        finalize(state) -> StageReport
+
+    Before any model work, recipe.py and pipeline.py read the capabilities (order and teacher
+    checks, calibration data) and call `preflight` and check `scheme` against the export format.
     """
 
     name: str
-    needs_calibration: bool
-    layerwise: bool
+    """Registry key, e.g. 'gptq'; reports and error messages use it."""
 
-    def prepare(self, state: CompressionState) -> None: ...
+    options: Any = None
+    """The validated options model the stage was built from (registry.STAGES)."""
 
-    def apply(self, state: CompressionState) -> None: ...
+    report: StageReport
+    """What `finalize` returns by default; a stage fills it while it runs."""
 
-    def finalize(self, state: CompressionState) -> StageReport: ...
+    needs_calibration: bool = False
+    """The pipeline builds `state.calibration` (token windows) before running the stage."""
+
+    layerwise: bool = False
+    """The stage runs decoder layer by decoder layer inside the calibration engine
+    (`compress_layer`); False: it does all its work on the whole model in `apply`."""
+
+    replay_in_storage_dtype: bool = False
+    """Layerwise stages that only collect input statistics (GPTQ's Hessians): with
+    `calibration.dtype: auto` their layer replays run in the storage dtype (calibration.replay_dtype)."""
+
+    runs_before_quantization: bool = False
+    """The stage reshapes or retrains the weights (prune, distill): the recipe must put it before
+    every stage without this flag."""
+
+    snapshots_teacher: bool = False
+    """The pipeline keeps a frozen copy of the model before the first such stage (prune) when a
+    later stage `uses_teacher`; the stage records how its result maps onto it (state.teacher_map)."""
+
+    uses_teacher: bool = False
+    """The stage learns from that snapshot (distill without its own teacher checkpoint): the recipe
+    must put a `snapshots_teacher` stage before it."""
+
+    scheme: QuantScheme | None = None
+    """The weight scheme the stage quantizes with (rtn, gptq) or prepares weights for (awq); None:
+    it quantizes no weights. The pipeline refuses a scheme the export format cannot store, and a
+    group size that does not divide a width an earlier reshaping stage (`preflight`) leaves."""
+
+    def preflight(self, config: Any) -> Any | None:
+        """The model config this stage will leave (shapes only), given the one before it, or None
+        when it leaves the shapes as they are (the default). Raises RecipeError for impossible
+        targets, before any model work."""
+        return None
+
+    def prepare(self, state: CompressionState) -> None:
+        """Check the model and options against `state` and set up; runs before the work."""
+
+    def apply(self, state: CompressionState) -> None:
+        """The work of a whole-model stage (`layerwise` False)."""
+        if self.layerwise:
+            raise NotImplementedError(f"stage {self.name} is layerwise: calibration.run_layerwise drives it")
+        raise NotImplementedError(f"stage {self.name} has no apply")
+
+    def compress_layer(self, ctx: LayerContext) -> None:
+        """The work of a layerwise stage on one decoder layer, called for layers 0, 1, ... in order.
+
+        `ctx` (calibration.LayerContext) gives the layer on the compute device (`ctx.layer`,
+        `ctx.module(rel)`), its index and module-name prefix, the architecture mapping, the
+        pipeline state, the device and a per-layer scratch dict (`extra`). `ctx.forward()` replays
+        the layer's cached calibration inputs through it (hooks the stage registered fire;
+        `stop_after` ends each batch early), `ctx.capture_calls(rel)` records what a submodule is
+        called with and `ctx.run_call(rel, call)` runs it alone on one such call. After this
+        returns, the engine replays the compressed layer to make the next layer's inputs.
+        """
+        raise NotImplementedError(f"stage {self.name} has no compress_layer")
+
+    def finalize(self, state: CompressionState) -> StageReport:
+        """Finish (write back, restore, summarize) and return the stage's report."""
+        return self.report

@@ -183,12 +183,12 @@ def acceptance(model_dir: Path, seq_len: int = 512, prompt: str = "def read_conf
     """
     from slimserve.compress.quant.stages import RtnOptions, RtnStage
     from slimserve.compress.stage import CompressionState
-    from slimserve.compress.datasets import encode_documents, load_texts
+    from slimserve.compress.datasets import load_token_documents
     from slimserve.compress.perplexity import evaluate_perplexity
     from slimserve.runtime.loader import load_model
 
     loaded = load_model(model_dir, dtype=torch.float32)
-    ids = encode_documents(loaded.tokenizer, load_texts("stdlib"))
+    ids = load_token_documents("stdlib", loaded.tokenizer)
     base = evaluate_perplexity(loaded.model, ids, seq_len, progress=False)
     facts = {"val_ppl": base.ppl, "val_tokens": base.tokens}
     for scheme in ("W4A16", "W3A16"):

@@ -8,6 +8,7 @@ GPU constraints such as shared-memory size or dot shapes, the compiler does).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ AOT_MODULES = (
 )
 
 _BACKENDS = ("auto", "triton", "torch")
+_DEFAULT_SMS = 132  # an H100/H200: the SM count assumed when no GPU is visible (interpreter, AOT)
 
 
 def kernel_backend() -> str:
@@ -45,6 +47,15 @@ def use_triton(t: torch.Tensor) -> bool:
     if backend == "triton":
         return True
     return t.is_cuda
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`, which size split-K / split-context launches;
+    off CUDA (interpreter, AOT) an H100/H200's 132, so the choice of path matches the GPU's."""
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check(cond: bool, message: str) -> None:

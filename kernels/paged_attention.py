@@ -23,7 +23,6 @@ kernels never take that branch.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -32,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2
+from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2, num_sms
 from slimserve.kernels._rounding import round_to
 from slimserve.kernels.kv_cache import FP8, cache_view, load_kv_tile, scale_tensor
 
@@ -305,20 +304,13 @@ def _prepare(query, key_cache, value_cache, block_tables, context_lens, n_seqs, 
                     num_stages=cfg.num_stages))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H100/H200, for the interpreter's choice of path
-
-
 def use_split(batch: int, num_kv_heads: int, max_ctx: int, cfg: AttentionConfig,
               device: torch.device) -> bool:
     """Split-K decode when the (sequence, KV head) programs fill few waves of the GPU and the
     context spans several partitions; config.split overrides."""
     if cfg.split is not None:
         return cfg.split
-    return batch * num_kv_heads < SPLIT_MAX_WAVES * _num_sms(device) and max_ctx > cfg.partition
+    return batch * num_kv_heads < SPLIT_MAX_WAVES * num_sms(device) and max_ctx > cfg.partition
 
 
 def paged_attention_decode(

@@ -1,8 +1,8 @@
 """Pure-torch twins of the kernels: the CPU path and the test oracle.
 
-Everything follows compressed-tensors' on-disk layout (formats.md §1.5): codes are stored
-offset-binary, packed 32/b per int32 word along K with the lowest index in the low bits;
-asymmetric zero points are packed the same way along N. Dequantization is done in fp32,
+Everything follows compressed-tensors' on-disk layout (docs/architecture.md, "The safetensors"):
+codes are stored offset-binary, packed 32/b per int32 word along K with the lowest index in the
+low bits; asymmetric zero points are packed the same way along N. Dequantization is done in fp32,
 W[n, k] = (q[n, k] - zp[n, g(k)]) * scale[n, g(k)], and the caller casts once; since
 |q - zp| < 2^8 and the scale has at most 11 significant bits, the fp32 product is exact and
 the single cast matches the fake-quantized weight bit for bit.

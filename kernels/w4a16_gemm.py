@@ -16,7 +16,6 @@ reference.py), rounded once to x's dtype for the tensor cores; accumulation is f
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from slimserve.kernels._launch import AotVariant, check, check_tensor, use_triton
+from slimserve.kernels._launch import AotVariant, check, check_tensor, num_sms, use_triton
 from slimserve.kernels.w4a16_layout import (  # noqa: F401  (prepare_w4a16: re-exported)
     SCALE_DTYPES, W4A16Weight, dequantize_torch, prepare_w4a16,
 )
@@ -32,7 +31,6 @@ from slimserve.kernels.w4a16_layout import (  # noqa: F401  (prepare_w4a16: re-e
 _X_DTYPES = (torch.float16, torch.bfloat16)
 _TL_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _PER_CHANNEL = 1 << 30  # group_size passed to the kernel for one group: k0 // it is always 0
-_H200_SMS = 132  # SM count assumed when no GPU is visible (interpreter, AOT)
 
 
 @dataclass(frozen=True)
@@ -233,13 +231,6 @@ def dequantize_w4a16(w: W4A16Weight, dtype: torch.dtype | None = None, *,
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return _H200_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def select_config(m: int) -> W4A16Config:
     """The DISPATCH row for M rows of x."""
     return next(cfg for max_m, cfg in DISPATCH if max_m is None or m <= max_m)
@@ -250,7 +241,7 @@ def _split_k(cfg: W4A16Config, m: int, n: int, k_tiles: int, device: torch.devic
     split = cfg.split_k
     if split == 0:
         tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        want = triton.cdiv(SPLIT_K_WAVES * _num_sms(device), tiles)
+        want = triton.cdiv(SPLIT_K_WAVES * num_sms(device), tiles)
         split = max(1, min(want, k_tiles // MIN_K_TILES_PER_SPLIT))
     per = triton.cdiv(k_tiles, max(1, min(split, k_tiles)))
     return triton.cdiv(k_tiles, per)

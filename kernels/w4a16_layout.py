@@ -1,6 +1,7 @@
 """Load-time layout of W4A16 / W8A16 weights for kernels/w4a16_gemm.py.
 
-CT pack-quantized tensors (formats.md §1.5), for weight_shape = (N, K), b = num_bits in {4, 8}:
+CT pack-quantized tensors (docs/architecture.md, "The safetensors"), for weight_shape = (N, K),
+b = num_bits in {4, 8}:
   weight_packed      int32 [N, ceil(K*b/32)]: 32/b offset-binary codes per word along K, lowest
                      k in the low bits; signed code q = field - 2^(b-1).
   weight_scale       fp16/bf16/fp32 [N, G], G = ceil(K / group_size) (1: per channel; [1]: per

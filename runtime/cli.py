@@ -25,7 +25,7 @@ GRACEFUL_SHUTDOWN_S = 5
 
 
 def _fail(e: BaseException) -> None:
-    """One clear line, exit code 2 (design.md §4.4)."""
+    """One clear line, exit code 2, as for every user error (docs/architecture.md, "Conventions")."""
     console.print(f"[bold red]error:[/] {escape(str(e).splitlines()[0])}", highlight=False,
                   soft_wrap=True)
     raise typer.Exit(2)

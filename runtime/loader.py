@@ -23,13 +23,14 @@ from slimserve.runtime.artifact.compressed_tensors import QUANT_METHOD, scheme_f
 from slimserve.runtime.artifact.manifest import ArtifactManifest, read_manifest, verify_files
 from slimserve.runtime.hf_fp8kv import install_kv_scales
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
+from slimserve.runtime.dtypes import torch_dtype
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.artifact.importers import IMPORTERS, import_checkpoint, read_quant_config
 from slimserve.runtime.layers.quant_linear import QuantLinear
 
 SUPPORTED_QUANT_METHODS = (QUANT_METHOD, *IMPORTERS)  # gptq/awq are converted to CT on load
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")  # any one: a tokenizer
 
 
 @dataclass(slots=True)
@@ -49,12 +50,31 @@ def _missing(path_or_id: str, cause: Exception | None = None) -> ArtifactError:
 
 
 def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(resolved, torch.dtype):
+    resolved = torch_dtype(dtype)
+    if resolved is None and dtype is not None:
         raise ArtifactError(f"dtype={dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
     return resolved
+
+
+def has_tokenizer(path: Path) -> bool:
+    """Whether the folder holds a tokenizer (any of TOKENIZER_FILES)."""
+    return any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
+def check_quant_method(qc: dict, config_path: Path | str, convert_hint: bool = True) -> None:
+    """ArtifactError unless `qc` names a quant_method the runtime loads (SUPPORTED_QUANT_METHODS).
+
+    convert_hint: load_model's wording (not supported *yet*, and how to convert); build_model's
+    message lists the supported methods only.
+    """
+    method = qc.get("quant_method")
+    if method in SUPPORTED_QUANT_METHODS:
+        return
+    supported = ", ".join(SUPPORTED_QUANT_METHODS)
+    if convert_hint:
+        raise ArtifactError(f"{config_path}: quant_method {method!r} is not supported yet; supported: "
+                            f"{supported} (export with `compress run` to convert)")
+    raise ArtifactError(f"{config_path}: quant_method {method!r} is not supported; supported: {supported}")
 
 
 def load_model(
@@ -78,11 +98,7 @@ def load_model(
         if manifest is not None:
             verify_files(path, manifest)
         if qc:
-            method = qc.get("quant_method")
-            if method not in SUPPORTED_QUANT_METHODS:
-                raise ArtifactError(
-                    f"{config_path}: quant_method {method!r} is not supported yet; supported: "
-                    f"{', '.join(SUPPORTED_QUANT_METHODS)} (export with `compress run` to convert)")
+            check_quant_method(qc, config_path)
             model = _load_ct(path, qc, _dtype(dtype), trust_remote_code)
             return _finish(model, path, manifest, True, device, trust_remote_code)
         model = _from_pretrained(str(path), _dtype(dtype), trust_remote_code)
@@ -111,7 +127,7 @@ def _finish(model: nn.Module, source, manifest, quantized: bool, device, trust_r
 def _tokenizer(source: Path | str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    if isinstance(source, Path) and not any((source / f).is_file() for f in _TOKENIZER_FILES):
+    if isinstance(source, Path) and not has_tokenizer(source):
         return None
     return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
 

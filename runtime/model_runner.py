@@ -8,32 +8,12 @@ import torch
 
 from slimserve.runtime.batch import BatchInputs, prepare_batch
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.devices import resolve_device
+from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.models.load import BuiltModel, build_model
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {name!r} asked for but no CUDA device is visible; use --device cpu")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on CUDA; fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
-    if name == "auto":
-        if device.type == "cpu":
-            return torch.float32
-        return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
-    if name not in _DTYPES:
-        raise ValueError(f"dtype: {name!r} is not one of auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -49,12 +29,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         if built is None:
-            from transformers import AutoConfig
-
-            cfg_dtype = getattr(AutoConfig.from_pretrained(config.model), "dtype", None)
-            if isinstance(cfg_dtype, str):
-                cfg_dtype = getattr(torch, cfg_dtype, None)
-            dtype = resolve_dtype(config.dtype, self.device, cfg_dtype)
+            dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model))
             built = build_model(config.model, dtype, self.device, config.trust_remote_code)
         self.built = built
         self.model, self.spec, self.dtype = built.model, built.spec, built.dtype

@@ -8,7 +8,9 @@ import time
 from dataclasses import dataclass, field
 
 
-_MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as in vLLM)
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): fp32 logits divided by e.g.
+# 1e-45 overflow to inf, the softmax turns NaN and torch.multinomial fails in the engine thread.
+MIN_TEMPERATURE = 1e-5
 
 
 class SamplingError(ValueError):
@@ -54,7 +56,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """Temperatures below 1e-5 decode greedily (dividing by them overflows fp32 logits)."""
-        return self.temperature < _MIN_TEMPERATURE
+        return self.temperature < MIN_TEMPERATURE
 
 
 class SequenceStatus(enum.Enum):

@@ -31,3 +31,13 @@ def one_thread():
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A 2-layer GQA Llama (bf16, vocab 512) saved as a plain HF checkpoint (tests/helpers/tiny_model.py)."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped (not failed) when `-m gpu` runs on a machine without one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -19,8 +19,8 @@ from slimserve.compress.devices import resolve_device
 from slimserve.compress.distill.loop import HiddenMap, TrainConfig, distill
 from slimserve.compress.distill.losses import LossWeights
 from slimserve.compress.errors import RecipeError
-from slimserve.compress.stage import CompressionState, StageReport
-from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+from slimserve.compress.stage import CompressionState, Stage, StageReport
+from slimserve.compress.datasets import load_token_documents, parse_dataset
 from slimserve.compress.progress import counting_bar
 
 CURVE_POINTS = 200  # loss-curve records kept in the report (evenly spaced steps)
@@ -48,7 +48,7 @@ class DistillOptions(BaseModel):
     hidden_layers: list[int] | None = None  # student layers matched by the hidden MSE; None: all
     gradient_checkpointing: bool = False  # recompute activations in backward (saves memory)
     device: str = "auto"  # 'auto' (the recipe's device), 'cpu', 'cuda', 'cuda:1', ...
-    # bf16 autocast of the forwards: 'auto' = on CUDA only; CPUs with AVX512-BF16/AMX gain ~1.5x too
+    # bf16 autocast of the forwards: 'auto' = on CUDA only; CPUs with AVX512-BF16/AMX gain too (README)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     seed: int = 0  # seed of the window sampler
 
@@ -68,17 +68,18 @@ class DistillOptions(BaseModel):
         return LossWeights(self.kl_weight, self.ce_weight, self.hidden_weight, self.temperature)
 
 
-class DistillStage:
-    """Knowledge distillation of the current model from a frozen teacher."""
+class DistillStage(Stage):
+    """Knowledge distillation of the current model from a frozen teacher (its own training windows,
+    no calibration data)."""
 
     name = "distill"
-    needs_calibration = False  # it reads its own training windows
-    layerwise = False
-    uses_teacher = True  # without `teacher`, a prune stage must come first (recipe check)
     runs_before_quantization = True  # recipe check: no quantization stage before it
 
     def __init__(self, options: DistillOptions):
         self.options = options
+        # Without its own `teacher`, it learns from the model before the first prune stage, so a
+        # prune stage must come first (recipe check) and the pipeline keeps that copy.
+        self.uses_teacher = options.teacher is None
         self.report = StageReport(self.name)
         self._teacher: nn.Module | None = None
         self._hidden: HiddenMap | None = None
@@ -93,7 +94,7 @@ class DistillStage:
         self._hidden = self._hidden_map(state) if self.options.hidden_weight else None
         spec = parse_dataset(self.options.dataset or state.calibration_dataset, state.base_dir).for_calibration()
         self._dataset = str(spec)
-        self._stream = encode_documents(state.tokenizer, load_texts(spec))  # [num_tokens]
+        self._stream = load_token_documents(spec, state.tokenizer)  # [num_tokens]
 
     def _load_teacher(self, state: CompressionState) -> nn.Module:
         if self.options.teacher is None:

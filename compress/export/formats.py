@@ -1,12 +1,14 @@
 """The export formats a recipe can name, and the one entry point that writes any of them.
 
-  compressed-tensors  every scheme we quantize (formats.md §1); vLLM's native format
-  gptq                AutoGPTQ v1 layout (§2): weight-only int 2/4/8-bit, group or channel,
+  compressed-tensors  every scheme we quantize; vLLM's native format
+  gptq                AutoGPTQ v1 layout: weight-only int 2/4/8-bit, group or channel,
                       symmetric or not, act-order g_idx; one scheme for every decoder Linear.
-                      An asymmetric zero point of 0, which v1 cannot store (§2.4), switches
-                      the whole artifact to GPTQModel's lossless "gptq_v2" layout
-  awq                 AutoAWQ GEMM layout (§3): weight-only int4 group, asymmetric (a
+                      An asymmetric zero point of 0, which v1 cannot store (it underflows),
+                      switches the whole artifact to GPTQModel's lossless "gptq_v2" layout
+  awq                 AutoAWQ GEMM layout: weight-only int4 group, asymmetric (a
                       symmetric scheme is written as asymmetric with zero point 8), no act-order
+
+The layouts: docs/architecture.md, "The artifact contract".
 
 `check_exportable` refuses a scheme before any work is done; `export_artifact` re-checks every
 module at export time, where shapes and g_idx are known.

@@ -16,9 +16,9 @@ from slimserve.compress.errors import RecipeError
 from slimserve.compress.prune.importance import (Importance, activation_importance, layer_perplexity_scores,
                                                  magnitude_importance)
 from slimserve.compress.prune.sizes import Dims, Targets, resolve_dims
-from slimserve.compress.prune.structured import (PrunePlan, apply_plan, count_parameters, make_plan,
-                                                 resize_config)
-from slimserve.compress.stage import CompressionState, StageReport, TeacherMap
+from slimserve.compress.model_size import count_parameters
+from slimserve.compress.prune.structured import PrunePlan, apply_plan, make_plan, resize_config
+from slimserve.compress.stage import CompressionState, Stage, StageReport, TeacherMap
 
 CALIBRATION_BATCH = 8  # calibration windows per forward pass while scoring
 PLOT_POINTS = 128  # sorted-score samples per curve kept in the report (plots, not analysis)
@@ -67,17 +67,16 @@ _TARGET_KEYS = ("heads", "mlp", "hidden", "layers", "num_attention_heads", "num_
                 "intermediate_size", "hidden_size", "num_layers")
 
 
-class PruneStage:
+class PruneStage(Stage):
     """Structured, uniform-across-layers pruning of a Llama-family model."""
 
     name = "prune"
-    needs_calibration = True  # the default options do; `PruneOptions.needs_calibration` decides
-    layerwise = False
     snapshots_teacher = True  # the pipeline keeps a teacher copy before the first prune stage
     runs_before_quantization = True  # recipe check: no quantization stage before it
 
     def __init__(self, options: PruneOptions):
         self.options = options
+        self.needs_calibration = options.needs_calibration  # activation or layer scores
         self.report = StageReport(self.name, details={
             "method": options.method, "layer_method": options.layer_method,
             "heads_mode": options.heads_mode, "multiple_of": options.multiple_of})
@@ -92,7 +91,7 @@ class PruneStage:
         if state.quantized:
             raise RecipeError("stages: prune comes after a quantization stage; prune first, then quantize")
         self._after = resolve_dims(Dims.from_config(state.model.config), self.options.targets())
-        if self.options.needs_calibration and state.calibration is None:
+        if self.needs_calibration and state.calibration is None:
             raise RuntimeError("prune needs calibration data; the pipeline builds it first")
 
     def apply(self, state: CompressionState) -> None:
@@ -120,9 +119,6 @@ class PruneStage:
         if removes_layers:
             scores.layers = measured.layers if cosine_layers else layer_perplexity_scores(state.model, batches)
         return scores
-
-    def finalize(self, state: CompressionState) -> StageReport:
-        return self.report
 
 
 def compose_teacher_map(prev: TeacherMap | None, plan: PrunePlan) -> TeacherMap:

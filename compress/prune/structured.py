@@ -181,12 +181,6 @@ def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
     return new.to(param.device).eval()
 
 
-def count_parameters(model: nn.Module) -> int:
-    """Distinct parameters (tied ones once)."""
-    seen = {id(p): p.numel() for p in model.parameters()}
-    return sum(seen.values())
-
-
 def expected_parameters(dims: Dims, vocab_size: int, tied: bool, config=None) -> int:
     """Parameters a Llama of shape `dims` has: what config.json promises the checkpoint holds.
 

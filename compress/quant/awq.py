@@ -1,4 +1,4 @@
-"""AWQ (activation-aware weight quantization) as pure functions of tensors (formats.md §5.2).
+"""AWQ (activation-aware weight quantization, Lin et al., 2024) as pure functions of tensors.
 
 AWQ does not quantize: it finds a per-input-channel scale s that, applied as an equivalence
 transform (`smoothing.apply_smooth_scale`), makes the *following* quantizer lose less on the

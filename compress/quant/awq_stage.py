@@ -12,14 +12,12 @@ Per decoder layer, for each mapping (prev -> Linears, inspected on a submodule) 
 it (smoothing.py) unless no grid point beats plain RTN (then s = 1; the reference applies the
 best grid point regardless). Then clip every Linear except q/k projections on `clip_tokens`
 sampled inputs. `clip_in_search` (default) runs that clip search inside every scale candidate's
-loss, so the scale is chosen for the clipped weights that will actually be quantized. Demo
-model, W4 g128 drift (RTN +0.62%): +0.50% without it, +0.35% with it (512 tokens); without it,
-4096 clip tokens gave +0.43% (the combination is unmeasured and slower). With `quantized_inputs`
-(default), the layer is left fake-quantized by the scheme while the engine replays it to make
-the next layer's inputs, so layer i+1 is searched on what the quantized model will feed it (as
-GPTQ is; at 4096 clip tokens drift +0.46% without, +0.43% with), and its weights are restored
-before the next layer is searched (and at the end), so the quantizer that follows still sees the
-unquantized weights.
+loss, so the scale is chosen for the clipped weights that will actually be quantized. With
+`quantized_inputs` (default), the layer is left fake-quantized by the scheme while the engine
+replays it to make the next layer's inputs, so layer i+1 is searched on what the quantized model
+will feed it (as GPTQ is), and its weights are restored before the next layer is searched (and
+at the end), so the quantizer that follows still sees the unquantized weights. The demo model's
+drift with each option on and off is in the README ("Quantization quality (measured)").
 """
 
 from __future__ import annotations
@@ -30,14 +28,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from slimserve.compress.calibration import LayerContext, run_layerwise
+from slimserve.compress.calibration import LayerContext
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, fake_quantize
 from slimserve.compress.mappings import SmoothMapping, decoder_layers, mapping_for
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.compress.quant.smoothing import apply_smooth_scale, refuse_after_quantizer, round_sig, skip_reason
 from slimserve.compress.quant.stages import WeightQuantOptions, describe_scheme
-from slimserve.compress.stage import CompressionState, StageReport
+from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.compress.targets import check_patterns
 from slimserve.runtime.artifact.targets import matches
 
@@ -75,7 +73,7 @@ class AwqOptions(BaseModel):
         return WeightQuantOptions.resolve_scheme(self)  # same preset + override rules as rtn/gptq
 
 
-class AwqStage:
+class AwqStage(Stage):
     """Search and apply AWQ scales and clipping thresholds, layer by layer."""
 
     name = "awq"
@@ -100,10 +98,6 @@ class AwqStage:
         check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")
         refuse_after_quantizer(state, self.name)
         self._check_group_size(state.model)
-
-    def apply(self, state: CompressionState) -> None:
-        """Run outside the pipeline: the layer-sequential engine on the CPU."""
-        run_layerwise(state, self)
 
     def compress_layer(self, ctx: LayerContext) -> None:
         self._restore_weights()  # the previous layer fed this one while fake-quantized

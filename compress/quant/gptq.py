@@ -4,7 +4,8 @@ squared output error. Pure functions of tensors; the `gptq` stage only collects 
 
 Notation: W [N, K] (out, in), H [K, K] = (2 / tokens) * sum_x x x^T over calibration inputs.
 The inverse is used through its upper Cholesky factor U (H^-1 = U^T U): quantizing column p
-with error e = (w_p - q_p) / U[p, p] is compensated by W[:, p:] -= e U[p, p:] (formats.md §5.1).
+with error e = (w_p - q_p) / U[p, p] is compensated by W[:, p:] -= e U[p, p:] (the paper's
+Algorithm 1).
 
 Choices that differ from the reference implementations, and why:
 * Group qparams are fitted when a group's first column is reached, on the *current* values of

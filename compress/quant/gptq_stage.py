@@ -9,7 +9,6 @@ The calibration engine then feeds the compressed layer's outputs to the next lay
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Literal
@@ -18,15 +17,13 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from slimserve.compress.calibration import LayerContext, run_layerwise
-from slimserve.compress.quant.activations import attach_input_quant
+from slimserve.compress.calibration import LayerContext
 from slimserve.compress.quant.gptq import accumulate_hessian, gptq, output_loss
 from slimserve.compress.mappings import mapping_for
-from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
-from slimserve.compress.quant.stages import WeightQuantOptions
-from slimserve.compress.stage import CompressionState, ModuleReport, StageReport
+from slimserve.compress.quant.stages import WeightQuantOptions, write_quantized
+from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
 
 
@@ -53,7 +50,7 @@ class GptqOptions(WeightQuantOptions):
         return QuantScheme(w.with_(actorder=self.actorder), s.input_activations)
 
 
-class GptqStage:
+class GptqStage(Stage):
     """GPTQ every targeted Linear inside the decoder layers; RTN for targeted ones outside."""
 
     name = "gptq"
@@ -87,10 +84,6 @@ class GptqStage:
         self._targets = select_linears(state.model, self.options.targets, self.options.ignore)
         self._outside = [n for n in self._targets if not n.startswith(layers)]
 
-    def apply(self, state: CompressionState) -> None:
-        """Run the stage through the layer-sequential engine (what the pipeline does)."""
-        run_layerwise(state, self)
-
     @torch.no_grad()
     def compress_layer(self, ctx: LayerContext) -> None:
         for group in self._groups(ctx):
@@ -119,26 +112,14 @@ class GptqStage:
         self._losses[name] = {"gptq_loss": res.loss, "rtn_loss": rtn_loss, "damp": res.damp}
         if res.fallback:
             self._fallbacks[name] = res.fallback
-        self._write(state, name, lin, res.qweight)
-
-    def _write(self, state: CompressionState, name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
-        """Fake-quant weight into the model (what a loader dequantizes), record weight and scheme."""
-        w = lin.weight.data
-        w_hat = qw.dequantize(state.storage_dtype).to(device=w.device, dtype=w.dtype)
-        err = (torch.linalg.norm(w.float() - w_hat.float()) / torch.linalg.norm(w.float())).item()
-        lin.weight.data.copy_(w_hat)
-        state.quantized[name] = _to_cpu(qw)
-        state.schemes[name] = self.scheme
-        if self.scheme.input_activations is not None:
-            attach_input_quant(lin, self.scheme.input_activations)
-        self.report.modules.append(ModuleReport(name, err, qw.args.num_bits))
+        self.report.modules.append(write_quantized(state, name, lin, res.qweight, self.scheme))
 
     @torch.no_grad()
     def finalize(self, state: CompressionState) -> StageReport:
         for name in self._outside:
             lin = self._targets[name]
             qw = quantize_weight(lin.weight.data.cpu(), self.scheme.weights, state.storage_dtype)
-            self._write(state, name, lin, qw)
+            self.report.modules.append(write_quantized(state, name, lin, qw, self.scheme))
             self._notes.append(f"{name} is outside the decoder layers (no calibrated inputs): quantized with RTN")
         d = self.report.details
         d["modules_quantized"] = len(self.report.modules)
@@ -195,9 +176,3 @@ def _ratio_summary(losses: dict[str, dict[str, float]]) -> dict:
         "not_worse": sum(v["gptq_loss"] <= v["rtn_loss"] for v in losses.values()),
         "modules": len(losses),
     }
-
-
-def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
-    move = lambda t: None if t is None else t.cpu()  # noqa: E731
-    return dataclasses.replace(qw, codes=move(qw.codes), scale=move(qw.scale),
-                               zero_point=move(qw.zero_point), g_idx=move(qw.g_idx))

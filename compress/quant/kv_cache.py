@@ -13,7 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 from torch import nn
 
-from slimserve.compress.stage import CompressionState, StageReport
+from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.runtime.artifact.kv_scales import SUPPORTED_KV_DTYPES, kv_scale_from_absmax
 from slimserve.runtime.hf_fp8kv import set_kv_scale_buffers, use_fp8kv_attention
 
@@ -33,7 +33,7 @@ class KvCacheOptions(BaseModel):
         return v
 
 
-class KvCacheStage:
+class KvCacheStage(Stage):
     """Calibrate per-layer static fp8 K/V scales and make the model attend over fp8 K/V."""
 
     name = "kv_cache"
@@ -49,11 +49,6 @@ class KvCacheStage:
         # next layer is calibrated on the outputs of an fp8-KV layer.
         use_fp8kv_attention(state.model)
 
-    def apply(self, state: CompressionState) -> None:
-        from slimserve.compress.calibration import run_layerwise
-
-        run_layerwise(state, self)
-
     def compress_layer(self, ctx) -> None:
         t0 = time.perf_counter()
         attn = ctx.module(ctx.mapping.attention)
@@ -66,9 +61,6 @@ class KvCacheStage:
         self.report.details["layers"][name] = {
             "k_absmax": k_absmax, "v_absmax": v_absmax, "k_scale": k_scale, "v_scale": v_scale}
         self.report.seconds += time.perf_counter() - t0
-
-    def finalize(self, state: CompressionState) -> StageReport:
-        return self.report
 
 
 def observe_kv_absmax(ctx, attn: nn.Module) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""SmoothQuant's closed-form smoothing scale, a pure function of tensors (formats.md §5.3).
+"""SmoothQuant's closed-form smoothing scale (Xiao et al., 2023), a pure function of tensors.
 
 Per-token int8 activations lose the ordinary channels of a token whose few outlier channels set
 its scale. Dividing channel j of the activation by s_j and multiplying column j of the weights

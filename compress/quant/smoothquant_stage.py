@@ -19,10 +19,10 @@ import time
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from slimserve.compress.calibration import LayerContext, run_layerwise
+from slimserve.compress.calibration import LayerContext
 from slimserve.compress.quant.smoothing import apply_smooth_scale, refuse_after_quantizer, round_sig, skip_reason
 from slimserve.compress.quant.smoothquant import smoothquant_scales
-from slimserve.compress.stage import CompressionState, StageReport
+from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.compress.targets import check_patterns
 
 
@@ -35,7 +35,7 @@ class SmoothQuantOptions(BaseModel):
     ignore: list[str] = []  # modules never rescaled (a mapping touching one is skipped)
 
 
-class SmoothQuantStage:
+class SmoothQuantStage(Stage):
     """Compute and apply SmoothQuant scales, layer by layer."""
 
     name = "smoothquant"
@@ -51,10 +51,6 @@ class SmoothQuantStage:
         self._t0 = time.perf_counter()
         check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")
         refuse_after_quantizer(state, self.name)
-
-    def apply(self, state: CompressionState) -> None:
-        """Run outside the pipeline: the layer-sequential engine on the CPU."""
-        run_layerwise(state, self)
 
     @torch.no_grad()
     def compress_layer(self, ctx: LayerContext) -> None:

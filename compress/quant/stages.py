@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import nn
 
 from slimserve.compress.quant.activations import attach_input_quant
 from slimserve.compress.quant.primitives import quantize_weight
+from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError, preset
-from slimserve.compress.stage import CompressionState, ModuleReport, StageReport
+from slimserve.compress.stage import CompressionState, ModuleReport, Stage, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
 
 
@@ -50,12 +53,10 @@ class RtnOptions(WeightQuantOptions):
     """Options of the `rtn` stage (data-free, so nothing beyond the shared ones)."""
 
 
-class RtnStage:
+class RtnStage(Stage):
     """Quantize every targeted Linear with min/max scales, no data needed."""
 
     name = "rtn"
-    needs_calibration = False
-    layerwise = False
 
     def __init__(self, options: RtnOptions):
         self.options = options
@@ -71,22 +72,37 @@ class RtnStage:
         t0 = time.perf_counter()
         args = self.scheme.weights
         for name, lin in select_linears(state.model, self.options.targets, self.options.ignore).items():
-            w = lin.weight.data
-            qw = quantize_weight(w, args, state.storage_dtype)
-            # The model keeps what a loader will dequantize: storage-dtype values, upcast.
-            w_hat = qw.dequantize(state.storage_dtype).to(w.dtype)
-            err = (torch.linalg.norm((w.float() - w_hat.float())) / torch.linalg.norm(w.float())).item()
-            lin.weight.data.copy_(w_hat)
-            state.quantized[name] = qw
-            state.schemes[name] = self.scheme
-            if self.scheme.input_activations is not None:
-                attach_input_quant(lin, self.scheme.input_activations)
-            self.report.modules.append(ModuleReport(name, err, args.num_bits))
+            qw = quantize_weight(lin.weight.data, args, state.storage_dtype)
+            self.report.modules.append(write_quantized(state, name, lin, qw, self.scheme))
         self.report.seconds = time.perf_counter() - t0
 
     def finalize(self, state: CompressionState) -> StageReport:
         self.report.details["modules_quantized"] = len(self.report.modules)
         return self.report
+
+
+@torch.no_grad()
+def write_quantized(state: CompressionState, name: str, lin: nn.Linear, qw: QuantizedWeight,
+                    scheme: QuantScheme) -> ModuleReport:
+    """Write a quantized weight back (rtn, gptq): the Linear keeps what a loader dequantizes (the
+    storage-dtype values, upcast to its own dtype, on its device), `state` records the weight (on
+    the CPU) and its scheme, and W8A8 schemes attach the input fake-quant. Returns the module's
+    report line (relative Frobenius error of the weight)."""
+    w = lin.weight.data
+    w_hat = qw.dequantize(state.storage_dtype).to(device=w.device, dtype=w.dtype)
+    err = (torch.linalg.norm(w.float() - w_hat.float()) / torch.linalg.norm(w.float())).item()
+    lin.weight.data.copy_(w_hat)
+    state.quantized[name] = _to_cpu(qw)
+    state.schemes[name] = scheme
+    if scheme.input_activations is not None:
+        attach_input_quant(lin, scheme.input_activations)
+    return ModuleReport(name, err, qw.args.num_bits)
+
+
+def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    move = lambda t: None if t is None else t.cpu()  # noqa: E731
+    return dataclasses.replace(qw, codes=move(qw.codes), scale=move(qw.scale),
+                               zero_point=move(qw.zero_point), g_idx=move(qw.g_idx))
 
 
 def describe_scheme(s: QuantScheme) -> dict:

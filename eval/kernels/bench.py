@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import torch
 
-# kbench_common sets TRITON_INTERPRET (no CUDA) before any kernel module is imported; the
+# common.py sets TRITON_INTERPRET (no CUDA) before any kernel module is imported; the
 # sections import their kernels inside their functions, and triton is imported in hardware()
 from slimserve.eval.kernels.attention import checks_attn, time_attn
 from slimserve.eval.kernels.common import CUDA, F16, Ctx, bench, clean, tail

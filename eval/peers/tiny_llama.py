@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
+# The demo model's tokenizer files, copied beside the tiny model (and by tests beside fixtures).
+# Not runtime.loader.TOKENIZER_FILES: this script runs in peer venvs without slimserve.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json", "generation_config.json",
                 "model.safetensors.index.json")

@@ -1,6 +1,6 @@
 """The AutoAWQ GEMM checkpoint layout (`quant_method: "awq"`, `version: "gemm"`).
 
-Reference: formats.md §3. Per quantized Linear `<prefix>`:
+Layout (docs/architecture.md, "GPTQ and AWQ checkpoints"), per quantized Linear `<prefix>`:
   qweight int32 [K, N/8]   unsigned 4-bit codes packed along the OUTPUT dim, interleaved
   qzeros  int32 [K/g, N/8] unsigned zero points, same packing
   scales        [K/g, N]   in the layer dtype (AutoAWQ's fp16 for an fp16 model)

@@ -1,8 +1,9 @@
 """The compressed-tensors (CT) view of quantized Linears: config block and on-disk tensors.
 
-Reference: formats.md §1. We emit only the `QuantizationArgs` keys CT 0.12 knows (its
-`extra="forbid"` rejects newer ones such as `zp_dtype`), never a zero point for a symmetric
-scheme, and the `format` vLLM needs to pick a kernel (pack-quantized for W4A16/W8A16).
+Layout: docs/architecture.md, "The artifact contract". We emit only the `QuantizationArgs` keys
+CT 0.12 knows (its `extra="forbid"` rejects newer ones such as `zp_dtype`), never a zero point
+for a symmetric scheme, and the `format` vLLM needs to pick a kernel (pack-quantized for
+W4A16/W8A16).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def quantization_config(
 
 
 def kv_cache_scheme() -> dict:
-    """The `kv_cache_scheme` block for static per-tensor fp8 (e4m3) K/V scales (formats.md §1.6).
+    """The `kv_cache_scheme` block for static per-tensor fp8 (e4m3) K/V scales (kv_scales.py).
 
     Only CT-0.12 `QuantizationArgs` keys, like the weight args.
     """

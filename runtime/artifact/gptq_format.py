@@ -1,6 +1,6 @@
 """The AutoGPTQ / GPTQModel checkpoint layout (`quant_method: "gptq"`): config block and tensors.
 
-Reference: formats.md §2. Per quantized Linear `<prefix>`:
+Layout (docs/architecture.md, "GPTQ and AWQ checkpoints"), per quantized Linear `<prefix>`:
   qweight int32 [K*b/32, N]  unsigned codes packed along the input dim, lowest k in the low bits
   qzeros  int32 [G, N*b/32]  unsigned zero points packed along the output dim
   scales        [G, N]       in the layer dtype (fp16 for an fp16 model; see `disk_scales`)
@@ -8,7 +8,8 @@ Reference: formats.md §2. Per quantized Linear `<prefix>`:
 Our signed codes q map to GPTQ's unsigned u = q + 2^(b-1); a symmetric scheme's implicit zero
 is 2^(b-1) (8 for 4-bit). v1 ("gptq", what AutoGPTQ writes and every loader reads) stores each
 zero minus 1; v2 ("gptq_v2", GPTQModel) stores it as is. A zero point of 0 cannot be written
-in v1 (§2.4), so `needs_v2` tells the exporter to switch that artifact to v2.
+in v1 (it would be stored as -1 and read back as 2^b), so `needs_v2` tells the exporter to
+switch that artifact to v2.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def unsigned_zeros(qw: QuantizedWeight) -> torch.Tensor:
 
 
 def needs_v2(qw: QuantizedWeight) -> bool:
-    """True when a zero point is 0, which v1's "zero - 1" storage cannot hold (formats.md §2.4)."""
+    """True when a zero point is 0, which v1's "zero - 1" storage cannot hold (it underflows)."""
     return qw.zero_point is not None and bool((unsigned_zeros(qw) == 0).any())
 
 
@@ -107,7 +108,7 @@ def gptq_tensors(prefix: str, qw: QuantizedWeight, *, checkpoint_format: str = V
     if checkpoint_format == V1:
         if bool((zeros == 0).any()):
             raise SchemeError(f"{prefix}: a zero point of 0 cannot be stored in gptq v1 (it "
-                              f"underflows, formats.md §2.4); write checkpoint_format {V2!r}")
+                              f"underflows to -1); write checkpoint_format {V2!r}")
         zeros = zeros - 1
     elif checkpoint_format != V2:
         raise ValueError(f"checkpoint_format={checkpoint_format!r}; use {V1!r} or {V2!r}")

@@ -2,15 +2,17 @@
 
 The loader only knows compressed-tensors (CT) buffers (QuantLinear). An importer turns each
 quantized Linear's tensors into CT tensors holding the same codes, zero points and scales
-(formats.md §2.6 and §3.5), and writes a CT `quantization_config` whose config groups name
-those modules exactly, so `replace_linears` and the strict loader handle the rest:
+(docs/architecture.md, "Which loader reads what"), and writes a CT `quantization_config` whose
+config groups name those modules exactly, so `replace_linears` and the strict loader handle the
+rest:
   GPTQ  weight_packed = qweight.T (4/8-bit, same bit layout); weight_scale = scales.T;
         zeros: unpacked, +1 per field for v1, then CT-packed along N (dropped when symmetric);
         g_idx kept as weight_g_idx (actorder "group") unless it is the default k // g.
         GPTQModel's per-module `dynamic` overrides (bits, group_size, sym) are honoured.
   AWQ   qweight/qzeros unpacked with the interleave undone, CT-packed; weight_scale = scales.T.
-2-bit GPTQ, and v1 zero points that read back as 2^b (AutoGPTQ's zero-0 underflow, §2.4:
-every v1 kernel then subtracts 2^b, and so do we), become CT naive-quantized int8 buffers.
+2-bit GPTQ, and v1 zero points that read back as 2^b (AutoGPTQ's zero-0 underflow, see
+gptq_format.py: every v1 kernel then subtracts 2^b, and so do we), become CT naive-quantized
+int8 buffers.
 Everything is read through safetensors; nothing is unpickled.
 """
 

@@ -1,7 +1,8 @@
 """The serving benchmark's report: one rich table, the sweep plot (PNG) and the JSON file.
 
 The table has a column per run (request rate) and one for the HF baseline; its caption states
-hardware, model, server flags and workload (design.md §4.10). The plot puts each run's output
+hardware, model, server flags and workload (sysinfo.py), as every benchmark table's header does
+so that a number is never read without its conditions. The plot puts each run's output
 throughput against its P99 TTFT, TPOT and E2E latency, the HF baseline's throughput as a line.
 """
 

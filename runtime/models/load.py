@@ -17,8 +17,8 @@ from slimserve.runtime.artifact.manifest import read_manifest, verify_files
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_config
 from slimserve.runtime.layers.quant_linear import QuantLinear
-from slimserve.runtime.loader import (SUPPORTED_QUANT_METHODS, load_state_strict, pop_kv_scales,
-                                      read_safetensors, replace_linears)
+from slimserve.runtime.loader import (check_quant_method, has_tokenizer, load_state_strict,
+                                      pop_kv_scales, read_safetensors, replace_linears)
 from slimserve.runtime.models.fuse import fuse_projections
 from slimserve.runtime.models.llama import CausalLM, ModelSpec, model_spec
 
@@ -79,10 +79,7 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = CausalLM(spec)
     if qc:
-        method = qc.get("quant_method")
-        if method not in SUPPORTED_QUANT_METHODS:
-            raise ArtifactError(f"{path}/config.json: quant_method {method!r} is not supported; "
-                                f"supported: {', '.join(SUPPORTED_QUANT_METHODS)}")
+        check_quant_method(qc, f"{path}/config.json", convert_hint=False)
         qc, tensors = import_checkpoint(qc, tensors, path)
         replace_linears(model, qc)
     kv_scales = pop_kv_scales(model, qc, tensors, path) if qc else {}
@@ -102,8 +99,8 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         attn.k_scale.fill_(k)
         attn.v_scale.fill_(v)
     fuse_projections(model)
-    has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code) if has_tok else None
+    tokenizer = (AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+                 if has_tokenizer(path) else None)
     return BuiltModel(model.eval(), spec, tokenizer, bool(kv_scales), quantized,
                       _eos_ids(path, config, tokenizer), dtype)
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server over an AsyncEngine (notes/engine_api.md).
+"""The OpenAI-compatible HTTP server over an AsyncEngine (the interface it uses: docs/architecture.md,
+"The engine interface the server uses").
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream over SSE), GET
 /v1/models[/{id}], GET /health, GET /metrics. Every error is an OpenAI-style JSON body

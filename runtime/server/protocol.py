@@ -15,12 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from slimserve.runtime.sequence import SamplingError, SamplingParams
+from slimserve.runtime.sequence import MIN_TEMPERATURE, SamplingError, SamplingParams
 
 MAX_BODY_BYTES = 32 * 2**20  # request bodies above this are refused (413) before parsing
-# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): fp32 logits divided by e.g.
-# 1e-45 overflow to inf, the softmax turns NaN and torch.multinomial fails in the engine thread.
-MIN_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_CHOICES = 16  # the largest `n`: each choice is its own engine request
 

@@ -7,13 +7,13 @@ from transformers import AutoModelForCausalLM
 from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.errors import UnsupportedModelError
 from slimserve.compress.mappings import mapping_for
-from slimserve.compress.stage import CompressionState
+from slimserve.compress.stage import CompressionState, Stage
 
 
-class _Recorder:
+class _Recorder(Stage):
     """A no-op layerwise stage that keeps each layer's replayed output."""
 
-    name = "record"
+    name, layerwise = "record", True
 
     def __init__(self):
         self.outputs, self.prefixes = [], []
@@ -46,10 +46,10 @@ def test_unsupported_architecture_named():
         mapping_for(m)
 
 
-class _StopAfterQkv:
+class _StopAfterQkv(Stage):
     """Replays up to q/k/v only, then once in full; counts the calls of q_proj and o_proj."""
 
-    name = "stop"
+    name, layerwise = "stop", True
 
     def __init__(self):
         self.calls, self.results = {"q": 0, "o": 0}, []
@@ -76,12 +76,12 @@ def test_stop_after_skips_the_rest_of_the_layer(tiny_checkpoint):
     assert stage.calls == {"q": 12, "o": 6}  # two layers, two replays each
 
 
-class _Stats:
-    name, replay_in_storage_dtype = "stats", True
+class _Stats(Stage):
+    name, layerwise, replay_in_storage_dtype = "stats", True, True
 
 
-class _Search:
-    name = "search"
+class _Search(Stage):
+    name, layerwise = "search", True
 
 
 @pytest.mark.parametrize("setting,storage,device,stage,expected", [
@@ -116,10 +116,10 @@ def test_bf16_replay_tracks_the_fp32_one_and_restores_the_layers(tiny_checkpoint
     torch.testing.assert_close(outs["bfloat16"].float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
 
 
-class _Writer:
+class _Writer(Stage):
     """Writes a bf16-exact value into q_proj (as GPTQ writes fake-quantized weights)."""
 
-    name = "write"
+    name, layerwise = "write", True
 
     def compress_layer(self, ctx):
         w = ctx.module("self_attn.q_proj").weight
@@ -139,10 +139,10 @@ def test_bf16_replay_writes_back_into_the_same_fp32_storage(tiny_checkpoint):
         assert w.dtype == torch.float32 and torch.all(w == 0.375)
 
 
-class _Registers:
+class _Registers(Stage):
     """Registers a buffer during the replay, as the kv_cache stage does with k_scale/v_scale."""
 
-    name = "register"
+    name, layerwise = "register", True
 
     def compress_layer(self, ctx):
         attn = ctx.module("self_attn")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slimserve.runtime import corpus
-from slimserve.eval import datasets as ds
+from slimserve.compress import datasets as ds
 from slimserve.compress.datasets import (
     DatasetError,
     DatasetSpec,
@@ -147,6 +147,18 @@ def test_encode_documents_with_hf_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>")
     assert encode_documents(hf, ["a b", "b"]).tolist() == [2, 3, 0, 3, 0]
+
+
+def test_load_token_documents_is_the_encoded_dataset(tmp_path):
+    """parse (against base_dir) -> load_texts -> encode_documents, from a spec string or a DatasetSpec."""
+    from slimserve.compress.datasets import load_token_documents
+
+    f = write(tmp_path / "d.jsonl", '{"t": "ab"}\n{"t": "c"}\n')
+    want = encode_documents(ByteTokenizer(), ["ab", "c"])
+    assert torch.equal(load_token_documents("jsonl:d.jsonl:t", ByteTokenizer(), base_dir=tmp_path), want)
+    assert torch.equal(load_token_documents(parse_dataset(f"jsonl:{f}:t"), ByteTokenizer()), want)
+    with pytest.raises(DatasetError, match="dataset file not found"):
+        load_token_documents("text:nope.txt", ByteTokenizer(), base_dir=tmp_path)
 
 
 def test_calibration_batches_seeded_shape_and_windows(tmp_path):

@@ -1,4 +1,5 @@
-"""RTN arithmetic against formats.md §1.4 worked examples and invariants."""
+"""RTN arithmetic against compressed-tensors' rules (compress/quant/primitives.py), worked
+examples computed by hand, and invariants."""
 
 import pytest
 import torch

@@ -53,13 +53,13 @@ def test_quickstart_passes_gate(quickstart):
 def test_transformers_matches_our_loader_on_artifact(quickstart):
     from transformers import AutoModelForCausalLM
 
-    from slimserve.compress.datasets import encode_documents, load_texts
+    from slimserve.compress.datasets import load_token_documents
     from slimserve.compress.perplexity import evaluate_perplexity
     from slimserve.runtime.loader import load_model
 
     _, out = quickstart
     ours = load_model(out, dtype=torch.float32)
-    ids = encode_documents(ours.tokenizer, load_texts("stdlib"))
+    ids = load_token_documents("stdlib", ours.tokenizer)
     ppl_ours = evaluate_perplexity(ours.model, ids, 512, max_windows=16, progress=False).ppl
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ppl_hf = evaluate_perplexity(hf, ids, 512, max_windows=16, progress=False).ppl

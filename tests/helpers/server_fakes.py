@@ -1,4 +1,5 @@
-"""A fake AsyncEngine for the server tests (notes/engine_api.md).
+"""A fake AsyncEngine for the server tests (the interface it imitates: docs/architecture.md,
+"The engine interface the server uses").
 
 The fake generates one character per step ("a", "b", "c", ... shifted by the seed) after a
 small delay, so every answer is known in advance and the tests need no model.

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.quant.awq_stage import AwqOptions, AwqStage
@@ -103,7 +104,7 @@ def test_stage_preserves_model_function(stage):
     with torch.no_grad():
         ref = state.model(state.calibration).logits
     stage.prepare(state)
-    stage.apply(state)
+    run_layerwise(state, stage)
     report = stage.finalize(state)
     with torch.no_grad():
         torch.testing.assert_close(state.model(state.calibration).logits, ref, rtol=1e-4, atol=1e-4)

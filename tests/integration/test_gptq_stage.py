@@ -83,6 +83,7 @@ def _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype="auto", **opt
     """Run GptqStage alone (no pipeline) on the tiny model; returns (state, stage, hessian log)."""
     from transformers import AutoModelForCausalLM
 
+    from slimserve.compress.calibration import run_layerwise
     from slimserve.compress.quant import gptq_stage
     from slimserve.compress.stage import CompressionState
 
@@ -101,7 +102,7 @@ def _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype="auto", **opt
     monkeypatch.setattr(gptq_stage, "_collect_hessians", spy)
     stage = gptq_stage.GptqStage(gptq_stage.GptqOptions(**options))
     stage.prepare(state)
-    stage.apply(state)
+    run_layerwise(state, stage)
     return state, stage, log
 
 

@@ -41,11 +41,11 @@ def _run(tmp_path, model, stages: list[str], name: str, dtype: str = "auto"):
 
 
 def _reload_ppl(artifact) -> float:
-    from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.compress.datasets import load_token_documents
     from slimserve.compress.perplexity import evaluate_perplexity
 
     loaded = load_model(artifact, dtype=torch.float32)
-    ids = encode_documents(loaded.tokenizer, load_texts(parse_dataset("stdlib")))
+    ids = load_token_documents("stdlib", loaded.tokenizer)
     return evaluate_perplexity(loaded.model, ids, 64, 4, progress=False).ppl
 
 

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from slimserve.eval.peers.tiny_llama import TOKENIZER_FILES
 from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loader import load_model
 
@@ -125,7 +126,7 @@ def test_engine_serves_peer_checkpoint_like_the_dense_loop(tmp_path, name):
 
     path = tmp_path / name
     shutil.copytree(FIXTURES / name, path)
-    for f in ("tokenizer.json", "tokenizer_config.json"):  # fixtures ship no tokenizer; ids < 512 decode
+    for f in TOKENIZER_FILES:  # fixtures ship no tokenizer: the demo model's (ids < 512 decode)
         shutil.copy(DEMO_MODEL / f, path / f)
     prompt = _reference(name)["probe_ids"][0, :8].tolist()
     model = load_model(path, dtype=torch.float32).model

@@ -48,14 +48,14 @@ def test_run_writes_artifact_and_report(tmp_path, tiny_checkpoint):
 
 def test_final_ppl_is_the_artifacts_ppl(tmp_path, tiny_checkpoint):
     """The ppl the pipeline reports is what a loader measures on the exported artifact."""
-    from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+    from slimserve.compress.datasets import load_token_documents
     from slimserve.compress.perplexity import evaluate_perplexity
     from slimserve.runtime.loader import load_model
 
     res = run_recipe(parse_recipe(_recipe(tmp_path, tiny_checkpoint).read_text(), tmp_path / "r.yaml"),
                      log=lambda m: None, progress=False)
     loaded = load_model(res.artifact, dtype=torch.float32)
-    ids = encode_documents(loaded.tokenizer, load_texts(parse_dataset("stdlib")))
+    ids = load_token_documents("stdlib", loaded.tokenizer)
     ppl = evaluate_perplexity(loaded.model, ids, 64, 6, progress=False).ppl
     assert ppl == pytest.approx(res.summary["final"]["ppl"], rel=1e-5)
 

@@ -16,7 +16,7 @@ from slimserve.compress.prune.sizes import Dims
 from slimserve.compress.prune.structured import expected_parameters
 from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.corpus import read_texts
-from slimserve.compress.datasets import encode_documents, load_texts, parse_dataset
+from slimserve.compress.datasets import load_token_documents
 from slimserve.compress.perplexity import evaluate_perplexity
 
 SEQ, WINDOWS = 64, 6
@@ -47,7 +47,7 @@ def _run(tmp_path, model, texts, stages: list[str], name: str):
 
 
 def _ppl(model, tok, texts) -> float:
-    ids = encode_documents(tok, load_texts(parse_dataset(f"text:{texts / 'eval.txt'}")))
+    ids = load_token_documents(f"text:{texts / 'eval.txt'}", tok)
     return evaluate_perplexity(model, ids, SEQ, WINDOWS, progress=False).ppl
 
 

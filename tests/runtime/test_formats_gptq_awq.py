@@ -1,8 +1,8 @@
-"""GPTQ (v1/v2) and AWQ GEMM layouts: formats.md §6 test vectors, refusals, config blocks, and
+"""GPTQ (v1/v2) and AWQ GEMM layouts: fixed test vectors, refusals, config blocks, and
 the importers that turn both back into compressed-tensors buffers.
 
-Every expected word below is the number printed in formats.md §6 (recomputed there by an
-independent numpy implementation), not something derived from our own packer.
+Every expected word below was computed by an independent numpy implementation of the layouts
+(docs/architecture.md, "GPTQ and AWQ checkpoints"), not derived from our own packer.
 """
 
 import json
@@ -62,7 +62,7 @@ def import_one(method_cfg: dict, tensors: dict, prefix="m"):
     return scheme_from_ct_dict(group), group["format"], ct
 
 
-# ---- formats.md §6 vectors ------------------------------------------------------------------
+# ---- fixed test vectors ---------------------------------------------------------------------
 
 def test_gptq_qweight_vector():
     """Output column 0 holds codes 0..7 along K, column 1 codes 15..8 (N padded to 8)."""

@@ -1,4 +1,5 @@
-"""Bit layout of compressed-tensors pack-quantized (formats.md §1.5 and §6 test vectors)."""
+"""Bit layout of compressed-tensors pack-quantized (docs/architecture.md, "The safetensors"),
+checked against fixed words computed independently of our packer."""
 
 import pytest
 import torch
