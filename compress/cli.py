@@ -27,9 +27,9 @@ EXIT_GATE_FAILED = 3
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from slimserve.compress.datasets import DatasetError
     from slimserve.compress.errors import RecipeError, UnsupportedModelError
     from slimserve.runtime.artifact.scheme import SchemeError
-    from slimserve.compress.datasets import DatasetError
     from slimserve.runtime.errors import ArtifactError
 
     return (RecipeError, UnsupportedModelError, SchemeError, DatasetError, ArtifactError, FileNotFoundError)
@@ -81,9 +81,9 @@ def eval_cmd(
     """Perplexity of a model or artifact on a dataset (non-overlapping windows)."""
     import torch
 
+    from slimserve.compress.datasets import load_token_documents, parse_dataset
     from slimserve.compress.devices import resolve_device
     from slimserve.compress.layerwise_eval import perplexity_on_device
-    from slimserve.compress.datasets import load_token_documents, parse_dataset
     from slimserve.runtime.loader import load_model
 
     try:

@@ -16,11 +16,15 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from slimserve.compress.calibration import (LayerInputs, capture_first_layer_inputs, layer_on_device, move_trunk,
-                                           replay)
+from slimserve.compress.calibration import LayerInputs, capture_first_layer_inputs, layer_on_device, move_trunk, replay
 from slimserve.compress.mappings import decoder_layers, mapping_for
-from slimserve.compress.perplexity import (PerplexityResult, eval_windows, evaluate_perplexity, perplexity_result,
-                                       window_nll)
+from slimserve.compress.perplexity import (
+    PerplexityResult,
+    eval_windows,
+    evaluate_perplexity,
+    perplexity_result,
+    window_nll,
+)
 from slimserve.compress.progress import counting_bar
 
 

@@ -18,18 +18,18 @@ import torch
 from torch import nn
 
 from slimserve.compress.calibration import run_layerwise
+from slimserve.compress.datasets import calibration_batches, load_token_documents, parse_dataset
 from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import check_exportable, export_artifact
 from slimserve.compress.export.io import size_bytes
-from slimserve.runtime.artifact.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.model_size import count_parameters, weight_bytes
-from slimserve.compress.recipe import Recipe
-from slimserve.compress.stage import CompressionState, Stage, StageReport
-from slimserve.compress.datasets import calibration_batches, load_token_documents, parse_dataset
 from slimserve.compress.progress import counting_bar
+from slimserve.compress.recipe import Recipe
 from slimserve.compress.report import write_report
+from slimserve.compress.stage import CompressionState, Stage, StageReport
+from slimserve.runtime.artifact.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.runtime.dtypes import DTYPES, checkpoint_dtype
 from slimserve.runtime.loader import load_model
 

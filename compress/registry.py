@@ -9,9 +9,9 @@ from __future__ import annotations
 from slimserve.compress.distill.stages import DistillOptions, DistillStage
 from slimserve.compress.prune.stages import PruneOptions, PruneStage
 from slimserve.compress.quant.awq_stage import AwqOptions, AwqStage
+from slimserve.compress.quant.gptq_stage import GptqOptions, GptqStage
 from slimserve.compress.quant.kv_cache import KvCacheOptions, KvCacheStage
 from slimserve.compress.quant.smoothquant_stage import SmoothQuantOptions, SmoothQuantStage
-from slimserve.compress.quant.gptq_stage import GptqOptions, GptqStage
 from slimserve.compress.quant.stages import RtnOptions, RtnStage
 
 STAGES = {

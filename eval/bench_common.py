@@ -5,9 +5,7 @@ runtime/bench/sysinfo.py)."""
 from __future__ import annotations
 
 import json
-import math
 import os
-import platform
 import subprocess
 import sys
 import time

@@ -31,8 +31,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.eval.bench_common import fmt_cell, run_child
+from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 
 DEMO_MODEL = Path(__file__).resolve().parents[1] / "recipes" / "demo-model"
 DEFAULT_LAYERS = (8, 32)
@@ -187,8 +187,8 @@ def make_tokenizer(work: Path):
 
     if (DEMO_MODEL / "tokenizer.json").is_file():
         return AutoTokenizer.from_pretrained(str(DEMO_MODEL)), f"copied from {DEMO_MODEL}"
-    from slimserve.runtime.corpus import read_texts
     from slimserve.eval.demo_model import train_tokenizer, wrap_tokenizer
+    from slimserve.runtime.corpus import read_texts
 
     tok = wrap_tokenizer(train_tokenizer(read_texts("train")[:TOKENIZER_FILES], TOKENIZER_VOCAB))
     return tok, f"byte-level BPE trained on {TOKENIZER_FILES} stdlib train files (no {DEMO_MODEL.name})"

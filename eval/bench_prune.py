@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line, model_info
 from slimserve.eval.bench_common import fmt_cell, run_child
+from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line, model_info
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 RECOVERY_BAR = 0.5  # distillation must win back at least this share of the ppl lost to pruning

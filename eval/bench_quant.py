@@ -34,8 +34,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line, model_info
 from slimserve.eval.bench_common import fmt_cell, json_tail, last_line, run_child
+from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line, model_info
 
 PEER_METHOD = "llm-compressor gptq"
 PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "llmcompressor_gptq.py"

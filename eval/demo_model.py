@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from slimserve.runtime.corpus import read_texts
 from slimserve.compress.datasets import encode_documents as encode_split
+from slimserve.runtime.corpus import read_texts
 
 EOS = "<|endoftext|>"
 # A minimal ChatML-style template so `/v1/chat/completions` has something to render.
@@ -181,10 +181,10 @@ def acceptance(model_dir: Path, seq_len: int = 512, prompt: str = "def read_conf
     Accept only if RTN W3 g128 drift >= 2x RTN W4 g128 drift: a model whose quantization drifts
     are tiny and unordered makes every later quality comparison noise.
     """
-    from slimserve.compress.quant.stages import RtnOptions, RtnStage
-    from slimserve.compress.stage import CompressionState
     from slimserve.compress.datasets import load_token_documents
     from slimserve.compress.perplexity import evaluate_perplexity
+    from slimserve.compress.quant.stages import RtnOptions, RtnStage
+    from slimserve.compress.stage import CompressionState
     from slimserve.runtime.loader import load_model
 
     loaded = load_model(model_dir, dtype=torch.float32)

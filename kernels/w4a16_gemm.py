@@ -25,7 +25,10 @@ import triton.language as tl
 
 from slimserve.kernels._launch import AotVariant, check, check_tensor, num_sms, use_triton
 from slimserve.kernels.w4a16_layout import (  # noqa: F401  (prepare_w4a16: re-exported)
-    SCALE_DTYPES, W4A16Weight, dequantize_torch, prepare_w4a16,
+    SCALE_DTYPES,
+    W4A16Weight,
+    dequantize_torch,
+    prepare_w4a16,
 )
 
 _X_DTYPES = (torch.float16, torch.bfloat16)

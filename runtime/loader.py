@@ -18,14 +18,14 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from slimserve.runtime.artifact.targets import matches
 from slimserve.runtime.artifact.compressed_tensors import QUANT_METHOD, scheme_from_ct_dict
+from slimserve.runtime.artifact.importers import IMPORTERS, import_checkpoint, read_quant_config
 from slimserve.runtime.artifact.manifest import ArtifactManifest, read_manifest, verify_files
-from slimserve.runtime.hf_fp8kv import install_kv_scales
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
+from slimserve.runtime.artifact.targets import matches
 from slimserve.runtime.dtypes import torch_dtype
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.artifact.importers import IMPORTERS, import_checkpoint, read_quant_config
+from slimserve.runtime.hf_fp8kv import install_kv_scales
 from slimserve.runtime.layers.quant_linear import QuantLinear
 
 SUPPORTED_QUANT_METHODS = (QUANT_METHOD, *IMPORTERS)  # gptq/awq are converted to CT on load

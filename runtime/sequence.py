@@ -7,7 +7,6 @@ import math
 import time
 from dataclasses import dataclass, field
 
-
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): fp32 logits divided by e.g.
 # 1e-45 overflow to inf, the softmax turns NaN and torch.multinomial fails in the engine thread.
 MIN_TEMPERATURE = 1e-5

@@ -19,8 +19,8 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 @pytest.fixture
 def one_thread():
     """GPTQ's column loop is thousands of ops on tensors of a few kB: intra-op threads only add
-    synchronization. On the shared 2-core test box one thread measured 43 ms per 256x256 GPTQ
-    against 1.7 s with two (oversubscribed cores stall every parallel region)."""
+    synchronization, and on an oversubscribed 2-core box every parallel region stalls, so these
+    tests run torch on one thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -15,13 +15,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
+from slimserve.compress.datasets import load_token_documents, parse_dataset
 from slimserve.compress.devices import resolve_device
 from slimserve.compress.distill.loop import HiddenMap, TrainConfig, distill
 from slimserve.compress.distill.losses import LossWeights
 from slimserve.compress.errors import RecipeError
-from slimserve.compress.stage import CompressionState, Stage, StageReport
-from slimserve.compress.datasets import load_token_documents, parse_dataset
 from slimserve.compress.progress import counting_bar
+from slimserve.compress.stage import CompressionState, Stage, StageReport
 
 CURVE_POINTS = 200  # loss-curve records kept in the report (evenly spaced steps)
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from slimserve.compress.export.io import artifact_tensors, export_compressed_tensors, linear_classes, write_artifact
 from slimserve.runtime.artifact import awq_format, gptq_format
 from slimserve.runtime.artifact.compressed_tensors import SUPPORTED_FORMATS
-from slimserve.compress.export.io import artifact_tensors, export_compressed_tensors, linear_classes, write_artifact
 from slimserve.runtime.artifact.manifest import ArtifactManifest
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError

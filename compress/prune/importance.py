@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimserve.compress.calibration import LayerContext, LayerInputs, capture_first_layer_inputs
-from slimserve.compress.prune.sizes import Dims
 from slimserve.compress.mappings import decoder_layers, mapping_for
+from slimserve.compress.prune.sizes import Dims
 
 
 @dataclass(slots=True)

@@ -13,10 +13,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from slimserve.compress.errors import RecipeError
-from slimserve.compress.prune.importance import (Importance, activation_importance, layer_perplexity_scores,
-                                                 magnitude_importance)
-from slimserve.compress.prune.sizes import Dims, Targets, resolve_dims
 from slimserve.compress.model_size import count_parameters
+from slimserve.compress.prune.importance import (
+    Importance,
+    activation_importance,
+    layer_perplexity_scores,
+    magnitude_importance,
+)
+from slimserve.compress.prune.sizes import Dims, Targets, resolve_dims
 from slimserve.compress.prune.structured import PrunePlan, apply_plan, make_plan, resize_config
 from slimserve.compress.stage import CompressionState, Stage, StageReport, TeacherMap
 

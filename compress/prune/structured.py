@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from slimserve.compress.errors import UnsupportedModelError
-from slimserve.compress.prune.sizes import Dims
 from slimserve.compress.mappings import mapping_for
+from slimserve.compress.prune.sizes import Dims
 
 # Llama-family tensor names relative to a decoder layer -> (pruned row index, pruned column index).
 # 'q' = query-head rows/cols, 'kv' = KV-head rows, 'mlp' = MLP channels, 'h' = hidden channels.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from slimserve.runtime.artifact.scheme import QuantArgs
 from slimserve.kernels.reference import fake_quantize_per_token_int8
+from slimserve.runtime.artifact.scheme import QuantArgs
 
 _HOOK_ATTR = "_slimserve_input_quant"
 

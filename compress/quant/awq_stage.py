@@ -30,13 +30,13 @@ from torch import nn
 
 from slimserve.compress.calibration import LayerContext
 from slimserve.compress.errors import RecipeError
-from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, fake_quantize
 from slimserve.compress.mappings import SmoothMapping, decoder_layers, mapping_for
-from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
+from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, fake_quantize
 from slimserve.compress.quant.smoothing import apply_smooth_scale, refuse_after_quantizer, round_sig, skip_reason
 from slimserve.compress.quant.stages import WeightQuantOptions, describe_scheme
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.compress.targets import check_patterns
+from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.runtime.artifact.targets import matches
 
 # Linears whose clipping AWQ skips: clipping q/k distorts attention scores (the reference's list).

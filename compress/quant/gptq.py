@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from slimserve.runtime.artifact.qweight import QuantizedWeight, num_groups
 from slimserve.compress.quant.primitives import qparams_from_range
+from slimserve.runtime.artifact.qweight import QuantizedWeight, num_groups
 from slimserve.runtime.artifact.scheme import QuantArgs
 
 # Dampening multipliers tried after the requested one fails (relative to max(damp, 1e-3)).

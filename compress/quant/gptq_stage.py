@@ -18,13 +18,13 @@ from pydantic import Field
 from torch import nn
 
 from slimserve.compress.calibration import LayerContext
-from slimserve.compress.quant.gptq import accumulate_hessian, gptq, output_loss
 from slimserve.compress.mappings import mapping_for
+from slimserve.compress.quant.gptq import accumulate_hessian, gptq, output_loss
 from slimserve.compress.quant.primitives import quantize_weight
-from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.compress.quant.stages import WeightQuantOptions, write_quantized
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
+from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 
 
 class GptqOptions(WeightQuantOptions):

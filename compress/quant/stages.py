@@ -11,10 +11,10 @@ from torch import nn
 
 from slimserve.compress.quant.activations import attach_input_quant
 from slimserve.compress.quant.primitives import quantize_weight
-from slimserve.runtime.artifact.qweight import QuantizedWeight
-from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError, preset
 from slimserve.compress.stage import CompressionState, ModuleReport, Stage, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
+from slimserve.runtime.artifact.qweight import QuantizedWeight
+from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError, preset
 
 
 class WeightQuantOptions(BaseModel):

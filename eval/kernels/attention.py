@@ -9,8 +9,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from slimserve.eval.kernels.common import (BF16, DT, F16, FP8, Ctx, fmt, gen, print_table, randn,
-                                          run_check, twin)
+from slimserve.eval.kernels.common import BF16, DT, F16, FP8, Ctx, fmt, gen, print_table, randn, run_check, twin
 from slimserve.kernels import reference as R  # pure torch: no @triton.jit
 
 

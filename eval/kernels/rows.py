@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from slimserve.eval.kernels.common import (BF16, DT, F16, FP8, Ctx, fmt, gen, print_table, randn,
-                                          run_check, ulp_ok)
+from slimserve.eval.kernels.common import BF16, DT, F16, FP8, Ctx, fmt, gen, print_table, randn, run_check, ulp_ok
 from slimserve.kernels import reference as R  # pure torch: no @triton.jit
 
 

@@ -9,8 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from slimserve.eval.kernels.common import (BF16, DT, F16, Ctx, fmt, gen, memo, print_table, randn,
-                                          run_check)
+from slimserve.eval.kernels.common import BF16, DT, F16, Ctx, fmt, gen, memo, print_table, randn, run_check
 from slimserve.eval.kernels.sweep import cfg_repr, report_sweep
 from slimserve.kernels import reference as R  # pure torch: no @triton.jit
 

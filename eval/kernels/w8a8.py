@@ -9,8 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from slimserve.eval.kernels.common import (BF16, DT, F16, Ctx, gen, print_table, randn, run_check,
-                                          ulp_ok)
+from slimserve.eval.kernels.common import BF16, DT, F16, Ctx, gen, print_table, randn, run_check, ulp_ok
 from slimserve.eval.kernels.sweep import cfg_repr, report_sweep
 from slimserve.kernels import reference as R  # pure torch: no @triton.jit
 

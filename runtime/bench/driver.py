@@ -31,9 +31,16 @@ import httpx
 import typer
 from tqdm.auto import tqdm
 
-from slimserve.runtime.bench.workload import (BenchRequest, LengthDist, RequestResult,
-                                             compute_metrics, corpus_requests, hf_baseline,
-                                             jsonl_requests, poisson_arrivals)
+from slimserve.runtime.bench.workload import (
+    BenchRequest,
+    LengthDist,
+    RequestResult,
+    compute_metrics,
+    corpus_requests,
+    hf_baseline,
+    jsonl_requests,
+    poisson_arrivals,
+)
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 STOP_GRACE_S = 30  # s the served engine gets to exit on SIGTERM before it is killed
@@ -287,8 +294,8 @@ def warm_up(url: str, model: str | None, requests: list[BenchRequest], args: Ben
 
 def run_bench(args: BenchArgs) -> dict:
     """Run the workload at every rate (and the HF baseline), print one table, save JSON/PNG."""
-    from slimserve.runtime.bench.sysinfo import hardware_info
     from slimserve.runtime.bench.report import describe_workload, finish_result
+    from slimserve.runtime.bench.sysinfo import hardware_info
 
     args.validate()
     requests = build_requests(args)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from slimserve.runtime.artifact.scheme import QuantScheme
 from slimserve.kernels import reference
 from slimserve.kernels._launch import use_triton
+from slimserve.runtime.artifact.scheme import QuantScheme
 
 PACKED = "pack-quantized"
 UNPACKED = ("naive-quantized", "int-quantized")

@@ -13,12 +13,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_config
 from slimserve.runtime.artifact.manifest import read_manifest, verify_files
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_config
 from slimserve.runtime.layers.quant_linear import QuantLinear
-from slimserve.runtime.loader import (check_quant_method, has_tokenizer, load_state_strict,
-                                      pop_kv_scales, read_safetensors, replace_linears)
+from slimserve.runtime.loader import (
+    check_quant_method,
+    has_tokenizer,
+    load_state_strict,
+    pop_kv_scales,
+    read_safetensors,
+    replace_linears,
+)
 from slimserve.runtime.models.fuse import fuse_projections
 from slimserve.runtime.models.llama import CausalLM, ModelSpec, model_spec
 

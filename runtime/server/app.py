@@ -28,15 +28,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.sequence import RequestOutput, SamplingParams
-from slimserve.runtime.server.http import (ClientGone, ClosingStreamingResponse, bearer_auth,
-                                           install_error_handlers, read_body, unless_disconnected)
+from slimserve.runtime.server.http import (
+    ClientGone,
+    ClosingStreamingResponse,
+    bearer_auth,
+    install_error_handlers,
+    read_body,
+    unless_disconnected,
+)
 from slimserve.runtime.server.metrics import RequestTracker, ServerMetrics
-from slimserve.runtime.server.protocol import (APIError, ChatCompletionRequest,
-                                               CompletionRequest, chat_logprobs, choice_params,
-                                               error_body, parse_request, render_chat,
-                                               sampling_params)
-from slimserve.runtime.server.responses import (DONE, ChatFormat, CompletionFormat, DeltaTracker,
-                                                _Format, sse)
+from slimserve.runtime.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_logprobs,
+    choice_params,
+    error_body,
+    parse_request,
+    render_chat,
+    sampling_params,
+)
+from slimserve.runtime.server.responses import DONE, ChatFormat, CompletionFormat, DeltaTracker, _Format, sse
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # Retry-After (whole s) of a 503 for a full queue: the least there is

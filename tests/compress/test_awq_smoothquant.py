@@ -14,12 +14,12 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, candidate_scale, fake_quantize
 from slimserve.compress.mappings import ARCHITECTURES
-from slimserve.runtime.artifact.scheme import QuantArgs, preset
+from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, candidate_scale, fake_quantize
 from slimserve.compress.quant.smoothing import apply_smooth_scale
 from slimserve.compress.quant.smoothquant import smoothquant_scales
 from slimserve.kernels.reference import fake_quantize_per_token_int8
+from slimserve.runtime.artifact.scheme import QuantArgs, preset
 
 LLAMA_SMOOTH = ARCHITECTURES["llama"].smooth
 W4_G128 = preset("W4A16").weights  # int4 symmetric, group 128 (the awq/rtn default)

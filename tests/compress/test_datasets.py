@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-from slimserve.runtime import corpus
 from slimserve.compress import datasets as ds
 from slimserve.compress.datasets import (
     DatasetError,
@@ -18,6 +17,7 @@ from slimserve.compress.datasets import (
     load_texts,
     parse_dataset,
 )
+from slimserve.runtime import corpus
 
 
 class ByteTokenizer:

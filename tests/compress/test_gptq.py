@@ -7,7 +7,6 @@ from slimserve.compress.quant.gptq import accumulate_hessian, gptq, gptq_quantiz
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.runtime.artifact.scheme import QuantArgs
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

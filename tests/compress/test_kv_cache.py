@@ -6,10 +6,10 @@ from pydantic import ValidationError
 
 from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.errors import RecipeError
-from slimserve.runtime.artifact.compressed_tensors import kv_cache_scheme, kv_tensors, quantization_config
 from slimserve.compress.quant.kv_cache import KvCacheOptions, KvCacheStage
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.stage import CompressionState
+from slimserve.runtime.artifact.compressed_tensors import kv_cache_scheme, kv_tensors, quantization_config
 from slimserve.runtime.artifact.kv_scales import FP8_E4M3_MAX, fp8_e4m3_roundtrip, kv_scale_from_absmax
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.hf_fp8kv import fp8kv_attention_forward, register_fp8kv_attention

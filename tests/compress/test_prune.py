@@ -10,12 +10,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.model_size import count_parameters
-from slimserve.compress.prune.importance import (activation_importance, block_influence, head_norms,
-                                                 layer_perplexity_scores, magnitude_importance)
+from slimserve.compress.prune.importance import (
+    activation_importance,
+    block_influence,
+    head_norms,
+    layer_perplexity_scores,
+    magnitude_importance,
+)
 from slimserve.compress.prune.sizes import Dims, Targets, resolve_dims
 from slimserve.compress.prune.stages import compose_teacher_map
-from slimserve.compress.prune.structured import (apply_plan, choose_heads, expected_parameters,
-                                                 make_plan, top_k)
+from slimserve.compress.prune.structured import apply_plan, choose_heads, expected_parameters, make_plan, top_k
 from slimserve.compress.stage import TeacherMap
 
 DEMO = Dims(hidden_size=384, intermediate_size=1024, num_attention_heads=6, num_key_value_heads=2,

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.registry import STAGES
 from slimserve.eval.bench_common import json_tail, last_line, run_child

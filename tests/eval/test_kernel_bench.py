@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from slimserve.eval.kernels import sweep
 from slimserve.eval.kernels import bench as kb
+from slimserve.eval.kernels import sweep
 
 KERNELS = {
     "w4a16_gemm", "dequantize_w4a16", "act_quant", "w8a8_gemm", "linear_w8a8",

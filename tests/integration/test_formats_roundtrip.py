@@ -17,12 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from slimserve.compress.export.formats import export_artifact
-from slimserve.runtime.artifact.manifest import ArtifactManifest
 from slimserve.compress.pipeline import run_recipe
-from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.compress.quant.primitives import compute_qparams, quantize, quantize_weight
-from slimserve.runtime.artifact.scheme import QuantArgs, SchemeError
 from slimserve.compress.recipe import parse_recipe
+from slimserve.runtime.artifact.manifest import ArtifactManifest
+from slimserve.runtime.artifact.qweight import QuantizedWeight
+from slimserve.runtime.artifact.scheme import QuantArgs, SchemeError
 from slimserve.runtime.layers import QuantLinear
 from slimserve.runtime.loader import load_model
 

@@ -12,7 +12,6 @@ from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.corpus import read_texts
 from slimserve.runtime.loader import load_model
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

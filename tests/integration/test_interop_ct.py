@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from slimserve.compress.export.io import export_compressed_tensors
-from slimserve.runtime.artifact.manifest import ArtifactManifest
 from slimserve.compress.quant.primitives import quantize_weight
+from slimserve.runtime.artifact.manifest import ArtifactManifest
 from slimserve.runtime.artifact.scheme import QuantArgs
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import QuantLinear

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from slimserve.compress.datasets import load_token_documents
 from slimserve.compress.errors import RecipeError
+from slimserve.compress.perplexity import evaluate_perplexity
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.prune.sizes import Dims
 from slimserve.compress.prune.structured import expected_parameters
 from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.corpus import read_texts
-from slimserve.compress.datasets import load_token_documents
-from slimserve.compress.perplexity import evaluate_perplexity
 
 SEQ, WINDOWS = 64, 6
 RECIPE = """# test
@@ -177,9 +177,9 @@ def test_distill_from_a_teacher_checkpoint(tiny_checkpoint, texts):
 
 
 def test_distill_refuses_the_evaluation_split(tiny_checkpoint):
+    from slimserve.compress.datasets import DatasetError
     from slimserve.compress.distill.stages import DistillOptions, DistillStage
     from slimserve.compress.stage import CompressionState
-    from slimserve.compress.datasets import DatasetError
     from slimserve.runtime.loader import load_model
 
     loaded = load_model(tiny_checkpoint, dtype=torch.float32)

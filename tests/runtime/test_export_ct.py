@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from slimserve.compress.export import io as export_io
+from slimserve.compress.export.io import export_compressed_tensors, size_bytes
+from slimserve.compress.quant.primitives import compute_qparams, quantize, quantize_weight
+from slimserve.kernels import reference
 from slimserve.runtime.artifact.compressed_tensors import (
     args_from_ct_dict,
     linear_tensors,
     quantization_config,
 )
-from slimserve.compress.export.io import export_compressed_tensors, size_bytes
 from slimserve.runtime.artifact.manifest import (
     ArtifactManifest,
     read_manifest,
@@ -19,9 +21,7 @@ from slimserve.runtime.artifact.manifest import (
     verify_files,
 )
 from slimserve.runtime.artifact.qweight import QuantizedWeight
-from slimserve.compress.quant.primitives import compute_qparams, quantize, quantize_weight
 from slimserve.runtime.artifact.scheme import PRESETS, QuantArgs, QuantScheme
-from slimserve.kernels import reference
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import QuantLinear
 from slimserve.runtime.loader import load_model

@@ -10,17 +10,17 @@ import json
 import pytest
 import torch
 
+from slimserve.compress.export.formats import check_exportable
+from slimserve.compress.quant.primitives import compute_qparams, quantize, quantize_weight
+from slimserve.kernels import reference
 from slimserve.runtime.artifact import awq_format, gptq_format
 from slimserve.runtime.artifact.awq_format import awq_config, awq_tensors, pack_awq, unpack_awq
 from slimserve.runtime.artifact.compressed_tensors import linear_tensors, scheme_from_ct_dict
-from slimserve.compress.export.formats import check_exportable
 from slimserve.runtime.artifact.gptq_format import V1, V2, gptq_config, gptq_tensors
-from slimserve.runtime.artifact.qweight import QuantizedWeight
-from slimserve.compress.quant.primitives import compute_qparams, quantize, quantize_weight
-from slimserve.runtime.artifact.scheme import PRESETS, QuantArgs, QuantScheme, SchemeError
-from slimserve.kernels import reference
-from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_config
+from slimserve.runtime.artifact.qweight import QuantizedWeight
+from slimserve.runtime.artifact.scheme import PRESETS, QuantArgs, QuantScheme, SchemeError
+from slimserve.runtime.errors import ArtifactError
 
 W4 = QuantArgs(4, group_size=32)
 W4_ASYM = W4.with_(symmetric=False)

@@ -4,8 +4,8 @@ checked against fixed words computed independently of our packer."""
 import pytest
 import torch
 
-from slimserve.runtime.artifact.pack import pack_int32, to_signed, to_unsigned, unpack_int32
 from slimserve.kernels import reference
+from slimserve.runtime.artifact.pack import pack_int32, to_signed, to_unsigned, unpack_int32
 
 
 def _word(t: torch.Tensor) -> int:

@@ -11,6 +11,7 @@ import asyncio
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+
 from slimserve.runtime.errors import RequestError
 from slimserve.runtime.server.app import build_app
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+
 from slimserve.runtime.server.app import build_app
 
 from tests.helpers.live_server import serve_in_thread
@@ -82,10 +83,11 @@ def test_client_disconnect_aborts_the_request(live):
 # -- `runtime serve` -----------------------------------------------------------------------------
 
 def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
     from slimserve.runtime import cli
     from slimserve.runtime.async_engine import AsyncEngine
     from slimserve.runtime.errors import ArtifactError
-    from typer.testing import CliRunner
 
     run = CliRunner().invoke
     for args, needle in [([str(tmp_path / "missing")], "model:"),

@@ -19,12 +19,27 @@ from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from typer.testing import CliRunner
 
-from slimserve.runtime.bench.driver import (BenchArgs, BenchError, bench_main, free_port,
-                                          launched_server, parse_rates, run_bench, run_requests,
-                                          serve_command)
-from slimserve.runtime.bench.workload import (BenchRequest, LengthDist, RequestResult,
-                                             compute_metrics, corpus_requests, hf_baseline,
-                                             jsonl_requests, poisson_arrivals)
+from slimserve.runtime.bench.driver import (
+    BenchArgs,
+    BenchError,
+    bench_main,
+    free_port,
+    launched_server,
+    parse_rates,
+    run_bench,
+    run_requests,
+    serve_command,
+)
+from slimserve.runtime.bench.workload import (
+    BenchRequest,
+    LengthDist,
+    RequestResult,
+    compute_metrics,
+    corpus_requests,
+    hf_baseline,
+    jsonl_requests,
+    poisson_arrivals,
+)
 
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
 REFUSED_LEN, BROKEN_LEN = 11, 13  # max_tokens the fake answers with HTTP 400 / an in-stream error
