@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from slimserve.compress.datasets import load_token_documents, parse_dataset
 from slimserve.compress.progress import counting_bar
 
 # exp() of a mean NLL above this overflows a float64; such a model is reported as ppl = inf.
@@ -147,8 +148,6 @@ def perplexity_on(
     progress: bool = True,
 ) -> PerplexityResult:
     """Encode a dataset (spec string or `DatasetSpec`; named corpora: their eval split) and score it."""
-    from slimserve.compress.datasets import load_token_documents, parse_dataset
-
     spec = parse_dataset(dataset_spec) if isinstance(dataset_spec, str) else dataset_spec
     token_ids = load_token_documents(spec, tokenizer)  # [num_tokens]
     return evaluate_perplexity(model, token_ids, seq_len, max_windows, batch_size, progress, dataset=str(spec))
