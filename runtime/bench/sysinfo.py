@@ -9,22 +9,31 @@ import platform
 from pathlib import Path
 
 
+# Vector extensions that select different CPU matmul kernels (and so different fp32/bf16 rounding):
+# the same code measures perplexities that differ in the 5th-6th digit between such hosts.
+_ISA_FLAGS = ("avx512_bf16", "avx512f", "avx2")
+
+
 def hardware_info() -> dict:
     from importlib.metadata import version
 
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    cpu, isa = platform.processor() or platform.machine(), "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                isa = next((f for f in _ISA_FLAGS if f in flags), "none of " + "/".join(_ISA_FLAGS))
                 break
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"cpu": cpu, "cores": cores, "gpu": gpu, "torch": version("torch"), "python": platform.python_version()}
+    return {"cpu": cpu, "isa": isa, "cores": cores, "gpu": gpu, "torch": version("torch"),
+            "transformers": version("transformers"), "python": platform.python_version()}
 
 
 def model_info(model: Path) -> dict:
@@ -42,4 +51,7 @@ def model_info(model: Path) -> dict:
 
 def hardware_line(hw: dict) -> str:
     """The `hardware:` header line of every benchmark table (from hardware_info())."""
-    return f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}, python {hw['python']}"
+    isa = f" ({hw['isa']})" if hw.get("isa") else ""
+    tf = f", transformers {hw['transformers']}" if hw.get("transformers") else ""
+    return (f"hardware: {hw['cpu']}{isa}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}{tf}, "
+            f"python {hw['python']}")
