@@ -1,7 +1,8 @@
 """The `compress` command: `compress run RECIPE`, `compress eval MODEL`.
 
-Exit codes: 0 success (gate passed), 2 bad input (one line on stderr, no traceback),
-3 the perplexity gate failed (the artifact and report are still written and say FAILED).
+Exit codes: 0 success (gate passed), 2 bad input (one line on stderr, no traceback; also an
+output folder that is not an earlier artifact, or the model's own folder), 3 the perplexity gate
+failed (the artifact and report are still written, to `<output>.failed`, and say FAILED).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(
     add_completion=False,
@@ -37,7 +39,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _fail(message: str) -> None:
     first = str(message).strip().splitlines()[0] if str(message).strip() else "unknown error"
-    console.print(f"[bold red]error:[/] {first}", highlight=False, markup=True)
+    # soft_wrap: one line however long the paths in it are (tests and scripts read it)
+    console.print(f"[bold red]error:[/] {escape(first)}", highlight=False, markup=True, soft_wrap=True)
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
@@ -64,6 +67,8 @@ def run(
     )
     console.print(f"artifact: {result.artifact}  report: {result.artifact / 'report.md'}")
     if not result.passed:
+        typer.echo(f"gate failed: the artifact was written to {result.artifact}, not {rec.output} "
+                   "(left as it was); serving it needs --allow-failed-gate")
         raise typer.Exit(EXIT_GATE_FAILED)
 
 
@@ -77,6 +82,9 @@ def eval_cmd(
     as_json: bool = typer.Option(False, "--json", help='print {"ppl", "tokens", "seconds"} as JSON'),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when available) | cpu | cuda | cuda:N"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code from the model repo"),
+    verify: str = typer.Option("strict", "--verify", help="strict: a slimserve artifact must have a "
+                               "slimserve.json matching every file (plain checkpoints load as they are) "
+                               "| none: skip the manifest check"),
 ) -> None:
     """Perplexity of a model or artifact on a dataset (non-overlapping windows)."""
     import torch
@@ -89,7 +97,7 @@ def eval_cmd(
     try:
         dev = resolve_device(device, "--device")
         spec = parse_dataset(dataset, Path.cwd())  # a bad spec fails before the model loads
-        loaded = load_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        loaded = load_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code, verify=verify)
         ids = load_token_documents(spec, loaded.tokenizer)
         res = perplexity_on_device(loaded.model, ids, seq_len, max_windows, batch_size, dev, not as_json,
                                    note=lambda m: None if as_json else console.print(m, highlight=False))

@@ -22,7 +22,7 @@ from slimserve.compress.datasets import calibration_batches, load_token_document
 from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import check_exportable, export_artifact
-from slimserve.compress.export.io import size_bytes
+from slimserve.compress.export.io import failed_output, replace_problem, size_bytes
 from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.model_size import count_parameters, weight_bytes
 from slimserve.compress.progress import counting_bar
@@ -38,16 +38,22 @@ COMPUTE_DTYPE = torch.float32
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
-    artifact: Path  # the exported artifact folder (also holds report.json/.md/.png)
+    artifact: Path  # the exported artifact folder (also holds report.json/.md/.png); when the
+    # gate failed it is `<output>.failed`, beside the recipe's output, which is left untouched
     summary: dict  # the content of report.json
     passed: bool  # whether the perplexity gate passed
 
 
 def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: bool = True) -> RunResult:
-    """Run every stage of `recipe`, gate on perplexity drift, export and report."""
+    """Run every stage of `recipe`, gate on perplexity drift, export and report.
+
+    The artifact goes to `recipe.output` when the gate passes (replacing an earlier artifact
+    there), else to `<output>.failed`, so a failed run never replaces a passing artifact.
+    """
     t_start = time.perf_counter()
     torch.manual_seed(0)
     device = resolve_device(recipe.device, "device")  # before any work: an absent GPU is a recipe error
+    check_output(recipe)  # before any work: never export over what is not an earlier artifact
     loaded = load_model(recipe.model, dtype=COMPUTE_DTYPE)
     if loaded.quantized:
         raise UnsupportedModelError(
@@ -94,8 +100,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     )
     model.to(storage)
     model.config.dtype = storage  # config.json must name the dtype the tensors are stored in
-    artifact = export_artifact(recipe.export.format, model, tok, state.quantized, recipe.output, manifest,
-                               state.schemes, kv_scales=state.kv_scales)
+    dest = recipe.output if gate["passed"] else failed_output(recipe.output)
     summary = {
         "model": recipe.model,
         "recipe": str(recipe.path) if recipe.path else None,
@@ -105,13 +110,40 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
         "baseline": {"ppl": baseline.ppl, "size_bytes": base_size, "seconds": baseline.seconds,
                      "params": base_params},
         "stages": [r.to_dict() for r in reports],
-        "final": {"ppl": final_ppl, "size_bytes": size_bytes(artifact), "params": count_parameters(model)},
+        "final": {"ppl": final_ppl, "size_bytes": 0, "params": count_parameters(model)},
         "gate": gate,
-        "seconds": time.perf_counter() - t_start,
-        "artifact": str(artifact),
+        "seconds": 0.0,
+        "artifact": str(dest),
     }
-    write_report(artifact, summary)
+
+    def report(folder: Path) -> None:  # into the finished temporary folder, before the move
+        summary["final"]["size_bytes"] = size_bytes(folder)
+        summary["seconds"] = time.perf_counter() - t_start
+        write_report(folder, summary)
+
+    artifact = export_artifact(recipe.export.format, model, tok, state.quantized, dest, manifest,
+                               state.schemes, kv_scales=state.kv_scales, before_move=report)
     return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
+
+
+def check_output(recipe: Recipe) -> None:
+    """Refuse, before any work, an output that would delete what is not an earlier artifact: the
+    model's own folder (or one inside or around it), or a non-empty folder without slimserve.json
+    at the output or at `<output>.failed` (where a run whose gate fails writes)."""
+    out = Path(recipe.output).resolve()
+    model = Path(recipe.model).expanduser()
+    if model.exists():
+        model = model.resolve()
+        where = ("is the model folder" if out == model else "is inside the model folder"
+                 if out.is_relative_to(model) else "contains the model folder"
+                 if model.is_relative_to(out) else None)
+        if where:
+            raise RecipeError(f"output: {out} {where} {model}; the export would replace it, so "
+                              "choose an output outside the model's folder")
+    for path in (out, failed_output(out)):
+        problem = replace_problem(path)
+        if problem:
+            raise RecipeError(f"output: {problem}")
 
 
 def _build_stages(recipe: Recipe, config) -> list[Stage]:

@@ -5,10 +5,13 @@ an ordered `block_table`; the K/V of its token i live in slot
 `block_table[i // block_size] * block_size + i % block_size`.
 
 Prefix caching (vLLM's automatic prefix caching): a FULL block whose K/V have been computed is
-registered under its key `(parent block's hash, tuple of its block_size token ids)`; the block's
-hash is `hash(key)`. Chaining through the parent makes equal token runs at different prefixes
-distinct, so a hit on block j implies blocks 0..j-1 match too. The map is keyed by the whole key,
-so a false hit needs equal tokens AND a 64-bit collision of the parents' hashes.
+registered under its hash `sha256(parent block's hash || its block_size token ids as
+little-endian int64)` (the first block's parent is a fixed root digest). Chaining through the
+parent makes equal token runs at different prefixes distinct, so a hit on block j implies
+blocks 0..j-1 match too. The hash is a cryptographic one, as vLLM uses since GHSA-rm76-4mrf-v9r8:
+Python's `hash()` of tuples is deterministic and not collision-resistant, so crafted prompts
+could have collided with another request's blocks and been served its K/V. Nothing else changes
+a block's K/V today (no per-request adapters or cache salts); such an input would join the hash.
 A registered block whose reference count drops to 0 is not freed outright: it goes to an
 evictable LRU where a later request can still hit it. Allocation takes never-cached free
 blocks first, then evicts the least recently used cached block and forgets its key.
@@ -19,25 +22,37 @@ new K/V into blocks it holds alone (asserted in `append_slots`).
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict, deque
+from collections.abc import Sequence as _Ints
 from dataclasses import dataclass, field
 
 from slimserve.runtime.sequence import Sequence, SequenceStatus
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (parent block hash or None for block 0, token ids)
+BlockKey = bytes  # a block's chained sha256 digest (32 bytes)
+
+ROOT_HASH = hashlib.sha256(b"slimserve prefix cache root v1").digest()  # parent of block 0
 
 
-def block_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of one full block given its parent's hash (None for the first block)."""
-    return hash((parent_hash, token_ids))
+def block_hash(parent_hash: bytes | None, token_ids: _Ints[int]) -> bytes:
+    """sha256 digest of one full block given its parent's digest (None for the first block).
+
+    The encoding is canonical: the 32-byte parent digest, then each token id as a little-endian
+    int64, so equal (parent, tokens) always give the same digest, in any process.
+    """
+    parent = ROOT_HASH if parent_hash is None else parent_hash
+    if len(parent) != 32:
+        raise ValueError(f"parent_hash must be a 32-byte sha256 digest, got {len(parent)} bytes")
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-def hash_blocks(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the leading full blocks of `token_ids` (a partial tail is skipped)."""
-    hashes: list[int] = []
+def hash_blocks(token_ids: list[int], block_size: int) -> list[bytes]:
+    """Chained digests of the leading full blocks of `token_ids` (a partial tail is skipped)."""
+    hashes: list[bytes] = []
     parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, tuple(token_ids[start : start + block_size]))
+        parent = block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
 
@@ -53,7 +68,7 @@ class _Block:
 class _SeqState:
     """Per-sequence hashing state, kept so hashes are computed once per block."""
 
-    keys: list[BlockKey] = field(default_factory=list)  # keys of leading full blocks of token_ids
+    keys: list[BlockKey] = field(default_factory=list)  # digests of leading full blocks of token_ids
     num_committed: int = 0  # leading blocks already offered to the prefix cache
 
 
@@ -70,7 +85,7 @@ class BlockManager:
         self._blocks = [_Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))  # ref 0, not cached
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, cached; oldest first
-        self._cached: dict[BlockKey, int] = {}  # key -> block id of registered full blocks
+        self._cached: dict[BlockKey, int] = {}  # digest -> block id of registered full blocks
         self._seqs: dict[Sequence, _SeqState] = {}  # Sequence hashes by identity (eq=False)
         self.num_queried_tokens = 0  # prompt tokens looked up in the prefix cache (cumulative)
         self.num_hit_tokens = 0  # of those, tokens served from the cache (cumulative)
@@ -124,8 +139,7 @@ class BlockManager:
         if len(keys) < n:
             tokens, bs = seq.token_ids, self._block_size
             for j in range(len(keys), n):
-                parent = hash(keys[j - 1]) if j else None
-                keys.append((parent, tuple(tokens[j * bs : (j + 1) * bs])))
+                keys.append(block_hash(keys[j - 1] if j else None, tokens[j * bs : (j + 1) * bs]))
         return keys[:n]
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:

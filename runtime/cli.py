@@ -48,6 +48,12 @@ def generate(
     seed: int = typer.Option(0, help="sampling seed"),
     device: str = typer.Option("auto", help="auto, cpu, cuda"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    verify: str = typer.Option("strict", "--verify", help="strict: a slimserve artifact must have a "
+                               "slimserve.json matching every file (plain HF checkpoints load as they "
+                               "are) | none: skip the manifest check"),
+    allow_failed_gate: bool = typer.Option(
+        False, "--allow-failed-gate", help="load an artifact whose perplexity gate failed "
+        "(its slimserve.json says so; refused otherwise)"),
 ) -> None:
     """Continue a prompt with the serving engine (paged KV cache, our kernels)."""
     from pathlib import Path
@@ -62,8 +68,8 @@ def generate(
         path = model if Path(model).expanduser().is_dir() else _download(model)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed)
-        llm = LLM(path, device=device, trust_remote_code=trust_remote_code,
-                  kv_cache_memory=256 * 2**20)
+        llm = LLM(path, device=device, trust_remote_code=trust_remote_code, verify=verify,
+                  allow_failed_gate=allow_failed_gate, kv_cache_memory=256 * 2**20)
         out = llm.generate(prompt, params, use_tqdm=False)[0]
     except (ArtifactError, RequestError, ValueError, OSError) as e:
         _fail(e)
@@ -111,6 +117,12 @@ def serve(
     device: str = typer.Option(_ENGINE["device"], help="auto | cpu | cuda | cuda:N"),
     dtype: str = typer.Option(_ENGINE["dtype"], help="auto | float16 | bfloat16 | float32"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    verify: str = typer.Option("strict", "--verify", help="strict: a slimserve artifact must have a "
+                               "slimserve.json matching every file (plain HF checkpoints load as they "
+                               "are) | none: skip the manifest check"),
+    allow_failed_gate: bool = typer.Option(
+        False, "--allow-failed-gate", help="load an artifact whose perplexity gate failed "
+        "(its slimserve.json says so; refused otherwise)"),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from slimserve.runtime.errors import ArtifactError
@@ -121,7 +133,7 @@ def serve(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, verify=verify, allow_failed_gate=allow_failed_gate)
     except ValueError as e:
         _fail(e)
     import uvicorn

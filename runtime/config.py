@@ -6,6 +6,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimserve.runtime.artifact.manifest import VERIFY_MODES
+
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -41,6 +43,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # default RNG seed for requests without one
     trust_remote_code: bool = False  # never on unless asked
+    verify: str = "strict"  # strict: a slimserve artifact needs a matching slimserve.json; none: skip
+    allow_failed_gate: bool = False  # load an artifact whose slimserve.json says its ppl gate failed
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -51,6 +55,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"verify: {self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")

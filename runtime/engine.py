@@ -19,6 +19,7 @@ from slimserve.runtime.model_runner import ModelRunner
 from slimserve.runtime.sampler import sample
 from slimserve.runtime.scheduler import Scheduler, SchedulerConfig
 from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence
+from slimserve.runtime.stops import find_stop
 
 
 @dataclass
@@ -162,11 +163,10 @@ class LLMEngine:
             req.detok.update(self._decode, seq.token_ids)
             req.text = req.detok.text
             if p.stop:
-                lo = max(0, prev - req.max_stop_len)
-                hits = [(req.text.find(s, lo), s) for s in p.stop]
-                hits = [(i, s) for i, s in hits if i >= 0]
-                if hits:
-                    i, s = min(hits)
+                # Only the new text and the max_stop_len - 1 characters before it are searched.
+                hit = find_stop(req.text, prev, p.stop, req.max_stop_len)
+                if hit is not None:
+                    i, s = hit
                     req.text = req.text[:i]
                     seq.finish_reason, seq.stop_reason = "stop", s
                     return

@@ -10,7 +10,9 @@ from slimserve.runtime.sequence import RequestOutput, SamplingParams
 class LLM:
     """Load an artifact (or HF checkpoint folder) once and generate for many prompts at a time.
 
-    Keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, device, ...).
+    Keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, device, ...);
+    `verify="none"` loads a slimserve artifact whose slimserve.json is missing or mismatched
+    (default "strict": refused; plain HF checkpoints load either way).
     """
 
     def __init__(self, model: str, **engine_args):

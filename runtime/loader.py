@@ -9,7 +9,6 @@ safetensors are loaded strictly (no pickle, ever).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +19,15 @@ from torch import nn
 
 from slimserve.runtime.artifact.compressed_tensors import QUANT_METHOD, scheme_from_ct_dict
 from slimserve.runtime.artifact.importers import IMPORTERS, import_checkpoint, read_quant_config
-from slimserve.runtime.artifact.manifest import ArtifactManifest, read_manifest, verify_files
+from slimserve.runtime.artifact.manifest import (
+    MARKER_KEY,
+    ArtifactManifest,
+    check_artifact,
+    read_config_json,
+)
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.runtime.artifact.targets import matches
+from slimserve.runtime.artifact.weights import check_config_bounds, tensor_shapes, weight_files
 from slimserve.runtime.dtypes import torch_dtype
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.hf_fp8kv import install_kv_scales
@@ -82,21 +87,23 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    verify: str = "strict",
 ) -> LoadedModel:
     """Load an artifact folder, a plain HF checkpoint folder or a hub id.
 
-    dtype: None keeps the checkpoint's dtype. Raises ArtifactError for a missing path, a
-    checksum mismatch, an unsupported quant_method, or missing/unexpected tensors.
+    dtype: None keeps the checkpoint's dtype. verify: "strict" (a slimserve artifact needs a
+    matching slimserve.json; plain checkpoints load unchecked) or "none" (no manifest check).
+    Raises ArtifactError for a missing path, a missing or mismatched manifest, a file outside the
+    folder, config values the weight files contradict, an unsupported quant_method, or
+    missing/unexpected tensors.
     """
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         config_path = path / "config.json"
-        if not config_path.is_file():
+        if not config_path.is_file() and not config_path.is_symlink():
             raise _missing(str(path_or_id))
+        manifest = check_folder(path, verify)
         qc = read_quant_config(path)  # config.json's block, else quantize_config.json / quant_config.json
-        manifest = read_manifest(path)
-        if manifest is not None:
-            verify_files(path, manifest)
         if qc:
             check_quant_method(qc, config_path)
             model = _load_ct(path, qc, _dtype(dtype), trust_remote_code)
@@ -112,6 +119,16 @@ def load_model(
     return _finish(model, str(path_or_id), None, False, device, trust_remote_code)
 
 
+def check_folder(path: Path, verify: str) -> ArtifactManifest | None:
+    """Everything checked before a byte is allocated: config.json and the weight files are
+    regular files inside `path`, the manifest policy (`check_artifact`), and config.json's shape
+    values against the safetensors headers. Returns the verified manifest (or None)."""
+    config = read_config_json(path)
+    manifest = check_artifact(path, verify, config)
+    check_config_bounds(config, tensor_shapes(path, weight_files(path)), str(path))
+    return manifest
+
+
 def _from_pretrained(name: str, dtype: torch.dtype | None, trust_remote_code: bool) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -121,6 +138,8 @@ def _from_pretrained(name: str, dtype: torch.dtype | None, trust_remote_code: bo
 
 def _finish(model: nn.Module, source, manifest, quantized: bool, device, trust_remote_code) -> LoadedModel:
     model = model.to(device).eval()
+    if hasattr(model.config, MARKER_KEY):  # a re-saved copy is not the verified artifact
+        delattr(model.config, MARKER_KEY)
     return LoadedModel(model, _tokenizer(source, trust_remote_code), manifest, quantized)
 
 
@@ -224,18 +243,10 @@ def _quant_linear(linear: nn.Linear, scheme: QuantScheme, fmt: str) -> QuantLine
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an artifact: files from model.safetensors.index.json, else every *.safetensors."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        raise ArtifactError(f"{path} has no *.safetensors weight files; re-export the artifact")
+    """All tensors of an artifact: files from model.safetensors.index.json, else every
+    *.safetensors; each must be a regular file inside `path` (`weight_files`)."""
     tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        if not (path / f).is_file():
-            raise ArtifactError(f"{path / f} is listed in {index.name} but missing; re-download it")
+    for f in weight_files(path):
         part = load_file(str(path / f))
         dup = sorted(set(part) & set(tensors))
         if dup:

@@ -30,7 +30,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         if built is None:
             dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model))
-            built = build_model(config.model, dtype, self.device, config.trust_remote_code)
+            built = build_model(config.model, dtype, self.device, config.trust_remote_code,
+                                verify=config.verify, allow_failed_gate=config.allow_failed_gate)
         self.built = built
         self.model, self.spec, self.dtype = built.model, built.spec, built.dtype
         self._freeze_torch_path_weights()

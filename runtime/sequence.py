@@ -7,6 +7,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from slimserve.runtime.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): fp32 logits divided by e.g.
 # 1e-45 overflow to inf, the softmax turns NaN and torch.multinomial fails in the engine thread.
 MIN_TEMPERATURE = 1e-5
@@ -30,7 +32,8 @@ class SamplingParams:
     top_k: int = -1  # keep the k most likely tokens; -1 = all
     seed: int | None = None  # per-request RNG seed: same seed, same prompt -> same output
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the output)
-    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (kept in output ids)
+    # extra stop tokens (kept in output ids); stored as a frozenset for O(1) per-token lookups
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False  # keep generating past the EOS token
     logprobs: int | None = None  # return this many top logprobs per generated token (0 = chosen only)
 
@@ -47,8 +50,17 @@ class SamplingParams:
             raise SamplingError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise SamplingError("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
-        if any(not s for s in self.stop):
-            raise SamplingError("stop", "stop strings must be non-empty")
+        self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
+                                        f"got {len(self.stop)}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError("stop", "stop strings must be non-empty strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise SamplingError("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} "
+                                        f"characters, got one of {longest}")
+        self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise SamplingError("seed", f"must be an integer in [0, 2^64), got {self.seed!r}")
 

@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from slimserve.compress.export.io import artifact_tensors, export_compressed_tensors, linear_classes, write_artifact
+from slimserve.compress.export.io import (
+    BeforeMoveFn,
+    artifact_tensors,
+    export_compressed_tensors,
+    linear_classes,
+    write_artifact,
+)
 from slimserve.runtime.artifact import awq_format, gptq_format
 from slimserve.runtime.artifact.compressed_tensors import SUPPORTED_FORMATS
 from slimserve.runtime.artifact.manifest import ArtifactManifest
@@ -58,16 +64,18 @@ def export_artifact(
     manifest: ArtifactManifest,
     schemes: dict[str, QuantScheme] | None = None,
     kv_scales: dict[str, tuple[float, float]] | None = None,
+    before_move: BeforeMoveFn | None = None,
 ) -> Path:
     """Export `model` in format `fmt` at `out_dir` (atomically) and return that path.
 
-    Arguments as for `export_compressed_tensors`. gptq and awq need at least one quantized
+    Arguments as for `export_compressed_tensors`; `out_dir` must be free, empty or an earlier
+    artifact (ArtifactError otherwise, before anything is written). gptq and awq need at least one quantized
     Linear and one weight scheme shared by all of them, and have no place for fp8 KV-cache
     scales; SchemeError says what to change.
     """
     if fmt == COMPRESSED_TENSORS:
         return export_compressed_tensors(model, tokenizer, quantized, out_dir, manifest, schemes,
-                                         kv_scales=kv_scales)
+                                         kv_scales=kv_scales, before_move=before_move)
     if fmt not in FORMATS:
         raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     if kv_scales:
@@ -86,10 +94,11 @@ def export_artifact(
                                      checkpoint_format=version)
         tensors = artifact_tensors(
             model, quantized, lambda n, qw: gptq_format.gptq_tensors(n, qw, checkpoint_format=version))
-        return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, {GPTQ_CONFIG_FILE: qc})
+        return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, {GPTQ_CONFIG_FILE: qc},
+                              before_move=before_move)
     qc = awq_format.awq_config(next(iter(quantized.values())).args, unquantized)
     tensors = artifact_tensors(model, quantized, awq_format.awq_tensors)
-    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc)
+    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, before_move=before_move)
 
 
 def _output_embedding_name(model: torch.nn.Module) -> str | None:

@@ -1,7 +1,9 @@
 """Write an artifact folder atomically: config.json, model.safetensors, tokenizer, slimserve.json.
 
-Everything is written into a temporary sibling folder and moved into place with `os.replace`
-only once complete, so a crash never leaves a folder that looks like a finished artifact.
+Everything is written into a temporary sibling folder, given the user's umask modes (0644 files,
+0755 folders under umask 022), fsynced and moved into place with `os.replace` only once complete,
+so a crash never leaves a folder that looks like a finished artifact. An existing output folder is
+replaced only when it is an earlier artifact (holds slimserve.json) or empty (`replace_problem`).
 The writing is format-neutral (`write_artifact`, `artifact_tensors`); each on-disk format only
 supplies its per-Linear tensors and its `quantization_config` block (see formats.py).
 """
@@ -25,13 +27,23 @@ from slimserve.runtime.artifact.compressed_tensors import (
     linear_tensors,
     quantization_config,
 )
-from slimserve.runtime.artifact.manifest import ArtifactManifest, sha256_file, write_manifest
+from slimserve.runtime.artifact.manifest import (
+    MANIFEST_NAME,
+    MARKER_KEY,
+    ArtifactManifest,
+    artifact_file_hashes,
+    write_manifest,
+)
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantScheme
+from slimserve.runtime.errors import ArtifactError
 
 WEIGHTS_NAME = "model.safetensors"
 # module name, its QuantizedWeight -> the tensors that replace `<name>.weight` on disk
 LinearTensorsFn = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
+# called with the finished temporary folder just before it is fsynced and moved into place
+BeforeMoveFn = Callable[[Path], None]
+FAILED_SUFFIX = ".failed"  # where a run whose gate failed writes its artifact: `<output>.failed`
 
 
 def size_bytes(directory: str | Path) -> int:
@@ -47,6 +59,7 @@ def export_compressed_tensors(
     manifest: ArtifactManifest,
     schemes: dict[str, QuantScheme] | None = None,
     kv_scales: dict[str, tuple[float, float]] | None = None,
+    before_move: BeforeMoveFn | None = None,
 ) -> Path:
     """Export `model` as a compressed-tensors artifact at `out_dir` and return that path.
 
@@ -57,6 +70,7 @@ def export_compressed_tensors(
     kv_scales: attention module name -> static fp8 (k_scale, v_scale); written as
     `<attn>.k_scale`/`.v_scale` [1] in the model dtype with a `kv_cache_scheme` block.
     tokenizer: saved with `save_pretrained`; may be None.
+    before_move: see `write_artifact`.
     """
     schemes = {n: (schemes or {}).get(n) or QuantScheme(qw.args) for n, qw in quantized.items()}
     tensors = artifact_tensors(model, quantized, lambda n, qw: linear_tensors(n, qw, schemes[n]))
@@ -66,7 +80,7 @@ def export_compressed_tensors(
         tensors.update(kv_tensors(kv_scales or {}, model.get_input_embeddings().weight.dtype))
         qc = quantization_config({n: schemes[n] for n in linears if n in schemes}, linears,
                                  kv_cache_scheme() if kv_scales else None)
-    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc)
+    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, before_move=before_move)
 
 
 def write_artifact(
@@ -77,10 +91,19 @@ def write_artifact(
     manifest: ArtifactManifest,
     quant_config: dict | None,
     extra_json: dict[str, dict] | None = None,
+    before_move: BeforeMoveFn | None = None,
 ) -> Path:
     """Write tensors, config.json (+ `quant_config` as its quantization_config), generation
-    config, tokenizer, `extra_json` files (name -> dict) and the manifest, atomically."""
+    config, tokenizer, `extra_json` files (name -> dict) and the manifest, atomically.
+
+    `before_move(folder)` may add files (the run report) to the finished temporary folder. An
+    existing `out_dir` that is neither an earlier artifact nor empty raises ArtifactError before
+    anything is written; it is never deleted.
+    """
     out_dir = Path(out_dir)
+    problem = replace_problem(out_dir)
+    if problem:
+        raise ArtifactError(problem)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -92,8 +115,13 @@ def write_artifact(
             model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        files = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.safetensors"))}
+        # every file written so far (config, tokenizer, chat template, generation config,
+        # weights); the report files come after the artifact and are not covered (manifest.py)
+        files = artifact_file_hashes(tmp)
         write_manifest(tmp, dataclasses.replace(manifest, files=files))
+        if before_move is not None:
+            before_move(tmp)
+        _finish_files(tmp)
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -101,14 +129,84 @@ def write_artifact(
     return out_dir
 
 
+def failed_output(out_dir: str | Path) -> Path:
+    """Where a run whose gate failed writes its artifact, beside (never over) `out_dir`."""
+    out_dir = Path(out_dir)
+    return out_dir.with_name(out_dir.name + FAILED_SUFFIX)
+
+
+def replace_problem(out_dir: str | Path) -> str | None:
+    """Why an export must not replace `out_dir`, or None when it may: the path is free, an empty
+    folder, or an earlier slimserve artifact (a folder holding slimserve.json)."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists() and not out_dir.is_symlink():
+        return None
+    if not out_dir.is_dir():
+        return f"{out_dir} exists and is not a folder; choose a new folder for the artifact"
+    try:
+        if (out_dir / MANIFEST_NAME).is_file() or next(out_dir.iterdir(), None) is None:
+            return None
+    except OSError as e:
+        return f"{out_dir} cannot be read ({e.strerror}); choose a new folder for the artifact"
+    return (f"{out_dir} is not empty and is not a slimserve artifact (no {MANIFEST_NAME}); export "
+            "replaces only an earlier artifact, so choose a new or empty folder")
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _finish_files(folder: Path) -> None:
+    """Give every file and folder the mode the user's umask gives new ones (mkdtemp makes the
+    folder 0700) and fsync them, so what is renamed into place is readable as usual and on disk."""
+    mask = _umask()
+    for root, dirs, files in os.walk(folder):
+        for name in files:
+            path = Path(root) / name
+            if not path.is_symlink():
+                os.chmod(path, 0o666 & ~mask)
+                _fsync(path)
+        for name in dirs:
+            os.chmod(Path(root) / name, 0o777 & ~mask)
+    for root, _, _ in os.walk(folder, topdown=False):
+        _fsync(Path(root), directory=True)
+    os.chmod(folder, 0o777 & ~mask)
+
+
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished folder to `out_dir`, replacing an old one only after the new is done."""
-    if not out_dir.exists():
+    """Rename the finished folder to `out_dir`, replacing an old one only after the new is done,
+    and only when it is an earlier artifact or empty (re-checked here: nothing else is deleted)."""
+    problem = replace_problem(out_dir)
+    if problem:
+        raise ArtifactError(problem)
+    if not out_dir.exists() and not out_dir.is_symlink():
         os.replace(tmp, out_dir)
+        _fsync(out_dir.parent, directory=True)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
     os.replace(out_dir, old / out_dir.name)
     os.replace(tmp, out_dir)
+    _fsync(out_dir.parent, directory=True)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -118,11 +216,13 @@ def linear_classes(model: torch.nn.Module) -> dict[str, str]:
 
 
 def _write_config(model: torch.nn.Module, folder: Path, quant_config: dict | None) -> None:
-    """config.json = the model config (dtype kept) plus `quantization_config` when quantized."""
+    """config.json = the model config (dtype kept) plus `quantization_config` when quantized,
+    and the slimserve marker (MARKER_KEY), which tells loaders a manifest must be present."""
     model.config.save_pretrained(folder)
     path = folder / "config.json"
     config = json.loads(path.read_text())
     config.pop("quantization_config", None)
+    config[MARKER_KEY] = {"manifest": MANIFEST_NAME}
     if quant_config:
         config["quantization_config"] = quant_config
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -45,7 +45,7 @@ from slimserve.runtime.bench.workload import (
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 STOP_GRACE_S = 30  # s the served engine gets to exit on SIGTERM before it is killed
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
-                "device")  # BenchArgs fields passed to `runtime serve` as --flags when set
+                "device", "verify")  # BenchArgs fields passed to `runtime serve` as --flags when set
 
 
 class BenchError(RuntimeError):
@@ -79,6 +79,8 @@ class BenchArgs:
     kv_cache_dtype: str | None = None
     kv_cache_memory: str | None = None
     device: str | None = None
+    verify: str | None = None  # engine flag (strict | none), also used by the HF baseline's loader
+    allow_failed_gate: bool = False  # serve MODEL even when its perplexity gate failed
     api_key: str | None = None  # Bearer token for --url servers that require one
     warmup_requests: int = 1  # untimed requests before the runs
     request_timeout_s: float = 600.0  # per HTTP read/connect, s
@@ -94,6 +96,8 @@ class BenchArgs:
             raise ValueError("give a MODEL to serve, or --url of a running server")
         if self.tokenizer is None and self.model is None:
             raise ValueError("--url without MODEL needs --tokenizer to build the prompts")
+        if self.verify not in (None, "strict", "none"):
+            raise ValueError(f"--verify {self.verify!r} is unknown; use strict or none")
         if self.baseline not in (None, "hf"):
             raise ValueError(f"--baseline {self.baseline!r} is unknown; use hf")
         if self.baseline == "hf" and self.model is None:
@@ -125,6 +129,8 @@ def serve_command(args: BenchArgs, port: int) -> list[str]:
     for name in ENGINE_FLAGS:
         if (value := getattr(args, name)) is not None:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
+    if args.allow_failed_gate:
+        cmd.append("--allow-failed-gate")
     return cmd
 
 
@@ -315,7 +321,8 @@ def run_bench(args: BenchArgs) -> dict:
             runs.append({"request_rate": rate, "max_concurrency": args.max_concurrency, **metrics,
                          "requests": [asdict(r) for r in results]})
     baseline = (hf_baseline(requests, args.model, args.hf_batch_size, args.hf_device,
-                            args.progress) if args.baseline == "hf" else None)
+                            args.progress, verify=args.verify or "strict")
+                if args.baseline == "hf" else None)
     engine_flags = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     hardware = {**hardware_info(), "load_avg_1m": [load_before, os.getloadavg()[0]]}
     result = {"hardware": hardware, "served_model": model,
@@ -371,6 +378,10 @@ def bench_main(
     kv_cache_dtype: Annotated[Optional[str], Opt(help="engine flag: auto | fp8_e4m3")] = None,
     kv_cache_memory: Annotated[Optional[str], Opt(help="engine flag, e.g. 512MiB")] = None,
     device: Annotated[Optional[str], Opt(help="engine flag: auto | cpu | cuda")] = None,
+    verify: Annotated[Optional[str], Opt(help="engine flag and HF baseline: strict (default) | "
+                                         "none (skip the slimserve.json check)")] = None,
+    allow_failed_gate: Annotated[bool, Opt("--allow-failed-gate", help="engine flag: serve an "
+                                           "artifact whose perplexity gate failed")] = False,
     api_key: Annotated[Optional[str], Opt(envvar="SLIMSERVE_API_KEY", help="Bearer key")] = None,
     warmup_requests: Annotated[int, Opt(help="untimed requests first")] = 1,
     progress: Annotated[bool, Opt(help="progress bars")] = True,
@@ -393,7 +404,8 @@ def bench_main(
             sweep=parse_rates(sweep), plot_out=plot_out, baseline=baseline,
             hf_batch_size=hf_batch_size, hf_device=hf_device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-            kv_cache_memory=kv_cache_memory, device=device, api_key=api_key,
+            kv_cache_memory=kv_cache_memory, device=device, verify=verify,
+            allow_failed_gate=allow_failed_gate, api_key=api_key,
             warmup_requests=warmup_requests, progress=progress)
         return run_bench(args)
     except (ValueError, BenchError, ArtifactError, OSError) as e:  # user errors and a server that would not run

@@ -216,7 +216,7 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
 
 
 def hf_baseline(requests: list[BenchRequest], model_path: str, batch_size: int, device: str,
-                progress: bool = True) -> dict:
+                progress: bool = True, verify: str = "strict") -> dict:
     """transformers `generate` over static batches in request order, every row to the batch's
     longest requested output; only the requested tokens count as output."""
     import torch
@@ -224,7 +224,7 @@ def hf_baseline(requests: list[BenchRequest], model_path: str, batch_size: int, 
 
     from slimserve.runtime.loader import load_model
 
-    loaded = load_model(model_path, dtype=torch.float32, device=device)
+    loaded = load_model(model_path, dtype=torch.float32, device=device, verify=verify)
     model, cfg = loaded.model, loaded.model.config
     pad = next((t for t in (cfg.pad_token_id, cfg.eos_token_id, 0) if isinstance(t, int)), 0)
 

@@ -1,8 +1,9 @@
 """Build our CausalLM from an artifact or HF folder (no transformers model at run time).
 
-Reuses the compressed-tensors loader's rules: quant config from config.json (or a GPTQ/AWQ
-quantize_config), checksums from slimserve.json, GPTQ/AWQ tensors converted to CT buffers,
-targeted Linears swapped for QuantLinear, fp8 KV scales popped, strict tensor loading.
+Reuses the compressed-tensors loader's rules: folder confinement, checksums from slimserve.json,
+config bounds (`check_folder`), quant config from config.json (or a GPTQ/AWQ quantize_config),
+GPTQ/AWQ tensors converted to CT buffers, targeted Linears swapped for QuantLinear, fp8 KV
+scales popped, strict tensor loading.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import torch
 from torch import nn
 
 from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_config
-from slimserve.runtime.artifact.manifest import read_manifest, verify_files
+from slimserve.runtime.artifact.manifest import ArtifactManifest, check_gate, read_manifest
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loader import (
+    check_folder,
     check_quant_method,
     has_tokenizer,
     load_state_strict,
@@ -66,18 +68,33 @@ def reset_runtime_buffers(model: CausalLM) -> None:
         layer.self_attn.v_scale.fill_(1.0)
 
 
+def _unverified_manifest(path: Path) -> ArtifactManifest | None:
+    """The manifest as it is (verify="none"), only to read its gate; None when unreadable."""
+    try:
+        return read_manifest(path)
+    except (ArtifactError, OSError):
+        return None
+
+
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-                trust_remote_code: bool = False) -> BuiltModel:
-    """Load `path` (artifact or HF checkpoint folder) into our CausalLM on `device` in `dtype`."""
+                trust_remote_code: bool = False, verify: str = "strict",
+                allow_failed_gate: bool = False) -> BuiltModel:
+    """Load `path` (artifact or HF checkpoint folder) into our CausalLM on `device` in `dtype`.
+
+    verify: "strict" (a slimserve artifact needs a matching slimserve.json) or "none"; the
+    folder confinement and config bounds checks (`check_folder`) run either way.
+    allow_failed_gate: load an artifact whose manifest says its perplexity gate failed
+    (refused with ArtifactError otherwise, `check_gate`).
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").is_file() and not (path / "config.json").is_symlink():
         raise ArtifactError(f"{path}: no config.json; pass an artifact made by `compress run` or "
                             "a Hugging Face checkpoint folder")
-    manifest = read_manifest(path)
-    if manifest is not None:
-        verify_files(path, manifest)
+    manifest = check_folder(path, verify)
+    if not allow_failed_gate:
+        check_gate(path, manifest or _unverified_manifest(path))
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     spec = model_spec(config)
     qc = read_quant_config(path)

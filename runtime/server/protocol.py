@@ -16,10 +16,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from slimserve.runtime.sequence import MIN_TEMPERATURE, SamplingError, SamplingParams
+from slimserve.runtime.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: F401 (re-exported)
 
 MAX_BODY_BYTES = 32 * 2**20  # request bodies above this are refused (413) before parsing
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_CHOICES = 16  # the largest `n`: each choice is its own engine request
+# `stop` limits (defined in runtime/stops.py, enforced by SamplingParams): more or longer stop
+# strings are refused with a 400 naming the limit, so stop matching stays cheap per token.
 
 # Known OpenAI/vLLM fields we do not implement -> the values that mean "off" and may pass.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -210,7 +213,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
             max_tokens=max_tokens, temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
-            seed=req.seed, stop=list(req.stop or []), stop_token_ids=list(req.stop_token_ids or []),
+            seed=req.seed, stop=list(req.stop or []), stop_token_ids=frozenset(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos, logprobs=logprobs)
     except SamplingError as e:
         raise APIError(400, str(e), param=e.field) from None

@@ -3,7 +3,9 @@
 The engine yields cumulative outputs; `DeltaTracker` turns them into the increments a stream
 sends. While a request runs, a tail of the text that could be the start of a stop string is held
 back (as vLLM does): the engine cuts a stop string only once it is complete, and text already
-streamed cannot be taken back.
+streamed cannot be taken back. The held-back length comes from a `StopPrefixMatcher` fed only
+the text that is new since the previous chunk, so a long stop list costs each chunk time in
+proportion to the new text, not to the whole output (runtime/stops.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slimserve.runtime.sequence import RequestOutput
+from slimserve.runtime.stops import StopPrefixMatcher
 
 DONE = "data: [DONE]\n\n"  # the OpenAI stream terminator
 
@@ -29,17 +32,6 @@ def usage(outs: list[RequestOutput]) -> dict[str, Any]:
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
-
-
-def _partial_stop(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
 
 
 @dataclass
@@ -60,12 +52,28 @@ class DeltaTracker:
         self.stop = stop
         self.sent_chars = 0  # characters of the cumulative text already handed out
         self.sent_tokens = 0  # token ids already handed out
+        self._matcher: StopPrefixMatcher | None = None  # built on the first running output
+        self._fed = 0  # characters of the cumulative text given to the matcher
+
+    def _held_back(self, text: str) -> int:
+        """Trailing characters of the (growing) cumulative `text` that may begin a stop string."""
+        if not self.stop:
+            return 0
+        if self._matcher is None:
+            self._matcher = StopPrefixMatcher(self.stop)
+        if len(text) < self._fed:  # the text shrank (never, for the engine): start over
+            self._matcher.reset()
+            self._fed = 0
+        if len(text) > self._fed:
+            self._matcher.feed(text[self._fed:])
+            self._fed = len(text)
+        return self._matcher.held
 
     def step(self, out: RequestOutput) -> Delta:
         c = out.outputs[0]
         end = len(c.text)
         if c.finish_reason is None:
-            end -= _partial_stop(c.text, self.stop)
+            end -= self._held_back(c.text)
         end = max(end, self.sent_chars)
         text, self.sent_chars = c.text[self.sent_chars:end], end
         ids = c.token_ids[self.sent_tokens:]

@@ -69,8 +69,10 @@ def test_cli_gate_failure_exit_3(tmp_path, tiny_checkpoint):
     r = _cli("run", str(p), "--no-progress")
     assert r.returncode == 3, r.stderr
     assert "FAILED" in r.stderr
-    assert "FAILED" in (tmp_path / "fail" / "report.md").read_text()
-    assert json.loads((tmp_path / "fail" / "slimserve.json").read_text())["eval"]["gate"]["passed"] is False
+    # a failed gate writes beside the output, never over it (a passing artifact may live there)
+    assert not (tmp_path / "fail").exists() and str(tmp_path / "fail.failed") in r.stdout
+    assert "FAILED" in (tmp_path / "fail.failed" / "report.md").read_text()
+    assert json.loads((tmp_path / "fail.failed" / "slimserve.json").read_text())["eval"]["gate"]["passed"] is False
 
 
 def test_cli_bad_recipe_one_line_exit_2(tmp_path):

@@ -169,7 +169,7 @@ def test_per_token_int8_matches_ct_formula():
 def test_manifest_round_trip_and_verify(tmp_path):
     m = ArtifactManifest(base_model="tiny", recipe="stages: []\n", stages=[{"name": "rtn"}],
                          eval={"ppl": 3.5})
-    assert m.format_version == 1 and m.tool_version
+    assert m.format_version == 2 and m.tool_version
     assert ArtifactManifest.from_json(m.to_json()) == m
     assert read_manifest(tmp_path) is None
     (tmp_path / "model.safetensors").write_bytes(b"abc")
@@ -181,8 +181,8 @@ def test_manifest_round_trip_and_verify(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ArtifactError, match="model.safetensors is listed .* but missing"):
         verify_files(tmp_path, m)
-    with pytest.raises(ArtifactError, match="format_version=2"):
-        ArtifactManifest.from_json(json.dumps({"format_version": 2, "base_model": "x"}))
+    with pytest.raises(ArtifactError, match="format_version=3"):
+        ArtifactManifest.from_json(json.dumps({"format_version": 3, "base_model": "x"}))
 
 
 # ---------------------------------------------------------------- export and load
@@ -228,7 +228,7 @@ def test_dense_export_loads_back(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["dtype"] == "bfloat16"
     manifest = read_manifest(out)
-    assert set(manifest.files) == {"model.safetensors"} and size_bytes(out) > 0
+    assert {"model.safetensors", "config.json"} <= set(manifest.files) and size_bytes(out) > 0
     loaded = load_model(out)
     assert not loaded.quantized and loaded.manifest == manifest and loaded.tokenizer is None
     ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(0))
@@ -269,18 +269,20 @@ def test_loader_errors(tmp_path):
     model = tiny_llama()
     q = fake_quantize(model, {"model.layers.0.self_attn.k_proj": W4})
     out = export_compressed_tensors(model, None, q, tmp_path / "a", ArtifactManifest(base_model="t"))
-    (out / "slimserve.json").unlink()  # edit the weights freely below
+    (out / "slimserve.json").unlink()  # edit the weights freely below (loaded with verify="none")
     tensors = load_file(out / "model.safetensors")
     scale = tensors.pop("model.layers.0.self_attn.k_proj.weight_scale")
     save_file(tensors, out / "model.safetensors")
-    with pytest.raises(ArtifactError, match="missing tensor.*k_proj.weight_scale"):
+    with pytest.raises(ArtifactError, match="slimserve.json is missing.*--verify none"):
         load_model(out)
+    with pytest.raises(ArtifactError, match="missing tensor.*k_proj.weight_scale"):
+        load_model(out, verify="none")
     save_file(tensors | {"model.layers.0.self_attn.k_proj.weight_scale": scale,
                          "extra.thing": scale.clone()}, out / "model.safetensors")
     with pytest.raises(ArtifactError, match="unexpected tensor.*extra.thing"):
-        load_model(out)
+        load_model(out, verify="none")
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ArtifactError, match="quant_method 'bitsandbytes' is not supported.*compressed-tensors"):
-        load_model(out)
+        load_model(out, verify="none")

@@ -48,7 +48,7 @@ def test_completion_answer_shape_and_params(client, engine):
     rid, ids, p = engine.requests[-1]
     assert rid == body["id"] and ids == [ord("h"), ord("i")]
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos) \
-        == (4, 0.5, 0.9, 5, 1, [99], True)
+        == (4, 0.5, 0.9, 5, 1, frozenset({99}), True)
 
 
 def test_completion_defaults_token_prompt_echo_and_stop(client, engine):

@@ -253,6 +253,7 @@ def test_serve_command_passes_only_given_engine_flags():
     cmd = serve_command(args, 1234)
     assert cmd[1:] == ["-m", "slimserve.runtime.cli", "serve", "m", "--host", "127.0.0.1",
                        "--port", "1234", "--max-num-seqs", "16", "--kv-cache-memory", "256MiB"]
+    assert serve_command(BenchArgs(model="m", allow_failed_gate=True), 1)[-1] == "--allow-failed-gate"
 
 
 def test_launched_server_waits_for_health_and_stops_it(tmp_path):
