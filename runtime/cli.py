@@ -36,6 +36,14 @@ def _root() -> None:
     """Run slimserve artifacts and Hugging Face checkpoints."""
 
 
+# Artifact checks shared by every command that loads a model (runtime/bench/driver.py too).
+VERIFY_OPTION = typer.Option("strict", "--verify", help="strict: a slimserve artifact must have a "
+                             "slimserve.json matching every file (plain HF checkpoints load as they "
+                             "are) | none: skip the manifest check")
+ALLOW_FAILED_GATE_OPTION = typer.Option(False, "--allow-failed-gate", help="load an artifact whose "
+                                        "perplexity gate failed (its slimserve.json says so; "
+                                        "refused otherwise)")
+
 @app.command()
 def generate(
     model: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder (or a hub id, "
@@ -48,12 +56,8 @@ def generate(
     seed: int = typer.Option(0, help="sampling seed"),
     device: str = typer.Option("auto", help="auto, cpu, cuda"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
-    verify: str = typer.Option("strict", "--verify", help="strict: a slimserve artifact must have a "
-                               "slimserve.json matching every file (plain HF checkpoints load as they "
-                               "are) | none: skip the manifest check"),
-    allow_failed_gate: bool = typer.Option(
-        False, "--allow-failed-gate", help="load an artifact whose perplexity gate failed "
-        "(its slimserve.json says so; refused otherwise)"),
+    verify: str = VERIFY_OPTION,
+    allow_failed_gate: bool = ALLOW_FAILED_GATE_OPTION,
 ) -> None:
     """Continue a prompt with the serving engine (paged KV cache, our kernels)."""
     from pathlib import Path
@@ -117,12 +121,8 @@ def serve(
     device: str = typer.Option(_ENGINE["device"], help="auto | cpu | cuda | cuda:N"),
     dtype: str = typer.Option(_ENGINE["dtype"], help="auto | float16 | bfloat16 | float32"),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
-    verify: str = typer.Option("strict", "--verify", help="strict: a slimserve artifact must have a "
-                               "slimserve.json matching every file (plain HF checkpoints load as they "
-                               "are) | none: skip the manifest check"),
-    allow_failed_gate: bool = typer.Option(
-        False, "--allow-failed-gate", help="load an artifact whose perplexity gate failed "
-        "(its slimserve.json says so; refused otherwise)"),
+    verify: str = VERIFY_OPTION,
+    allow_failed_gate: bool = ALLOW_FAILED_GATE_OPTION,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from slimserve.runtime.errors import ArtifactError
