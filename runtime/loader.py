@@ -9,6 +9,7 @@ safetensors are loaded strictly (no pickle, ever).
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +101,7 @@ def load_model(
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         config_path = path / "config.json"
-        if not config_path.is_file() and not config_path.is_symlink():
+        if not os.path.lexists(config_path):
             raise _missing(str(path_or_id))
         manifest = check_folder(path, verify)
         qc = read_quant_config(path)  # config.json's block, else quantize_config.json / quant_config.json

@@ -139,7 +139,7 @@ def replace_problem(out_dir: str | Path) -> str | None:
     """Why an export must not replace `out_dir`, or None when it may: the path is free, an empty
     folder, or an earlier slimserve artifact (a folder holding slimserve.json)."""
     out_dir = Path(out_dir)
-    if not out_dir.exists() and not out_dir.is_symlink():
+    if not os.path.lexists(out_dir):
         return None
     if not out_dir.is_dir():
         return f"{out_dir} exists and is not a folder; choose a new folder for the artifact"
@@ -199,7 +199,7 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
     problem = replace_problem(out_dir)
     if problem:
         raise ArtifactError(problem)
-    if not out_dir.exists() and not out_dir.is_symlink():
+    if not os.path.lexists(out_dir):
         os.replace(tmp, out_dir)
         _fsync(out_dir.parent, directory=True)
         return

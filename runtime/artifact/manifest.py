@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
@@ -161,7 +162,7 @@ def confined_file(directory: str | Path, name: str, source: str) -> Path:
         raise ArtifactError(f"{source} names {name!r}, a symlink to {target} outside {folder}; "
                             "refusing to read outside the artifact folder")
     if not target.is_file():
-        what = "missing" if not path.exists() and not path.is_symlink() else "not a regular file"
+        what = "missing" if not os.path.lexists(path) else "not a regular file"
         named = " is" if source == "the artifact" else f" is listed in {source} but"
         raise ArtifactError(f"{path}{named} {what}; the artifact is incomplete, re-export or "
                             "re-download it")
@@ -191,7 +192,7 @@ def read_config_json(directory: str | Path) -> dict:
 def is_slimserve_artifact(directory: str | Path, config: dict | None = None) -> bool:
     """A folder exported by slimserve: it has slimserve.json or config.json carries MARKER_KEY."""
     folder = Path(directory)
-    if (folder / MANIFEST_NAME).exists() or (folder / MANIFEST_NAME).is_symlink():
+    if os.path.lexists(folder / MANIFEST_NAME):
         return True
     if config is None:
         try:
@@ -230,7 +231,7 @@ def read_manifest(directory: str | Path) -> ArtifactManifest | None:
     """The artifact's manifest, or None when the folder has no slimserve.json."""
     folder = Path(directory)
     path = folder / MANIFEST_NAME
-    if not path.exists() and not path.is_symlink():
+    if not os.path.lexists(path):
         return None
     path = confined_file(folder, MANIFEST_NAME, "the artifact")
     return ArtifactManifest.from_json(path.read_text())

@@ -9,6 +9,7 @@ ArtifactError line instead of a hang or an out-of-memory.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def weight_files(path: Path) -> list[str]:
     """The *.safetensors files to read: those of model.safetensors.index.json, else every
     *.safetensors in the folder. Each is checked to be a regular file inside `path`."""
     index = path / INDEX_NAME
-    if index.exists() or index.is_symlink():
+    if os.path.lexists(index):
         index = confined_file(path, INDEX_NAME, "the artifact")
         try:
             weight_map = json.loads(index.read_text())["weight_map"]

@@ -17,8 +17,6 @@ import asyncio
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +29,7 @@ import httpx
 import typer
 from tqdm.auto import tqdm
 
+from slimserve.runtime.bench.server_process import BenchError, free_port, launched_server
 from slimserve.runtime.bench.workload import (
     BenchRequest,
     LengthDist,
@@ -43,13 +42,8 @@ from slimserve.runtime.bench.workload import (
 )
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
-STOP_GRACE_S = 30  # s the served engine gets to exit on SIGTERM before it is killed
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
                 "device", "verify")  # BenchArgs fields passed to `runtime serve` as --flags when set
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not run (server did not start, warm-up failed)."""
 
 
 @dataclass(slots=True)
@@ -132,47 +126,6 @@ def serve_command(args: BenchArgs, port: int) -> list[str]:
     if args.allow_failed_gate:
         cmd.append("--allow-failed-gate")
     return cmd
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _last_line(path: Path) -> str:
-    lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else "(no output)"
-
-
-@contextmanager
-def launched_server(cmd: list[str], url: str, timeout_s: float, log_path: Path) -> Iterator[str]:
-    """Run `cmd` (a server listening at url) until the block ends; yields url once /health is 200."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise BenchError(f"`runtime serve` exited with code {proc.returncode} before it was "
-                                 f"ready: {_last_line(log_path)} (log: {log_path})")
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise BenchError(f"`runtime serve` did not answer /health within {timeout_s:.0f} s "
-                                 f"(log: {log_path}); raise server_start_timeout_s")
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
-        try:
-            proc.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @contextmanager

@@ -8,6 +8,7 @@ scales popped, strict tensor loading.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +90,7 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
-    if not (path / "config.json").is_file() and not (path / "config.json").is_symlink():
+    if not os.path.lexists(path / "config.json"):
         raise ArtifactError(f"{path}: no config.json; pass an artifact made by `compress run` or "
                             "a Hugging Face checkpoint folder")
     manifest = check_folder(path, verify)

@@ -21,15 +21,13 @@ from typer.testing import CliRunner
 
 from slimserve.runtime.bench.driver import (
     BenchArgs,
-    BenchError,
     bench_main,
-    free_port,
-    launched_server,
     parse_rates,
     run_bench,
     run_requests,
     serve_command,
 )
+from slimserve.runtime.bench.server_process import BenchError, free_port, launched_server
 from slimserve.runtime.bench.workload import (
     BenchRequest,
     LengthDist,
