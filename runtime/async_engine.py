@@ -1,9 +1,20 @@
 """AsyncEngine: the LLMEngine on its own thread, fed and drained from asyncio.
 
-The engine thread owns every scheduler and KV-cache structure; the event loop only tokenizes and
-validates (LLMEngine.make_sequence), then hands sequences and aborts over a thread-safe queue.
-Outputs come back through per-request asyncio queues (loop.call_soon_threadsafe). A request whose
+The engine thread owns every scheduler and KV-cache structure; the event loop only validates and
+hands sequences and aborts over a thread-safe queue. Tokenizing a prompt runs in a worker thread
+(`make_sequence` in the default executor), never on the event loop, after a character-count
+bound that refuses an oversized prompt without tokenizing it.
+
+Outputs are deltas (`LLMEngine.output_deltas`): each step hands a request only its new tokens and
+text. They reach the request's `_Mailbox` through `loop.call_soon_threadsafe`; a mailbox merges
+the deltas its consumer has not taken yet into one, so a consumer that stops reading (a stalled
+HTTP client) costs memory in proportion to its output, never one copy per step. A request whose
 consumer stops iterating (client disconnect, task cancelled) is aborted and its blocks freed.
+
+Failure handling: a request the engine fails alone (non-finite logits, a decode error) ends with
+an output whose `error` is set; if the loop itself dies, every registered request is failed at
+once with EngineDeadError and `health_problem()` says so (the server's /health answers 503); a
+step running longer than `step_watchdog_s` also makes `health_problem()` report the engine stuck.
 """
 
 from __future__ import annotations
@@ -13,35 +24,66 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
-from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.config import DEFAULT_STEP_WATCHDOG_S, EngineConfig
 from slimserve.runtime.engine import EngineStats, LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.sequence import RequestOutput, SamplingParams
+from slimserve.runtime.sequence import OutputAccumulator, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 _STOP = object()
 
 
+class _Mailbox:
+    """One request's undelivered outputs, merged into one; touched only on the event loop."""
+
+    def __init__(self) -> None:
+        self._ready = asyncio.Event()
+        self._pending = OutputAccumulator()
+        self._error: BaseException | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = self._error or item
+        else:
+            self._pending.add(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The merged outputs since the previous get (outputs before an error come first)."""
+        await self._ready.wait()
+        merged = self._pending.take()
+        if merged is None:
+            return self._error  # type: ignore[return-value]
+        if self._error is None:
+            self._ready.clear()
+        return merged
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, step_watchdog_s: float = DEFAULT_STEP_WATCHDOG_S):
         self.engine = engine
+        engine.output_deltas = True
         self.config = engine.config
         self.model_name = engine.config.served_model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.max_prompt_chars = engine.max_prompt_chars  # longer prompts cannot fit (see engine)
+        self.step_watchdog_s = step_watchdog_s
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
+        self._lock = threading.Lock()  # guards _streams, _queued and the _dead transition
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+        self._step_started: float | None = None  # monotonic s, while a step runs
         self._stats = engine.stats()
         self._queued = 0  # adds handed to the engine thread and not yet applied (for num_waiting)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        return cls(LLMEngine(config))
+    def from_config(cls, config: EngineConfig, **kw) -> "AsyncEngine":
+        return cls(LLMEngine(config), **kw)
 
     async def start(self) -> None:
         if self._thread is None:
@@ -62,27 +104,45 @@ class AsyncEngine:
         s = self._stats
         return dataclasses.replace(s, num_waiting=s.num_waiting + self._queued)
 
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (dead loop, or a step past the watchdog); None if healthy."""
+        if self._dead is not None:
+            return f"the engine stopped: {self._dead}"
+        started = self._step_started
+        if started is not None and time.monotonic() - started > self.step_watchdog_s:
+            return (f"an engine step has run for {time.monotonic() - started:.1f} s "
+                    f"(watchdog {self.step_watchdog_s:g} s)")
+        return None
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one request; RequestError before the first one for a bad request."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
-        seq = self.engine.make_sequence(request_id, prompt, params)  # RequestError before any yield
-        q: asyncio.Queue = asyncio.Queue()
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            seq = self.engine.make_sequence(request_id, prompt, params)  # raises, no tokenizing
+        else:
+            seq = await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.make_sequence, request_id, prompt, params)
+        box = _Mailbox()
         with self._lock:
-            self._streams[request_id] = (asyncio.get_running_loop(), q)
+            if self._dead is not None:  # died while we tokenized: nobody would answer
+                raise EngineDeadError(f"the engine stopped: {self._dead}")
+            self._streams[request_id] = (asyncio.get_running_loop(), box)
             self._queued += 1
         self._commands.put(("add", seq))
         finished = False
         try:
             while True:
-                item = await q.get()
+                item = await box.get()
                 if isinstance(item, RequestError):
                     finished = True  # never reached the scheduler: nothing to abort
                     raise item
                 if isinstance(item, BaseException):
+                    finished = True
                     raise EngineDeadError(f"the engine stopped: {item}")
                 yield item
                 if item.finished:
@@ -100,11 +160,15 @@ class AsyncEngine:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:
-            loop, q = target
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, out)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+            self._post(target, out)
+
+    @staticmethod
+    def _post(target: tuple[asyncio.AbstractEventLoop, _Mailbox], out) -> None:
+        loop, box = target
+        try:
+            loop.call_soon_threadsafe(box.put, out)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
 
     def _apply(self, cmd) -> bool:
         if cmd is _STOP:
@@ -137,14 +201,33 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 if running and self.engine.has_unfinished():
-                    for out in self.engine.step():
+                    self._step_started = time.monotonic()
+                    outputs = self.engine.step()
+                    self._step_started = None
+                    for out in outputs:
                         self._deliver(out, out.request_id)
                 self._stats = self.engine.stats()
         except BaseException as e:  # a bug or device failure: fail every open request loudly
             log.exception("engine loop died")
-            self._dead = e
+            with self._lock:
+                self._dead = e
         finally:
+            self._step_started = None
+            with self._lock:  # from here on generate() refuses, so nobody registers unseen
+                clean = self._dead is None
+                if clean:
+                    self._dead = EngineDeadError("the engine was shut down")
+                streams = dict(self._streams)
             for rid in list(self.engine.requests):
-                out = self.engine.abort_request(rid)
-                self._deliver(self._dead or out, rid)
-            self._stats = self.engine.stats()
+                try:
+                    out = self.engine.abort_request(rid)
+                except Exception:  # the engine's state may be what broke
+                    out = None
+                if clean and out is not None and rid in streams:
+                    self._post(streams.pop(rid), out)  # shutdown: finish_reason "abort"
+            for target in streams.values():  # every other registered request, queued ones too
+                self._post(target, self._dead)
+            try:
+                self._stats = self.engine.stats()
+            except Exception:
+                pass

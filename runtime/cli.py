@@ -14,7 +14,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.config import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_STEP_WATCHDOG_S,
+    DEFAULT_STREAM_TIMEOUT_S,
+    EngineConfig,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run slimserve artifacts and Hugging Face checkpoints.")
@@ -46,8 +52,9 @@ ALLOW_FAILED_GATE_OPTION = typer.Option(False, "--allow-failed-gate", help="load
 
 @app.command()
 def generate(
-    model: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder (or a hub id, "
-                                          "downloaded when the network allows)"),
+    model: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder, a .gguf file "
+                                          "(or pkg:<module> shipping one), or a hub id (downloaded "
+                                          "when the network allows)"),
     prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=32768),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
@@ -63,13 +70,15 @@ def generate(
     from pathlib import Path
 
     from slimserve.runtime.errors import ArtifactError, RequestError
+    from slimserve.runtime.gguf import resolve_model
     from slimserve.runtime.llm import LLM
     from slimserve.runtime.sequence import SamplingParams
 
     if not prompt:
         _fail(ValueError("--prompt is empty; give some text to continue"))
     try:
-        path = model if Path(model).expanduser().is_dir() else _download(model)
+        path = resolve_model(model)  # a GGUF checkpoint: its cached HF conversion
+        path = path if Path(path).expanduser().is_dir() else _download(model)
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed)
         llm = LLM(path, device=device, trust_remote_code=trust_remote_code, verify=verify,
@@ -98,7 +107,8 @@ def _download(model: str) -> str:
 
 @app.command()
 def serve(
-    artifact: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder"),
+    artifact: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder, or a .gguf "
+                                             "file (or pkg:<module> shipping one)"),
     host: str = typer.Option("127.0.0.1", help="interface to listen on (0.0.0.0: every one)"),
     port: int = typer.Option(8000, min=0, max=65535),
     max_num_seqs: int = typer.Option(_ENGINE["max_num_seqs"], help="sequences per batch at most"),
@@ -116,6 +126,14 @@ def serve(
                                           help="require 'Authorization: Bearer KEY' on /v1/*"),
     max_queue: Optional[int] = typer.Option(None, min=1, help="answer 503 + Retry-After while "
                                             "this many requests wait (default: no limit)"),
+    max_connections: int = typer.Option(DEFAULT_MAX_CONNECTIONS, min=1,
+                                        help="open connections at most; more get 503"),
+    body_timeout: float = typer.Option(DEFAULT_BODY_TIMEOUT_S, min=0.1, help="s a request body may "
+                                       "take to arrive; later: 408"),
+    stream_timeout: float = typer.Option(DEFAULT_STREAM_TIMEOUT_S, min=0.1, help="s a streaming "
+                                         "client may read nothing before its request is aborted"),
+    step_watchdog: float = typer.Option(DEFAULT_STEP_WATCHDOG_S, min=0.1, help="s one engine step "
+                                        "may take before /health answers 503"),
     served_model_name: Optional[str] = typer.Option(None, help="model name in the API "
                                                     "(default: the folder's name)"),
     device: str = typer.Option(_ENGINE["device"], help="auto | cpu | cuda | cuda:N"),
@@ -134,7 +152,7 @@ def serve(
             max_model_len=max_model_len, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             trust_remote_code=trust_remote_code, verify=verify, allow_failed_gate=allow_failed_gate)
-    except ValueError as e:
+    except (ValueError, ArtifactError) as e:  # ArtifactError: a GGUF that cannot be converted
         _fail(e)
     import uvicorn
 
@@ -142,7 +160,7 @@ def serve(
     from slimserve.runtime.server.app import build_app
 
     try:
-        engine = AsyncEngine.from_config(config)
+        engine = AsyncEngine.from_config(config, step_watchdog_s=step_watchdog)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         _fail(e)
     s = engine.stats()
@@ -150,7 +168,8 @@ def serve(
                   f"{s.block_size} tokens = {s.capacity_tokens} tokens; max_model_len "
                   f"{engine.max_model_len}; "
                   f"serving on http://{host}:{port}/v1", highlight=False, soft_wrap=True)
-    api = build_app(engine, api_key=api_key, max_queue=max_queue)
+    api = build_app(engine, api_key=api_key, max_queue=max_queue, body_timeout_s=body_timeout,
+                    stream_timeout_s=stream_timeout)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -159,7 +178,7 @@ def serve(
             api.state.serving.drain()
             await super().shutdown(sockets)
 
-    Server(uvicorn.Config(api, host=host, port=port,
+    Server(uvicorn.Config(api, host=host, port=port, limit_concurrency=max_connections,
                           timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run()
 
 

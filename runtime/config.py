@@ -7,8 +7,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimserve.runtime.artifact.manifest import VERIFY_MODES
+from slimserve.runtime.gguf import gguf_file, resolve_model
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+# Server limits (the defaults of `runtime serve`'s flags; README "Reliability").
+DEFAULT_STEP_WATCHDOG_S = 300.0  # an engine step longer than this makes /health answer 503
+DEFAULT_STREAM_TIMEOUT_S = 60.0  # a stream whose client reads nothing this long is aborted
+DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body must arrive within this, else 408
+DEFAULT_MAX_CONNECTIONS = 1024  # open connections at most; uvicorn answers 503 beyond
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -28,7 +35,7 @@ def parse_size(text: str | int | float | None) -> int | None:
 class EngineConfig:
     """Everything the engine needs to start; validated in __post_init__ with one-line messages."""
 
-    model: str  # artifact or HF checkpoint folder
+    model: str  # artifact or HF checkpoint folder, or a GGUF checkpoint (its cached conversion, runtime/gguf.py)
     served_model_name: str | None = None  # name in /v1/models; default: the folder's name
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # compute dtype: auto (config's; fp32 on CPU for bf16 speed), float16, bfloat16, float32
@@ -47,9 +54,6 @@ class EngineConfig:
     allow_failed_gate: bool = False  # load an artifact whose slimserve.json says its ppl gate failed
 
     def __post_init__(self) -> None:
-        if not Path(self.model).is_dir():
-            raise ValueError(f"model: {self.model!r} is not a folder; pass an artifact made by "
-                             "`compress run` or a Hugging Face checkpoint folder")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -65,5 +69,11 @@ class EngineConfig:
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        gguf = gguf_file(self.model)  # a .gguf file, a folder holding one, pkg:<module>
+        name = gguf.stem if gguf is not None else Path(self.model).resolve().name
+        self.model = resolve_model(self.model)  # last: converting a GGUF the first time takes a while
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model: {self.model!r} is not a folder; pass an artifact made by "
+                             "`compress run`, a Hugging Face checkpoint folder or a .gguf file")
         if self.served_model_name is None:
-            self.served_model_name = Path(self.model).resolve().name
+            self.served_model_name = name

@@ -1,11 +1,22 @@
 """LLMEngine: the synchronous step loop (schedule -> prepare batch -> forward -> sample -> update).
 
 Not thread-safe: the offline `LLM` calls it directly; `AsyncEngine` drives it from one thread.
+
+Outputs are cumulative (everything so far, what the offline `LLM` returns) or, with
+`output_deltas`, only what is new since the request's previous output (what the server streams):
+a delta holds back the tail of the text that could still begin a stop string, so text once handed
+out is never taken back, and a consumer that keeps deltas holds O(output) memory, not O(output^2).
+
+One request cannot take the others down: logits that are NaN or +inf in a row (or all -inf) fail
+that request alone with finish_reason "error", and so does an exception while its text is
+decoded or its stop strings are matched. An exception in the forward pass itself cannot be
+pinned on one request and propagates (AsyncEngine then fails every open request).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -19,7 +30,9 @@ from slimserve.runtime.model_runner import ModelRunner
 from slimserve.runtime.sampler import sample
 from slimserve.runtime.scheduler import Scheduler, SchedulerConfig
 from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence
-from slimserve.runtime.stops import find_stop
+from slimserve.runtime.stops import StopHoldBack, find_stop
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +54,10 @@ class _Request:
     detok: DetokenizerState  # incremental detokenization of the output
     text: str = ""  # detokenized output, stop string removed once found
     max_stop_len: int = field(default=0)
+    error: str | None = None  # why the request failed alone (finish_reason "error")
+    # delta outputs: tokens handed out so far; the text handed out, less a stop-string start
+    sent_tokens: int = 0
+    holdback: StopHoldBack | None = None  # built with the request's first delta
 
 
 class LLMEngine:
@@ -58,6 +75,10 @@ class LLMEngine:
             max_model_len=self.max_model_len), self.block_manager)
         self.requests: dict[str, _Request] = {}
         self._counter = itertools.count()
+        self.output_deltas = False  # step() returns what is new per request, not everything
+        # A token spans at most this many characters of text, so a prompt longer than
+        # max_model_len * it cannot fit and is refused before the tokenizer sees it.
+        self.max_prompt_chars = self.max_model_len * _max_token_chars(self.tokenizer)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -66,8 +87,17 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt", "this model folder has no tokenizer; send token ids")
+            if len(prompt) > self.max_prompt_chars:
+                raise RequestError("prompt", f"has {len(prompt)} characters, more than "
+                                             f"{self.max_model_len} tokens of this tokenizer can "
+                                             f"hold ({self.max_prompt_chars}); this model's maximum "
+                                             f"context length is {self.max_model_len}")
             ids = self.tokenizer(prompt).input_ids if prompt else []
         else:
+            if len(prompt) >= self.max_model_len:  # before looking at every id
+                raise RequestError("prompt", f"has {len(prompt)} tokens; this model's maximum "
+                                             f"context length is {self.max_model_len} "
+                                             f"(prompt + max_tokens)")
             ids = list(prompt)
             vocab = self.runner.spec.vocab_size
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
@@ -135,6 +165,14 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         sampled = [s for s in items if s.sample]
         reqs = [self.requests[s.seq.request_id] for s in sampled]
+        # A row without a finite maximum (NaN, +inf, or nothing but -inf) cannot be sampled:
+        # that request fails alone; its row is zeroed so the batch samples normally.
+        finite = torch.isfinite(logits.amax(-1)) if reqs else None
+        bad_rows = torch.nonzero(~finite).flatten().tolist() if reqs else []
+        if bad_rows:
+            logits = logits.masked_fill(~finite[:, None], 0.0)
+            for j in bad_rows:
+                reqs[j].error = "the model's logits are not finite (NaN or inf) for this request"
         result = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
         it = iter(range(len(sampled)))
         tokens = [result.token_ids[next(it)] if s.sample else None for s in items]
@@ -147,7 +185,14 @@ class LLMEngine:
                 seq.output_logprobs.append(result.logprobs[j])
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
-            self._check_stop(req)
+            if req.error is None:
+                try:
+                    self._check_stop(req)
+                except Exception as e:  # a tokenizer/decoder failure is this request's alone
+                    log.exception("request %s failed while decoding its output", seq.request_id)
+                    req.error = f"decoding the output failed: {type(e).__name__}"
+            if req.error is not None:
+                seq.finish_reason, seq.stop_reason = "error", None
             if seq.finish_reason is not None:
                 seq.finish_time = now
                 self.scheduler.finish(seq, seq.finish_reason)
@@ -182,12 +227,32 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        text = req.text
         metrics = {k: v for k, v in (("arrival", seq.arrival_time), ("first_token", seq.first_token_time),
                                      ("last_token", seq.last_token_time), ("finish", seq.finish_time))
                    if v is not None}
-        comp = CompletionOutput(0, text, list(seq.output_token_ids),
-                                list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                                seq.finish_reason, seq.stop_reason)
+        want_lps = seq.params.logprobs is not None
+        if self.output_deltas:
+            if req.holdback is None:
+                req.holdback = StopHoldBack(seq.params.stop)
+            text, start = req.holdback.take(req.text, seq.finish_reason is not None), req.sent_tokens
+            ids, lps = seq.output_token_ids[start:], seq.output_logprobs[start:] if want_lps else None
+            req.sent_tokens = len(seq.output_token_ids)
+        else:
+            text, ids = req.text, list(seq.output_token_ids)
+            lps = list(seq.output_logprobs) if want_lps else None
+        comp = CompletionOutput(0, text, ids, lps, seq.finish_reason, seq.stop_reason)
         return RequestOutput(seq.request_id, seq.prompt_token_ids, [comp],
-                             seq.finish_reason is not None, seq.num_cached_tokens, metrics)
+                             seq.finish_reason is not None, seq.num_cached_tokens, metrics,
+                             error=req.error)
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry;
+    byte-level entries are one character per byte), at least 1; 1 without a tokenizer."""
+    if tokenizer is None:
+        return 1
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a tokenizer without a vocabulary listing: bound by bytes per token
+        return 64
+    return max((len(t) for t in vocab), default=1)

@@ -123,13 +123,14 @@ class Sequence:
 
 @dataclass
 class CompletionOutput:
-    """What a request has produced so far (cumulative)."""
+    """What a request has produced: everything so far (the offline `LLM`), or only what is new
+    since its previous output (`LLMEngine.output_deltas`, as the server receives it)."""
 
     index: int  # choice index (always 0: n > 1 is not served)
-    text: str  # decoded text so far, stop string removed
-    token_ids: list[int]  # generated token ids so far
+    text: str  # decoded text, stop string removed (a delta holds back a possible stop start)
+    token_ids: list[int]  # generated token ids
     logprobs: list[tuple[float, dict[int, float]]] | None  # per token, if asked
-    finish_reason: str | None  # None while running; "stop" | "length" | "abort"
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
 
@@ -143,3 +144,38 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, ttft_s, e2e_s, ...
+    error: str | None = None  # set (with finish_reason "error") when this request failed alone
+
+
+class OutputAccumulator:
+    """Delta outputs of one request in, one output holding all of them out (the latest one's
+    status, metrics and error). Appends in place: O(total output), however many deltas."""
+
+    def __init__(self) -> None:
+        self.last: RequestOutput | None = None  # the latest delta added since the last take()
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._lps: list[tuple[float, dict[int, float]]] | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        c = out.outputs[0]
+        self._text.append(c.text)
+        self._ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if self._lps is None:
+                self._lps = []
+            self._lps.extend(c.logprobs)
+        self.last = out
+
+    def take(self) -> RequestOutput | None:
+        """Everything added since the previous take, as one output (None if nothing was)."""
+        last = self.last
+        if last is None:
+            return None
+        c = last.outputs[0]
+        merged = RequestOutput(last.request_id, last.prompt_token_ids,
+                               [CompletionOutput(c.index, "".join(self._text), self._ids, self._lps,
+                                                 c.finish_reason, c.stop_reason)],
+                               last.finished, last.num_cached_tokens, last.metrics, last.error)
+        self.last, self._text, self._ids, self._lps = None, [], [], None
+        return merged

@@ -9,9 +9,10 @@ request with many long stop strings cannot stall the engine thread or the event 
 - `find_stop` (engine thread, once per token) searches only the newly decoded text plus the
   `max_stop_len - 1` characters before it: a stop string that ends in the new text starts there,
   and one that ended earlier was found by an earlier call.
-- `StopPrefixMatcher` (event loop, once per streamed chunk) tracks, per stop string, the longest
-  suffix of the text that is a proper prefix of that stop string (a KMP automaton fed only the
-  new characters), which is how much text a stream must hold back.
+- `StopPrefixMatcher` tracks, per stop string, the longest suffix of the text that is a proper
+  prefix of that stop string (a KMP automaton fed only the new characters), which is how much
+  text a stream must hold back; `StopHoldBack` (engine thread, once per delta output) hands a
+  growing text out in pieces with that tail held back, so text once sent is never taken back.
 """
 
 from __future__ import annotations
@@ -107,3 +108,27 @@ def partial_stop(text: str, stops: Sequence[str]) -> int:
     (one-shot; looks at the last `max stop length - 1` characters of `text` only)."""
     m = StopPrefixMatcher(stops)
     return m.feed(text[max(0, len(text) - m.max_len + 1):]) if m.stops else 0
+
+
+class StopHoldBack:
+    """Hands out a growing text piece by piece, holding back (until the request ends) a tail
+    that may be the start of a stop string: the engine cuts a stop string only once it is
+    complete, and a piece already sent cannot be taken back. O(new text x stops) per call."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._matcher = StopPrefixMatcher(stops) if stops else None
+        self._fed = 0  # characters of the text given to the matcher
+        self.sent = 0  # characters of the text handed out
+
+    def take(self, text: str, final: bool) -> str:
+        """The part of `text` (the whole text so far) not handed out yet and safe to hand out;
+        `final`: the request has ended, so nothing is held back."""
+        end = len(text)
+        if not final and self._matcher is not None:
+            if end > self._fed:
+                self._matcher.feed(text[self._fed:])
+                self._fed = end
+            end -= self._matcher.held
+        end = max(end, self.sent)
+        piece, self.sent = text[self.sent:end], end
+        return piece

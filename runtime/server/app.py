@@ -7,7 +7,15 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream over SSE
 
 A request that loses its client is aborted in the engine: while waiting for the first token and
 for non-streamed answers a watcher awaits the ASGI `http.disconnect` message; a stream is
-cancelled by Starlette when the client goes and its generator's `finally` aborts.
+cancelled by Starlette when the client goes and its generator's `finally` aborts. A stream whose
+client stops reading (a send blocked for `stream_timeout_s`) is ended and aborted the same way.
+
+Hostile clients are answered cheaply, in this order: the body must arrive within
+`body_timeout_s` and fit MAX_BODY_BYTES; a prompt longer in characters than the model's context
+can hold is refused before it is tokenized; tokenizing and chat rendering run in worker threads,
+never on the event loop; `max_queue` admission is checked and counted with no `await` in
+between, so a burst cannot slip past it. The engine sends deltas (only what is new), so memory
+held for a slow stream grows with its output, not with its output squared.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
 from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.sequence import RequestOutput, SamplingParams
+from slimserve.runtime.sequence import OutputAccumulator, RequestOutput, SamplingParams
 from slimserve.runtime.server.http import (
     ClientGone,
     ClosingStreamingResponse,
@@ -48,11 +57,15 @@ from slimserve.runtime.server.protocol import (
     render_chat,
     sampling_params,
 )
-from slimserve.runtime.server.responses import DONE, ChatFormat, CompletionFormat, DeltaTracker, _Format, sse
+from slimserve.runtime.server.responses import DONE, ChatFormat, CompletionFormat, _Format, delta, sse
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # Retry-After (whole s) of a 503 for a full queue: the least there is
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
+
+
+class RequestFailed(Exception):
+    """The engine failed this request alone (e.g. non-finite logits); the server goes on."""
 
 
 @dataclass
@@ -63,8 +76,9 @@ class _Run:
     gen: AsyncIterator[RequestOutput]  # the engine's generator, already past its first output
     first: RequestOutput
     tracker: RequestTracker
-    deltas: DeltaTracker
     finished: bool = False  # ended: the engine reported the end, or we aborted it
+    num_tokens: int = 0  # completion tokens streamed so far (for usage)
+    last: RequestOutput | None = None  # the latest delta (prompt ids, cached tokens, for usage)
 
 
 async def _next(run: _Run) -> RequestOutput:
@@ -79,10 +93,15 @@ async def _next(run: _Run) -> RequestOutput:
 class OpenAIServing:
     """Route handlers; one instance per app."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int | None) -> None:
+    def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int | None,
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue  # refuse new requests while this many wait in the engine
+        self.body_timeout_s = body_timeout_s
+        self.stream_timeout_s = stream_timeout_s  # None: wait for a stalled reader forever
+        self.pending = 0  # admitted requests without a first output yet (tokenizing or queued)
         self.created = int(time.time())  # the model's `created` in /v1/models
         self.active: set[str] = set()  # request ids admitted and not yet ended
         self.draining = False  # shutting down: refuse new requests
@@ -97,10 +116,9 @@ class OpenAIServing:
     # -- endpoints -------------------------------------------------------------------------------
 
     async def health(self) -> Response:
-        try:
-            self.engine.stats()
-        except EngineDeadError as e:
-            return JSONResponse(error_body(f"engine is not running: {e}", "server_error"), 503)
+        problem = self.engine.health_problem()
+        if problem is not None:
+            return JSONResponse(error_body(f"engine is not healthy: {problem}", "server_error"), 503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_text(self) -> Response:
@@ -118,16 +136,19 @@ class OpenAIServing:
         return self._card()
 
     async def completions(self, request: Request) -> Response:
-        req: CompletionRequest = parse_request(await read_body(request), CompletionRequest)
+        req: CompletionRequest = parse_request(await read_body(request, self.body_timeout_s),
+                                               CompletionRequest)
         self._check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo: echo with logprobs needs prompt logprobs, which this "
                                 "server does not compute; drop one of them", param="echo")
         params = sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
                                  logprobs=req.logprobs, max_model_len=self.engine.max_model_len)
+        self._check_prompt_size(req.prompt, "prompt")
         echo = ""
         if req.echo:
-            echo = req.prompt if isinstance(req.prompt, str) else self._decode(req.prompt)
+            echo = req.prompt if isinstance(req.prompt, str) else \
+                await asyncio.to_thread(self._decode, req.prompt)
         rid = f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormat(rid, self.engine.model_name, int(time.time()), self.engine.tokenizer,
                                logprobs=req.logprobs is not None, echo=echo,
@@ -135,10 +156,12 @@ class OpenAIServing:
         return await self._answer(request, req.prompt, params, fmt, n=req.n, stream=req.stream)
 
     async def chat(self, request: Request) -> Response:
-        req: ChatCompletionRequest = parse_request(await read_body(request), ChatCompletionRequest)
+        req: ChatCompletionRequest = parse_request(await read_body(request, self.body_timeout_s),
+                                                   ChatCompletionRequest)
         self._check_model(req.model)
         logprobs = chat_logprobs(req)
-        ids = render_chat(self.engine.tokenizer, req.messages)
+        self._check_prompt_size("".join(m.content for m in req.messages), "messages")
+        ids = await asyncio.to_thread(render_chat, self.engine.tokenizer, req.messages)
         max_tokens = req.max_completion_tokens
         if max_tokens is None:
             max_tokens = req.max_tokens
@@ -164,6 +187,17 @@ class OpenAIServing:
                                 f"`{self.engine.model_name}`", param="model",
                            code="model_not_found")
 
+    def _check_prompt_size(self, prompt: str | list[int], field: str) -> None:
+        """Refuse, before any tokenizing or decoding, a prompt that cannot fit the context."""
+        limit = self.engine.max_model_len
+        if isinstance(prompt, list) and len(prompt) >= limit:
+            raise APIError(400, f"{field}: has {len(prompt)} tokens; this model's maximum context "
+                                f"length is {limit}", param=field)
+        if isinstance(prompt, str) and len(prompt) > self.engine.max_prompt_chars:
+            raise APIError(400, f"{field}: has {len(prompt)} characters, more than {limit} tokens "
+                                f"of this model's tokenizer can hold ({self.engine.max_prompt_chars}); "
+                                f"this model's maximum context length is {limit}", param=field)
+
     def _decode(self, ids: list[int]) -> str:
         """The text of a token-id prompt, for echo (before the engine has checked the ids)."""
         if self.engine.tokenizer is None:
@@ -176,39 +210,43 @@ class OpenAIServing:
                                 "vocabulary?", param="prompt") from None
 
     def _admit(self) -> None:
-        """Refuse with 503 + Retry-After while the engine's queue is full (bounded memory)."""
+        """Count the request as pending, or refuse it with 503 + Retry-After while the queue is
+        full. Check and count happen with no `await` between them: a burst cannot overshoot."""
         if self.draining:
             raise APIError(503, "server is shutting down", code="shutting_down")
-        if self.max_queue is None:
-            return
-        try:
-            waiting = self.engine.stats().num_waiting
-        except EngineDeadError as e:
-            raise APIError(503, f"engine is not running: {e}", code="engine_dead") from None
-        if waiting >= self.max_queue:
-            self.metrics.request_rejected.labels(reason="queue_full").inc()
-            raise APIError(503, f"server is busy: {waiting} requests are waiting (limit "
-                                f"{self.max_queue}); retry later", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        if self.max_queue is not None:
+            try:
+                waiting = max(self.pending, self.engine.stats().num_waiting)
+            except EngineDeadError as e:
+                raise APIError(503, f"engine is not running: {e}", code="engine_dead") from None
+            if waiting >= self.max_queue:
+                self.metrics.request_rejected.labels(reason="queue_full").inc()
+                raise APIError(503, f"server is busy: {waiting} requests are waiting (limit "
+                                    f"{self.max_queue}); retry later", code="queue_full",
+                               headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.pending += 1
 
     async def _start(self, request: Request, prompt: str | list[int], params: SamplingParams,
                      request_id: str) -> _Run:
         """Submit to the engine and wait for the first output (where it validates the prompt)."""
         self._admit()
-        gen = self.engine.generate(prompt, params, request_id)
-        tracker = self.metrics.track()
-        self.active.add(request_id)
         try:
-            first = await unless_disconnected(request, gen.__anext__())
-        except ClientGone:
-            self.active.discard(request_id)
-            self.engine.abort(request_id)
-            tracker.finish("abort")
-            raise
-        except BaseException:
-            self.active.discard(request_id)
-            raise
-        return _Run(request_id, gen, first, tracker, DeltaTracker(params.stop))
+            gen = self.engine.generate(prompt, params, request_id)
+            tracker = self.metrics.track()
+            self.active.add(request_id)
+            try:
+                first = await unless_disconnected(request, gen.__anext__())
+            except ClientGone:
+                self.active.discard(request_id)
+                self.engine.abort(request_id)
+                tracker.finish("abort")
+                raise
+            except BaseException:
+                self.active.discard(request_id)
+                raise
+        finally:
+            self.pending -= 1
+        return _Run(request_id, gen, first, tracker)
 
     async def _first(self, request: Request, prompt: str | list[int], params: SamplingParams,
                      request_id: str, field_names: dict[str, str]) -> _Run:
@@ -232,7 +270,8 @@ class OpenAIServing:
             if stream:
                 return ClosingStreamingResponse(self._stream(runs, fmt),
                                                 media_type="text/event-stream",
-                                                headers={"Cache-Control": "no-cache"})
+                                                headers={"Cache-Control": "no-cache"},
+                                                send_timeout=self.stream_timeout_s)
             finals = await unless_disconnected(request, self._collect_all(runs))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
@@ -266,13 +305,19 @@ class OpenAIServing:
                 pass
 
     async def _collect(self, run: _Run) -> RequestOutput:
+        """The whole output of a non-streamed request, merged from its deltas."""
+        acc = OutputAccumulator()
         try:
             out = run.first
             while True:
                 run.tracker.update(out)
+                acc.add(out)
                 if out.finished:
                     run.finished = True
-                    return out
+                    if out.error is not None:
+                        raise APIError(500, f"the request failed: {out.error}",
+                                       code="request_failed")
+                    return acc.take()  # type: ignore[return-value]
                 out = await run.gen.__anext__()
         except StopAsyncIteration:
             raise APIError(500, "the engine ended the request without a final output") from None
@@ -298,8 +343,10 @@ class OpenAIServing:
                     task.exception()
 
     async def _outputs(self, runs: list[_Run]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, cumulative output) as the engine produces them, until all finish."""
-        queue: asyncio.Queue = asyncio.Queue()
+        """(choice index, delta output) as the engine produces them, until all finish. The
+        queue holds one item per choice at most: while the stream's client is slow, the deltas
+        wait merged in the engine's mailbox of each choice (runtime/async_engine.py)."""
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(runs))
 
         async def pump(i: int, run: _Run) -> None:
             try:
@@ -331,20 +378,25 @@ class OpenAIServing:
         try:
             for chunk in fmt.opening(len(runs)):
                 yield sse(chunk)
-            last = [run.first for run in runs]
             async with aclosing(self._outputs(runs)) as outputs:
                 async for i, out in outputs:
-                    run, last[i] = runs[i], out
+                    run = runs[i]
                     run.tracker.update(out)
-                    d = run.deltas.step(out)
+                    run.num_tokens += len(out.outputs[0].token_ids)
+                    run.last, run.finished = out, out.finished
+                    if out.error is not None:
+                        raise RequestFailed(out.error)
+                    d = delta(out)
                     if d.text or d.token_ids or d.finish_reason:
                         yield sse(fmt.chunk(d, i))
-                    run.finished = out.finished
             if fmt.include_usage:
-                yield sse(fmt.usage_chunk(last))
+                yield sse(fmt.usage_chunk([run.last or run.first for run in runs],
+                                          [run.num_tokens for run in runs]))
         except Exception as e:  # headers are sent: report in-band, as vLLM does
             if isinstance(e, EngineDeadError):
                 err = error_body(f"engine stopped while serving the request: {e}", "server_error")
+            elif isinstance(e, RequestFailed):
+                err = error_body(f"the request failed: {e}", "server_error", code="request_failed")
             else:
                 log.exception("stream of %s failed", fmt.id)
                 err = error_body("internal server error", "server_error")
@@ -357,11 +409,15 @@ class OpenAIServing:
         yield DONE
 
 
-def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None) -> FastAPI:
+def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None,
+              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+              stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine`; the lifespan starts it and shuts it down.
 
     api_key: require `Authorization: Bearer <api_key>` on /v1/* (/health, /metrics stay open).
-    max_queue: answer 503 with Retry-After while engine.stats().num_waiting >= max_queue.
+    max_queue: answer 503 with Retry-After while this many admitted requests wait.
+    body_timeout_s: answer 408 when a request body has not arrived within this.
+    stream_timeout_s: end and abort a stream whose client has read nothing for this long.
     """
 
     @asynccontextmanager
@@ -373,7 +429,8 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
             await engine.shutdown()  # pending requests finish with finish_reason "abort"
 
     app = FastAPI(title="slimserve", lifespan=lifespan)
-    serving = OpenAIServing(engine, ServerMetrics(engine), max_queue)
+    serving = OpenAIServing(engine, ServerMetrics(engine), max_queue, body_timeout_s,
+                            stream_timeout_s)
     app.state.serving = serving
     install_error_handlers(app)
     app.add_api_route("/health", serving.health, methods=["GET"])

@@ -1,5 +1,6 @@
 """HTTP glue of the server: bearer-token auth, OpenAI-style error handlers, a streaming response
-that always closes its body generator, body size limit, client-disconnect watching."""
+that always closes its body generator and drops a client that stops reading, body size and time
+limits, client-disconnect watching."""
 
 from __future__ import annotations
 
@@ -19,14 +20,42 @@ from slimserve.runtime.server.protocol import MAX_BODY_BYTES, APIError, error_bo
 log = logging.getLogger("slimserve.runtime.server.app")
 
 
+class StalledClient(Exception):
+    """The client read nothing for the stream timeout: the socket's buffers stayed full."""
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """Closes its body generator however the response ends. Starlette cancels the send loop on
     a disconnect while the generator may sit at a `yield`; closing runs its `finally` (the
-    abort) now instead of whenever the garbage collector finalizes it."""
+    abort) now instead of whenever the garbage collector finalizes it.
+
+    send_timeout: a send blocks once the client's TCP window and the server's buffers are full,
+    i.e. when the client reads nothing; if one blocks this long, the response ends (the server
+    then closes the connection) and the body generator's `finally` aborts the request.
+    """
+
+    def __init__(self, *args: Any, send_timeout: float | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.send_timeout = send_timeout
+
+    async def stream_response(self, send: Any) -> None:
+        timeout = self.send_timeout
+        if timeout is None:
+            return await super().stream_response(send)
+
+        async def timed_send(message: Any) -> None:
+            with anyio.move_on_after(timeout) as scope:
+                await send(message)
+            if scope.cancelled_caught:
+                raise StalledClient(f"the client read nothing for {timeout:g} s")
+
+        await super().stream_response(timed_send)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except StalledClient as e:
+            log.warning("stream dropped: %s", e)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -93,11 +122,17 @@ async def unless_disconnected(request: Request, aw: Awaitable[Any]) -> Any:
     return task.result()
 
 
-async def read_body(request: Request) -> bytes:
+async def read_body(request: Request, timeout: float) -> bytes:
+    """The request body, refused with 413 past MAX_BODY_BYTES and 408 when it has not all
+    arrived within `timeout` s (a client trickling bytes holds a connection, nothing more)."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise APIError(413, f"request body exceeds {MAX_BODY_BYTES // 2**20} MiB")
-        chunks.append(chunk)
+    with anyio.move_on_after(timeout) as scope:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise APIError(413, f"request body exceeds {MAX_BODY_BYTES // 2**20} MiB")
+            chunks.append(chunk)
+    if scope.cancelled_caught:
+        raise APIError(408, f"request body not received within {timeout:g} s; send it at once",
+                       code="body_timeout")
     return b"".join(chunks)

@@ -103,11 +103,12 @@ class RequestTracker:
         self.done = False  # end recorded
 
     def update(self, out: RequestOutput) -> None:
+        """Account one delta output of the request."""
         t = out.metrics
         if not self.started:
             self.started = True
             self.m.prompt_tokens.inc(len(out.prompt_token_ids))
-        new = len(out.outputs[0].token_ids) - self.num_tokens
+        new = len(out.outputs[0].token_ids)  # outputs are deltas: every token in one is new
         if new > 0:
             self.m.generation_tokens.inc(new)
             now = t.get("last_token", time.monotonic())
@@ -119,7 +120,7 @@ class RequestTracker:
             for _ in range(new):
                 self.m.itl.observe((now - self.last_token) / new)
             self.last_token = now
-            self.num_tokens = len(out.outputs[0].token_ids)
+            self.num_tokens += len(out.outputs[0].token_ids)
         if out.finished:
             self.finish(out.outputs[0].finish_reason or "abort", out)
 

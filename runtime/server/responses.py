@@ -1,11 +1,9 @@
 """The OpenAI response side: completion and chat bodies, SSE chunks, usage, logprobs.
 
-The engine yields cumulative outputs; `DeltaTracker` turns them into the increments a stream
-sends. While a request runs, a tail of the text that could be the start of a stop string is held
-back (as vLLM does): the engine cuts a stop string only once it is complete, and text already
-streamed cannot be taken back. The held-back length comes from a `StopPrefixMatcher` fed only
-the text that is new since the previous chunk, so a long stop list costs each chunk time in
-proportion to the new text, not to the whole output (runtime/stops.py).
+The engine hands the server deltas (only what is new per step), already safe to send: while a
+request runs, the engine holds back a tail of the text that could be the start of a stop string
+(runtime/stops.py, `StopHoldBack`). A stream turns each delta into one chunk; a non-streamed
+answer is built from the deltas merged (runtime/sequence.py, `OutputAccumulator`).
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from slimserve.runtime.sequence import RequestOutput
-from slimserve.runtime.stops import StopPrefixMatcher
 
 DONE = "data: [DONE]\n\n"  # the OpenAI stream terminator
 
@@ -25,10 +22,13 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(outs: list[RequestOutput]) -> dict[str, Any]:
-    """One request's usage: the prompt once, the completion tokens of every choice (as OpenAI)."""
+def usage(outs: list[RequestOutput], completion_tokens: list[int] | None = None) -> dict[str, Any]:
+    """One request's usage: the prompt once, the completion tokens of every choice (as OpenAI).
+    `outs` are whole outputs, or the last delta of each choice with `completion_tokens` counted."""
     prompt = len(outs[0].prompt_token_ids)
-    completion = sum(len(out.outputs[0].token_ids) for out in outs)
+    if completion_tokens is None:
+        completion_tokens = [len(out.outputs[0].token_ids) for out in outs]
+    completion = sum(completion_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
@@ -45,41 +45,10 @@ class Delta:
     stop_reason: int | str | None
 
 
-class DeltaTracker:
-    """Cumulative RequestOutputs in, increments out (one tracker per request)."""
-
-    def __init__(self, stop: list[str]) -> None:
-        self.stop = stop
-        self.sent_chars = 0  # characters of the cumulative text already handed out
-        self.sent_tokens = 0  # token ids already handed out
-        self._matcher: StopPrefixMatcher | None = None  # built on the first running output
-        self._fed = 0  # characters of the cumulative text given to the matcher
-
-    def _held_back(self, text: str) -> int:
-        """Trailing characters of the (growing) cumulative `text` that may begin a stop string."""
-        if not self.stop:
-            return 0
-        if self._matcher is None:
-            self._matcher = StopPrefixMatcher(self.stop)
-        if len(text) < self._fed:  # the text shrank (never, for the engine): start over
-            self._matcher.reset()
-            self._fed = 0
-        if len(text) > self._fed:
-            self._matcher.feed(text[self._fed:])
-            self._fed = len(text)
-        return self._matcher.held
-
-    def step(self, out: RequestOutput) -> Delta:
-        c = out.outputs[0]
-        end = len(c.text)
-        if c.finish_reason is None:
-            end -= self._held_back(c.text)
-        end = max(end, self.sent_chars)
-        text, self.sent_chars = c.text[self.sent_chars:end], end
-        ids = c.token_ids[self.sent_tokens:]
-        lps = c.logprobs[self.sent_tokens:] if c.logprobs is not None else None
-        self.sent_tokens = len(c.token_ids)
-        return Delta(text, ids, lps, c.finish_reason, c.stop_reason)
+def delta(out: RequestOutput) -> Delta:
+    """The Delta carried by one engine output (the engine sends deltas; see runtime/engine.py)."""
+    c = out.outputs[0]
+    return Delta(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
 
 
 class _Format:
@@ -112,8 +81,8 @@ class _Format:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        return {**self._envelope(self.chunk_object, []), "usage": usage(outs)}
+    def usage_chunk(self, outs: list[RequestOutput], completion_tokens: list[int]) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object, []), "usage": usage(outs, completion_tokens)}
 
 
 class CompletionFormat(_Format):
@@ -159,7 +128,7 @@ class CompletionFormat(_Format):
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outs):
-            d = DeltaTracker([]).step(out)
+            d = delta(out)
             choices.append(self._choice(self.echo + d.text, d, i))
         return {**self._envelope(self.object, choices), "usage": usage(outs)}
 
@@ -198,7 +167,7 @@ class ChatFormat(_Format):
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outs):
-            d = DeltaTracker([]).step(out)
+            d = delta(out)
             choices.append({"index": i, "message": {"role": "assistant", "content": d.text},
                             "logprobs": self._lp(d), "finish_reason": d.finish_reason,
                             "stop_reason": d.stop_reason})

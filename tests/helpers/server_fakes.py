@@ -2,7 +2,8 @@
 "The engine interface the server uses").
 
 The fake generates one character per step ("a", "b", "c", ... shifted by the seed) after a
-small delay, so every answer is known in advance and the tests need no model.
+small delay, so every answer is known in advance and the tests need no model. Like the real
+engine it yields deltas, holding back text that may begin a stop string (runtime/stops.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams
+from slimserve.runtime.stops import StopHoldBack
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
@@ -57,6 +59,9 @@ class FakeEngine:
         self.model_name = "fake-model"
         self.tokenizer = FakeTokenizer(chat_template)
         self.max_model_len = max_model_len
+        self.max_prompt_chars = max_model_len  # FakeTokenizer: one token per character
+        self.unhealthy: str | None = None  # health_problem() answer besides a dead engine
+        self.fail_request_after: int | None = None  # the request fails alone after this many tokens
         self.delay = delay  # s per generated token
         self.started = self.shut_down = False
         self.dead = False  # generate/stats raise EngineDeadError
@@ -79,15 +84,18 @@ class FakeEngine:
             raise EngineDeadError("fake engine died")
         return FakeStats(num_running=len(self._aborts), num_waiting=self.waiting)
 
+    def health_problem(self):
+        return "fake engine died" if self.dead else self.unhealthy
+
     def abort(self, request_id):
         self.abort_calls.append(request_id)
         if request_id in self._aborts:
             self._aborts[request_id].set()
 
-    def _output(self, rid, prompt, ids, text, lps, reason, stop, t) -> RequestOutput:
+    def _output(self, rid, prompt, ids, text, lps, reason, stop, t, error=None) -> RequestOutput:
         return RequestOutput(rid, prompt, [CompletionOutput(0, text, list(ids), lps and list(lps),
                                                             reason, stop)], reason is not None,
-                             metrics=t)
+                             metrics=t, error=error)
 
     async def generate(self, prompt, params, request_id):
         if self.dead:
@@ -105,13 +113,21 @@ class FakeEngine:
         aborted = self._aborts[request_id] = asyncio.Event()
         t = {"arrival": time.monotonic()}
         out_ids, lps, finished = [], [] if params.logprobs is not None else None, False
+        hold, sent = StopHoldBack(params.stop), 0  # sent: token ids handed out so far
+
+        def delta(text, reason, stop=None, error=None):
+            nonlocal sent
+            d = self._output(request_id, ids, out_ids[sent:], hold.take(text, reason is not None),
+                             lps[sent:] if lps is not None else None, reason, stop, t, error)
+            sent = len(out_ids)
+            return d
+
         try:
             for i in range(params.max_tokens):
                 try:
                     await asyncio.wait_for(aborted.wait(), self.delay)
                     finished = True
-                    yield self._output(request_id, ids, out_ids, self.tokenizer.decode(out_ids),
-                                       lps, "abort", None, t)
+                    yield delta(self.tokenizer.decode(out_ids), "abort")
                     return
                 except asyncio.TimeoutError:
                     pass
@@ -122,6 +138,10 @@ class FakeEngine:
                 if lps is not None:
                     top = {tok: -0.5, tok + 1: -1.5, tok + 2: -2.5}
                     lps.append((-0.5, dict(list(top.items())[:params.logprobs])))
+                if self.fail_request_after is not None and i >= self.fail_request_after:
+                    finished = True
+                    yield delta(self.tokenizer.decode(out_ids), "error", error="logits are NaN")
+                    return
                 t.setdefault("first_token", time.monotonic())
                 t["last_token"] = time.monotonic()
                 text, reason, stop = self.tokenizer.decode(out_ids), None, None
@@ -136,7 +156,7 @@ class FakeEngine:
                 if reason:
                     t["finish"] = time.monotonic()
                     finished = True
-                yield self._output(request_id, ids, out_ids, text, lps, reason, stop, t)
+                yield delta(text, reason, stop)
                 if finished:
                     return
         finally:

@@ -100,8 +100,8 @@ def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
 
     seen = {}
 
-    def from_config(config):
-        seen["config"] = config
+    def from_config(config, **kw):
+        seen["config"], seen["engine_kw"] = config, kw
         if config.served_model_name == "broken":
             raise ArtifactError(f"{config.model}/config.json: quant_method 'x' is not supported")
         return FakeEngine()
@@ -115,7 +115,8 @@ def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
                       "--block-size", "32", "--kv-cache-dtype", "fp8_e4m3",
                       "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching", "--device", "cpu",
                       "--dtype", "float32", "--served-model-name", "m", "--api-key", "k",
-                      "--max-queue", "4"])
+                      "--max-queue", "4", "--max-connections", "7", "--body-timeout", "5",
+                      "--stream-timeout", "9", "--step-watchdog", "11"])
     assert r.exit_code == 0, r.output
     assert "1024 tokens" in r.output  # the engine's capacity, from stats()
     cfg = seen["config"]
@@ -127,6 +128,8 @@ def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
     assert (server.config.host, server.config.port) == ("127.0.0.1", 9001)
     serving = server.config.app.state.serving
     assert serving.max_queue == 4
+    assert (server.config.limit_concurrency, serving.body_timeout_s, serving.stream_timeout_s,
+            seen["engine_kw"]) == (7, 5.0, 9.0, {"step_watchdog_s": 11.0})
     with TestClient(server.config.app) as c:
         assert c.get("/v1/models").status_code == 401
 
@@ -141,3 +144,32 @@ def test_disconnect_aborts_every_choice(live):
     rids = [f"{first['id']}-{i}" for i in range(3)]
     _wait_for(lambda: all(rid in engine.closed_early or rid in engine.abort_calls for rid in rids))
 
+
+
+def test_a_stalled_reader_is_dropped_while_others_are_served():
+    """A raw client that never reads its stream (tiny receive buffer) is dropped after the stream
+    timeout and its request aborted; meanwhile the official client streams and gets refusals of
+    oversized stop lists as a 400 naming the limit."""
+    import socket
+
+    engine = FakeEngine(delay=0, max_model_len=10**6)
+    with serve_in_thread(build_app(engine, stream_timeout_s=0.5)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        stalled = socket.socket()
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.connect(("127.0.0.1", port))
+        body = json.dumps({"prompt": "hi", "max_tokens": 200_000, "stream": True,
+                           "logprobs": 5}).encode()
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-type: "
+                        b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        text = "".join(c.choices[0].text for c in client.completions.create(
+            model="fake-model", prompt="hi", max_tokens=5, stream=True))
+        assert text == "abcde"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="fake-model", prompt="hi", max_tokens=5,
+                                      stop=["x" * 2000])
+        assert "at most 1024 characters" in str(e.value)
+        _wait_for(lambda: len(engine.abort_calls) == 1, timeout=40)
+        stalled.close()
+    assert engine.closed_early == engine.abort_calls

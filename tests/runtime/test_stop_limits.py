@@ -17,12 +17,10 @@ from slimserve.runtime import engine as engine_mod
 from slimserve.runtime.block_manager import ROOT_HASH, BlockManager, block_hash, hash_blocks
 from slimserve.runtime.detokenizer import DetokenizerState
 from slimserve.runtime.engine import LLMEngine, _Request
-from slimserve.runtime.sequence import (CompletionOutput, RequestOutput, SamplingError,
-                                        SamplingParams, Sequence)
+from slimserve.runtime.sequence import SamplingError, SamplingParams, Sequence
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from slimserve.runtime.server.responses import DeltaTracker
-from slimserve.runtime.stops import StopPrefixMatcher, find_stop, partial_stop
+from slimserve.runtime.stops import StopHoldBack, StopPrefixMatcher, find_stop, partial_stop
 
 from tests.helpers.server_fakes import FakeEngine, events
 
@@ -97,10 +95,6 @@ def test_stop_token_ids_are_a_set(client):
 
 # -- the stream's held-back text ----------------------------------------------------------------
 
-def _out(text: str, finish: str | None = None) -> RequestOutput:
-    return RequestOutput("r", [1], [CompletionOutput(0, text, [], None, finish)], finish is not None)
-
-
 def test_held_back_text_matches_the_definition_across_random_chunkings():
     rng = random.Random(0)
     for _ in range(300):
@@ -125,25 +119,24 @@ def test_stop_string_straddling_chunks_is_held_back_then_cut(client):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"][0]["stop_reason"] == "defgh"
     # A false start ('de' then something else) is released once it cannot be a stop any more.
-    tracker = DeltaTracker(["dex"])
-    assert [tracker.step(_out(t)).text for t in ["ab", "abd", "abde", "abdef"]] == ["ab", "", "", "def"]
+    hold = StopHoldBack(["dex"])
+    assert [hold.take(t, False) for t in ["ab", "abd", "abde", "abdef"]] == ["ab", "", "", "def"]
 
 
 def test_held_back_text_reads_only_the_new_text_per_chunk():
     """100-char chunks, 64 stop strings of 1024 characters: each chunk reads ~its new text."""
     stops = [("ab" * 600)[:MAX_STOP_STRING_CHARS - 1] + str(i % 10) for i in range(MAX_STOP_STRINGS)]
-    tracker = DeltaTracker(stops)
+    hold = StopHoldBack(stops)
     text, chunk = "", "ab" * 50
     for _ in range(60):
         text += chunk
         CountingStr.touched = 0
-        d = tracker.step(_out(CountingStr(text)))
+        hold.take(CountingStr(text), False)
         # the new text once for the matcher, once (at most) for the emitted delta
         assert CountingStr.touched <= 2 * len(chunk) + 2 * MAX_STOP_STRING_CHARS, CountingStr.touched
-        assert len(text) - tracker.sent_chars == _brute_partial(text[-MAX_STOP_STRING_CHARS:], stops[:1])
-        assert d.finish_reason is None
+        assert len(text) - hold.sent == _brute_partial(text[-MAX_STOP_STRING_CHARS:], stops[:1])
     # Automaton work: amortized O(new characters x stops), not O(stop length^2) per chunk.
-    assert tracker._matcher.steps <= 2 * len(text) * MAX_STOP_STRINGS
+    assert hold._matcher.steps <= 2 * len(text) * MAX_STOP_STRINGS
 
 
 # -- the engine's stop search ----------------------------------------------------------------------
