@@ -23,6 +23,35 @@ class BatchInputs:
     decode_only: bool  # every sequence has exactly one new token
 
 
+class BlockTableCache:
+    """Each sequence's block table as a tensor, kept from step to step and rebuilt only when the
+    list grows, so a step's [B, max_blocks] table is one `pad_sequence` over cached tensors
+    instead of B list-to-tensor copies of whole tables.
+
+    Keyed by the block-table list object itself: the block manager only ever appends to a
+    sequence's list, and gives it a new list when the sequence is freed or re-admitted, so a
+    cached tensor is valid while it is the same list with the same length. Entries of sequences
+    absent from a step are dropped (one rebuild if they come back).
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[int, tuple[list[int], torch.Tensor]] = {}  # id(list) -> (list, tensor)
+
+    def table(self, block_tables: list[list[int]]) -> torch.Tensor:
+        """int32 [B, max blocks] (0-padded) of this step's sequences, on the CPU."""
+        rows, tensors = {}, []
+        for t in block_tables:
+            hit = self._rows.get(id(t))
+            if hit is None or hit[0] is not t or hit[1].shape[0] != len(t):
+                hit = (t, torch.tensor(t, dtype=torch.int32))
+            rows[id(t)] = hit
+            tensors.append(hit[1])
+        self._rows = rows
+        if not any(len(t) for t in block_tables):
+            return torch.zeros(len(block_tables), 1, dtype=torch.int32)
+        return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True)
+
+
 def prepare_batch(
     token_chunks: list[list[int]],
     starts: list[int],
@@ -30,12 +59,14 @@ def prepare_batch(
     sample: list[bool],
     block_size: int,
     device: torch.device,
+    table_cache: BlockTableCache | None = None,
 ) -> BatchInputs:
     """Build BatchInputs on `device` from per-sequence new tokens.
 
     token_chunks[b]: the tokens to compute for sequence b; starts[b]: the position of the first
     one (= tokens already cached); block_tables[b]: its blocks, covering start + len(chunk)
-    tokens; sample[b]: whether its last token's logits are needed.
+    tokens; sample[b]: whether its last token's logits are needed. `table_cache` (the runner's)
+    makes the block-table tensor incremental across steps.
     """
     ids, pos, slots, cu, ctx, logits_idx = [], [], [], [0], [], []
     for chunk, start, table, want in zip(token_chunks, starts, block_tables, sample):
@@ -48,10 +79,7 @@ def prepare_batch(
         ctx.append(start + n)
         if want:
             logits_idx.append(cu[-1] - 1)
-    width = max(1, max(len(t) for t in block_tables))
-    tables = torch.zeros(len(block_tables), width, dtype=torch.int32)
-    for b, t in enumerate(block_tables):
-        tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    tables = (table_cache or BlockTableCache()).table(block_tables)
     q_lens = [len(c) for c in token_chunks]
 
     def dev(values, dtype):

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from slimserve.runtime.batch import BatchInputs, prepare_batch
+from slimserve.runtime.batch import BatchInputs, BlockTableCache, prepare_batch
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
@@ -43,6 +43,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                           for _ in range(self.spec.num_layers)]
         self.max_model_len = self._max_model_len()
+        self._tables = BlockTableCache()  # block tables as tensors, kept across steps
 
     def _freeze_torch_path_weights(self) -> None:
         """Quantized layers that no kernel serves here (every one on CPU) dequantize once now
@@ -102,7 +103,8 @@ class ModelRunner:
         return self.num_blocks * self.block_size
 
     def prepare(self, token_chunks, starts, block_tables, sample) -> BatchInputs:
-        return prepare_batch(token_chunks, starts, block_tables, sample, self.block_size, self.device)
+        return prepare_batch(token_chunks, starts, block_tables, sample, self.block_size,
+                             self.device, self._tables)
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:

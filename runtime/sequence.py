@@ -93,15 +93,25 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of the prompt, tokens served by the prefix cache (stats)
     num_preemptions: int = 0  # times its KV was dropped for recompute
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     first_token_time: float | None = None  # s, monotonic; for TTFT
     last_token_time: float | None = None  # s, monotonic; for inter-token latency
     finish_time: float | None = None  # s, monotonic
 
+    _all_ids: list[int] = field(default_factory=list, init=False, repr=False)  # see token_ids
+
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens: one list grown in place as outputs are appended (O(new
+        tokens) per access, not a copy of the whole context every step). Read-only for callers."""
+        ids, n_prompt = self._all_ids, len(self.prompt_token_ids)
+        n = n_prompt + len(self.output_token_ids)
+        if len(ids) != n:
+            if len(ids) < n_prompt or len(ids) > n:  # first access (or outputs were replaced)
+                ids[:] = self.prompt_token_ids
+            ids.extend(self.output_token_ids[len(ids) - n_prompt:])
+        return ids
 
     @property
     def num_tokens(self) -> int:
