@@ -1,10 +1,48 @@
 """Sampler: next tokens from the logits of one step, per-request parameters and RNG streams.
 
-Greedy rows take the argmax. Sampled rows apply temperature, then top-k, then top-p to the
-logits and draw with the request's own torch.Generator (seeded from `seed`, else from the
-engine seed and the request's arrival order), so a seeded request gives the same tokens whatever
-else is in the batch. Logprobs are those of the raw model distribution (before temperature and
-truncation), as vLLM reports them.
+Every row of a step is handled at once on the logits' device; the host only plans the step
+(which rows are greedy, which need a ranking, one random number per sampled row) and reads the
+results back:
+
+1. The host puts the rows in three groups: greedy rows (argmax), ranked rows (top_p < 1 or a
+   top-k) and plain rows (temperature only). Per-row temperature / top_k / top_p, one uniform
+   per sampled row and the row ids of each group travel to the device in ONE host-to-device
+   copy (a float64 buffer, pinned and non-blocking on CUDA).
+2. Ranking is canonical: tokens by tempered logit, descending, ties by lower token id. top-k
+   keeps the first k tokens of that ranking (exactly k: of the tokens tied with the k-th logit,
+   the lower ids); top-p then drops a token when the probability mass strictly before it
+   (renormalized over the top-k set) already reaches top_p, so at least one token stays.
+   Ranked rows rank only a window of K = the group's largest top-k tokens (`torch.topk` over
+   unique int64 rank keys: the float's order-preserving bits, then the reversed token id), so
+   with top-k set no row is sorted; a group holding a row with top-p but no top-k pays one
+   stable sort of its rows instead. Plain rows keep vocabulary order: no ranking at all.
+3. Draws: inverse-transform sampling. Each sampled row takes u ~ U[0, 1) from its own
+   torch.Generator (one float64 per row per step) and picks the first position whose float64
+   cumulative sum of its truncated probabilities exceeds u x total. Logprobs (raw model
+   distribution: log_softmax of the untempered, untruncated logits, as vLLM reports them) and
+   their top-n are computed on the device too.
+4. Token ids, chosen logprobs and the top-n values/ids are packed into one float64 tensor and
+   copied to the host ONCE (token ids < 2^53 and fp32 values are exact in float64).
+
+Why one uniform per row and not the exponential race (argmax(p / q), q ~ Exp(1)^V): the
+request's generator is a CPU torch.Generator (runtime/engine.py), and a seeded request must give
+the same tokens whatever else is batched, so every random number of a row must come from that
+row's own stream. The race needs V numbers per row: S x V CPU draws plus an S x V host-to-device
+copy per step (or one device generator and one launch per row). Inverse-transform sampling needs
+one number per row, drawn on the CPU in microseconds and shipped with the parameters; the
+sampling itself (softmax, cumsum, searchsorted) stays vectorized on the device. It samples the
+same distribution (FlashInfer's sampling kernels use it too): u has 53 random bits and the CDF
+is accumulated in float64, so the draw moves no token's probability by more than ~1e-11 even
+at V = 128k (a float32 CDF would be off by up to ~1e-7 per token, a bias on flat tails).
+
+Batch independence: a row's draw depends only on its own logits, parameters and generator.
+Rank keys are unique, so the first k positions of a window are the same whatever its size K
+(which the other rows set), and a full stable sort gives the same order as the keys. The
+tokens differ from the per-row `torch.multinomial` sampler this replaced (another algorithm
+draws from the same stream); the distribution does not, except at ties: top-k now keeps exactly
+k tokens where it kept every token tied with the k-th logit (exact k is what lets a K-token
+window stand in for the sort), and top-p's cut among tied tokens follows token ids where it
+followed an unstable sort.
 """
 
 from __future__ import annotations
@@ -22,40 +60,212 @@ class SampleResult:
     logprobs: list[tuple[float, dict[int, float]] | None]  # per row, when the request asked
 
 
-def _truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """[V] logits with everything outside top-k and the top-p nucleus set to -inf."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    return logits
+@dataclass
+class _Plan:
+    """The host's half of one step: the row groups and the buffer the device gets."""
+
+    n_rows: int
+    greedy: list[int]  # rows that take the argmax
+    ranked: list[int]  # rows with top-p < 1 or a top-k: ranked, then truncated
+    plain: list[int]  # rows sampled from softmax(logits / T) in vocabulary order
+    window: int  # tokens ranked per ranked row: their largest top-k (V if one has none)
+    want: list[int]  # rows that asked for logprobs
+    top_n: int  # the most top logprobs any of them asked for
+    host: torch.Tensor  # float64: temperature, u (ranked, plain), top_k, top_p (ranked), rows
+
+
+def _top_k(p: SamplingParams, vocab: int) -> int:
+    """The row's top-k, `vocab` when off (top_k <= 0 or >= vocab)."""
+    return p.top_k if 0 < p.top_k < vocab else vocab
+
+
+def _uniform(gen: torch.Generator | None) -> float:
+    """One u ~ U[0, 1) (53 random bits) from the row's stream; the default generator if None.
+    A generator on an accelerator works too, at the cost of one synchronization per row."""
+    device = gen.device if gen is not None else "cpu"
+    return torch.rand((), dtype=torch.float64, generator=gen, device=device).item()
+
+
+def _plan(params: list[SamplingParams], generators: list[torch.Generator | None] | None,
+          vocab: int) -> _Plan:
+    """generators None: no draws (u = 0), for `sampling_probs`."""
+    greedy, ranked, plain = [], [], []
+    for i, p in enumerate(params):
+        if p.greedy:
+            greedy.append(i)
+        elif p.top_p < 1.0 or _top_k(p, vocab) < vocab:
+            ranked.append(i)
+        else:
+            plain.append(i)
+    sampled = ranked + plain
+    temps = [params[i].temperature for i in sampled]
+    us = [_uniform(generators[i]) for i in sampled] if generators is not None else [0.0] * len(sampled)
+    ks = [_top_k(params[i], vocab) for i in ranked]
+    # top_p 1 is off: +inf, so fp32 rounding of the running mass cannot drop a tail token
+    ps = [params[i].top_p if params[i].top_p < 1.0 else float("inf") for i in ranked]
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    top_n = min(max((params[i].logprobs for i in want), default=0), vocab)
+    host = torch.tensor(temps + us + ks + ps + ranked + plain + want, dtype=torch.float64)
+    return _Plan(len(params), greedy, ranked, plain, max(ks, default=0), want, top_n, host)
+
+
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The plan's buffer on `device`: one copy, from pinned memory and non-blocking on CUDA."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+@dataclass
+class _Device:
+    """The plan's buffer on the device, sliced into its fields."""
+
+    temp: torch.Tensor  # fp32 [ranked + plain]
+    u: torch.Tensor  # float64 [ranked + plain]
+    top_k: torch.Tensor  # int64 [ranked]
+    top_p: torch.Tensor  # fp32 [ranked]
+    ranked: torch.Tensor  # int64 row ids
+    plain: torch.Tensor
+    want: torch.Tensor
+
+    @classmethod
+    def split(cls, buf: torch.Tensor, plan: _Plan) -> _Device:
+        r, n = len(plan.ranked), len(plan.ranked) + len(plan.plain)
+        temp, u, k, p, ranked, plain, want = buf.split([n, n, r, r, r, len(plan.plain), len(plan.want)])
+        return cls(temp.float(), u, k.long(), p.float(), ranked.long(), plain.long(), want.long())
+
+
+def _select(logits: torch.Tensor, rows: list[int], rows_dev: torch.Tensor) -> torch.Tensor:
+    """logits[rows] (no copy when rows are all the rows, in order)."""
+    if len(rows) == logits.shape[0]:  # every row, and each group lists its rows in order
+        return logits
+    return logits.index_select(0, rows_dev)
+
+
+def rank_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 [n, V] keys that order fp32 x [n, V] canonically: larger value first, equal values
+    by lower token id. They are unique per row, so `topk(k)` of them is the first k of the full
+    ranking for any k, which is also the order of a stable descending sort."""
+    magnitude = x.abs().view(torch.int32)  # IEEE bits of |x| grow with |x|
+    ordered = torch.where(x < 0, -magnitude, magnitude)  # -0.0 and +0.0 both map to 0
+    rev_id = torch.arange(x.shape[-1] - 1, -1, -1, device=x.device)
+    return torch.add(rev_id, ordered.long(), alpha=1 << 32)  # |ordered| < 2^31: no overflow
+
+
+def _ranked(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, token ids) [n, window]: the first `window` tokens of each row's ranking."""
+    if window >= x.shape[-1]:
+        return x.sort(dim=-1, descending=True, stable=True)
+    ids = rank_keys(x).topk(window, dim=-1).indices
+    return x.gather(1, ids), ids
+
+
+def _truncated_probs(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Unnormalized fp32 probabilities [n, K] over each row's ranked logits after top-k (int64
+    [n]: keep the first k positions) and top-p (fp32 [n], inf = off); dropped positions are
+    exactly 0."""
+    pos = torch.arange(ranked.shape[-1], device=ranked.device)
+    probs = ranked.masked_fill(pos >= top_k.unsqueeze(1), float("-inf")).softmax(-1)
+    # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+    before = probs.cumsum(-1) - probs
+    return probs.masked_fill_(before >= top_p.unsqueeze(1), 0.0)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: per row, the first position whose float64 cumulative probability exceeds
+    u x total (u float64 [n] in [0, 1)); a zero-probability position is never returned."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:]
+    # strictly below the total, so a later position with cdf == total cannot be reached
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    # guard against a one-ulp non-monotone step of a parallel scan landing on a dropped token:
+    # fall back to the row's most likely position -- probability ~1e-16
+    ok = probs.gather(1, idx) > 0
+    return torch.where(ok, idx, probs.argmax(-1, keepdim=True)).squeeze(1)
+
+
+def _tempered(logits: torch.Tensor, rows: list[int], rows_dev: torch.Tensor,
+              temp: torch.Tensor) -> torch.Tensor:
+    x = _select(logits, rows, rows_dev)
+    return x.div_(temp.unsqueeze(1)) if x is not logits else x / temp.unsqueeze(1)
+
+
+def _ranked_group(logits: torch.Tensor, plan: _Plan, dev: _Device):
+    """(token ids [r, K], truncated probabilities [r, K]) of the ranked rows."""
+    r = len(plan.ranked)
+    ranked, ids = _ranked(_tempered(logits, plan.ranked, dev.ranked, dev.temp[:r]), plan.window)
+    return ids, _truncated_probs(ranked, dev.top_k, dev.top_p)
+
+
+def _plain_group(logits: torch.Tensor, plan: _Plan, dev: _Device) -> torch.Tensor:
+    """fp32 probabilities [p, V] of the plain rows, in vocabulary order."""
+    r = len(plan.ranked)
+    return _tempered(logits, plan.plain, dev.plain, dev.temp[r:]).softmax(-1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> SampleResult:
-    """logits fp32 [S, V] (one row per sampled sequence) -> tokens and optional logprobs."""
-    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    tokens = torch.empty(logits.shape[0], dtype=torch.long)
-    if greedy_rows:
-        tokens[greedy_rows] = logits[greedy_rows].argmax(-1).cpu()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = _truncate(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1).float().cpu()
-        tokens[i] = torch.multinomial(probs, 1, generator=generators[i]).item()
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    logprobs: list[tuple[float, dict[int, float]] | None] = [None] * len(params)
-    if want:
-        lp = torch.log_softmax(logits[want].float(), -1).cpu()
-        for j, i in enumerate(want):
-            n = params[i].logprobs
-            top = torch.topk(lp[j], n) if n else None
-            tops = {int(t): float(v) for t, v in zip(top.indices, top.values)} if top is not None else {}
-            logprobs[i] = (float(lp[j, tokens[i]]), tops)
-    return SampleResult(tokens.tolist(), logprobs)
+    """logits fp32 [S, V] (one row per sampled sequence) -> tokens and optional logprobs.
+
+    Row i draws with generators[i] (one float64 per step; the default generator when None).
+    """
+    logits = logits.float()  # no copy for the fp32 logits the model returns
+    s, vocab = logits.shape
+    if s == 0:
+        return SampleResult([], [])
+    plan = _plan(params, generators, vocab)
+    dev = _Device.split(_upload(plan.host, logits.device), plan)
+    if plan.greedy:  # one pass over every row beats gathering the greedy ones first
+        tokens = logits.argmax(-1)
+    else:
+        tokens = torch.empty(s, dtype=torch.long, device=logits.device)
+    r = len(plan.ranked)
+    if plan.ranked:
+        ids, probs = _ranked_group(logits, plan, dev)
+        picked = ids.gather(1, _inverse_cdf(probs, dev.u[:r]).unsqueeze(1)).squeeze(1)
+        tokens.index_copy_(0, dev.ranked, picked)
+    if plan.plain:
+        tokens.index_copy_(0, dev.plain, _inverse_cdf(_plain_group(logits, plan, dev), dev.u[r:]))
+    parts = [tokens.double()]
+    if plan.want:
+        lp = torch.log_softmax(_select(logits, plan.want, dev.want), -1)
+        mine = tokens if len(plan.want) == s else tokens.index_select(0, dev.want)
+        parts.append(lp.gather(1, mine.unsqueeze(1)).squeeze(1).double())
+        if plan.top_n:
+            top = lp.topk(plan.top_n, dim=-1)
+            parts += [top.values.flatten().double(), top.indices.flatten().double()]
+    values = torch.cat(parts).cpu().tolist()  # the step's one device-to-host copy
+    return _unpack(values, params, plan)
+
+
+def _unpack(values: list[float], params: list[SamplingParams], plan: _Plan) -> SampleResult:
+    s, w, n = plan.n_rows, len(plan.want), plan.top_n
+    token_ids = [int(v) for v in values[:s]]
+    logprobs: list[tuple[float, dict[int, float]] | None] = [None] * s
+    top_vals, top_ids = s + w, s + w + w * n
+    for r, i in enumerate(plan.want):
+        tops = {int(values[top_ids + r * n + c]): values[top_vals + r * n + c]
+                for c in range(min(params[i].logprobs, n))}
+        logprobs[i] = (values[s + r], tops)
+    return SampleResult(token_ids, logprobs)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 [S, V]: the distribution each row of `sample` draws from, in vocabulary order
+    (greedy rows: one-hot on the argmax). For tests and benchmarks; `sample` never builds it."""
+    logits = logits.float()
+    plan = _plan(params, None, logits.shape[1])
+    dev = _Device.split(_upload(plan.host, logits.device), plan)
+    out = torch.zeros_like(logits)
+    if plan.greedy:
+        rows = torch.tensor(plan.greedy, device=logits.device)
+        out[rows] = out[rows].scatter(1, logits[rows].argmax(-1, keepdim=True), 1.0)
+    if plan.ranked:
+        ids, probs = _ranked_group(logits, plan, dev)
+        out[dev.ranked] = out[dev.ranked].scatter(1, ids, probs / probs.sum(-1, keepdim=True))
+    if plan.plain:
+        out[dev.plain] = _plain_group(logits, plan, dev)
+    return out

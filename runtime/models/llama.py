@@ -91,6 +91,30 @@ def model_spec(config) -> ModelSpec:
     )
 
 
+class Fp32Buffers(nn.Module):
+    """A module whose buffers named in `FP32_BUFFERS` stay float32 through every dtype cast of
+    the module (`.to(dtype)`, `.half()`, `.bfloat16()`, ...); device moves still apply.
+
+    They are RoPE inverse frequencies and fp8 KV-cache scales: bookkeeping that the forward
+    reads in fp32, not weights. Cast to bf16 (8 significant bits), an inverse frequency is off
+    by up to 2^-9 relative, so the rotation angle at position t is off by up to
+    t x 2^-9 x inv_freq: about a radian by position 1000 for the faster frequencies, and
+    Llama-3.1's 128k context makes it worse. transformers keeps its `inv_freq` in fp32 too.
+    """
+
+    FP32_BUFFERS: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        before = {n: self._buffers[n] for n in self.FP32_BUFFERS if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.dtype != torch.float32:  # fn cast it: redo its move from the fp32 original
+                self._buffers[name] = (torch.empty_like(new, dtype=torch.float32) if old.is_meta
+                                       else old.to(new.device))
+        return self
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -111,7 +135,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (xf * cos + rotated * sin).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(Fp32Buffers):
+    FP32_BUFFERS = ("k_scale", "v_scale")
+
     def __init__(self, spec: ModelSpec):
         super().__init__()
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -124,9 +150,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.scale = d ** -0.5
-        # fp8 KV-cache scales (per layer); 1.0 unless the artifact carries calibrated ones
-        self.register_buffer("k_scale", torch.ones(1), persistent=False)
-        self.register_buffer("v_scale", torch.ones(1), persistent=False)
+        # fp8 KV-cache scales (per layer, fp32 whatever the model dtype); 1.0 unless the artifact
+        # carries calibrated ones
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
     def forward(self, x, cos, sin, batch: BatchInputs, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         t = x.shape[0]
@@ -192,8 +219,14 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
-class CausalLM(nn.Module):
-    """Embedding -> decoder layers over the paged cache -> final norm -> lm_head (sampled rows)."""
+class CausalLM(Fp32Buffers):
+    """Embedding -> decoder layers over the paged cache -> final norm -> lm_head (sampled rows).
+
+    `inv_freq` (RoPE) and every layer's `k_scale`/`v_scale` stay fp32 in any model dtype
+    (`Fp32Buffers`); RoPE angles and cos/sin are computed in fp32.
+    """
+
+    FP32_BUFFERS = ("inv_freq",)
 
     def __init__(self, spec: ModelSpec):
         super().__init__()

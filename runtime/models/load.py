@@ -62,7 +62,8 @@ def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
 
 
 def reset_runtime_buffers(model: CausalLM) -> None:
-    """Non-persistent buffers (RoPE frequencies, KV scales = 1) after `to_empty`."""
+    """Non-persistent buffers (RoPE frequencies, KV scales = 1) after `to_empty`. Both stay
+    fp32 through `model.to(dtype)` (llama.Fp32Buffers), so the frequencies are copied exactly."""
     model.inv_freq.copy_(torch.tensor(model.spec.inv_freq, dtype=torch.float32))
     for layer in model.model.layers:
         layer.self_attn.k_scale.fill_(1.0)
