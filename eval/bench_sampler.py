@@ -70,7 +70,7 @@ def baseline_sample(logits: torch.Tensor, params: list[SamplingParams],
             top = torch.topk(lp[j], n) if n else None
             tops = {int(t): float(v) for t, v in zip(top.indices, top.values)} if top is not None else {}
             logprobs[i] = (float(lp[j, tokens[i]]), tops)
-    return SampleResult(tokens.tolist(), logprobs)
+    return SampleResult(tokens.tolist(), logprobs, [True] * len(params))  # (no finite check then)
 
 
 # -- the measurement ----------------------------------------------------------------------------

@@ -165,15 +165,12 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         sampled = [s for s in items if s.sample]
         reqs = [self.requests[s.seq.request_id] for s in sampled]
-        # A row without a finite maximum (NaN, +inf, or nothing but -inf) cannot be sampled:
-        # that request fails alone; its row is zeroed so the batch samples normally.
-        finite = torch.isfinite(logits.amax(-1)) if reqs else None
-        bad_rows = torch.nonzero(~finite).flatten().tolist() if reqs else []
-        if bad_rows:
-            logits = logits.masked_fill(~finite[:, None], 0.0)
-            for j in bad_rows:
-                reqs[j].error = "the model's logits are not finite (NaN or inf) for this request"
         result = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
+        # A row without a finite maximum (NaN, +inf, or nothing but -inf) has no meaningful
+        # token: that request fails alone (the sampler reports it in its one host copy).
+        for j, ok in enumerate(result.finite):
+            if not ok:
+                reqs[j].error = "the model's logits are not finite (NaN or inf) for this request"
         it = iter(range(len(sampled)))
         tokens = [result.token_ids[next(it)] if s.sample else None for s in items]
         self.scheduler.update(out, tokens)

@@ -21,8 +21,10 @@ results back:
    cumulative sum of its truncated probabilities exceeds u x total. Logprobs (raw model
    distribution: log_softmax of the untempered, untruncated logits, as vLLM reports them) and
    their top-n are computed on the device too.
-4. Token ids, chosen logprobs and the top-n values/ids are packed into one float64 tensor and
-   copied to the host ONCE (token ids < 2^53 and fp32 values are exact in float64).
+4. Token ids, chosen logprobs, the top-n values/ids and a per-row "logits are finite" flag are
+   packed into one float64 tensor and copied to the host ONCE (token ids < 2^53 and fp32 values
+   are exact in float64). A row that is not finite still yields some token (nothing here raises
+   on NaN); the engine fails that request instead of using it.
 
 Why one uniform per row and not the exponential race (argmax(p / q), q ~ Exp(1)^V): the
 request's generator is a CPU torch.Generator (runtime/engine.py), and a seeded request must give
@@ -58,6 +60,7 @@ from slimserve.runtime.sequence import SamplingParams
 class SampleResult:
     token_ids: list[int]  # one per row
     logprobs: list[tuple[float, dict[int, float]] | None]  # per row, when the request asked
+    finite: list[bool]  # per row: its logits had a finite maximum (no NaN / +inf, not all -inf)
 
 
 @dataclass
@@ -215,7 +218,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     logits = logits.float()  # no copy for the fp32 logits the model returns
     s, vocab = logits.shape
     if s == 0:
-        return SampleResult([], [])
+        return SampleResult([], [], [])
     plan = _plan(params, generators, vocab)
     dev = _Device.split(_upload(plan.host, logits.device), plan)
     if plan.greedy:  # one pass over every row beats gathering the greedy ones first
@@ -237,6 +240,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         if plan.top_n:
             top = lp.topk(plan.top_n, dim=-1)
             parts += [top.values.flatten().double(), top.indices.flatten().double()]
+    parts.append(torch.isfinite(logits.amax(-1)).double())
     values = torch.cat(parts).cpu().tolist()  # the step's one device-to-host copy
     return _unpack(values, params, plan)
 
@@ -250,7 +254,7 @@ def _unpack(values: list[float], params: list[SamplingParams], plan: _Plan) -> S
         tops = {int(values[top_ids + r * n + c]): values[top_vals + r * n + c]
                 for c in range(min(params[i].logprobs, n))}
         logprobs[i] = (values[s + r], tops)
-    return SampleResult(token_ids, logprobs)
+    return SampleResult(token_ids, logprobs, [v != 0.0 for v in values[-s:]])
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -67,7 +67,23 @@ def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
 
 
 def test_empty_batch():
-    assert sample(torch.empty(0, 32), [], []) == SampleResult([], [])
+    assert sample(torch.empty(0, 32), [], []) == SampleResult([], [], [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_without_finite_logits_are_flagged_and_leave_the_others_alone(device):
+    torch.manual_seed(3)
+    logits = torch.randn(6, 64) * 2
+    params = [MIXED[i % len(MIXED)] for i in range(6)]
+    clean = sample(logits.to(device), params, gens(range(6)))
+    bad = logits.clone()
+    bad[1] = float("nan")
+    bad[2, 5] = float("inf")
+    bad[4] = float("-inf")
+    out = sample(bad.to(device), params, gens(range(6)))  # never raises on them
+    assert out.finite == [True, False, False, True, False, True] and all(clean.finite)
+    for i in (0, 3, 5):  # the seeded draws of the other rows do not move
+        assert out.token_ids[i] == clean.token_ids[i]
 
 
 @pytest.mark.parametrize("device", DEVICES)
