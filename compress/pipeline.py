@@ -21,17 +21,19 @@ from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.datasets import calibration_batches, load_token_documents, parse_dataset
 from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
-from slimserve.compress.export.formats import check_exportable, export_artifact
+from slimserve.compress.export.formats import LIMITS, check_exportable, export_artifact
 from slimserve.compress.export.io import failed_output, replace_problem, size_bytes
 from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.model_size import count_parameters, weight_bytes
 from slimserve.compress.progress import counting_bar
+from slimserve.compress.quant.group_sizes import partial_group_modules, partial_groups, shape_model
 from slimserve.compress.recipe import Recipe
 from slimserve.compress.report import write_report
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.runtime.artifact.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.runtime.dtypes import DTYPES, checkpoint_dtype
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.gguf import gguf_file, resolve_model
+from slimserve.runtime.loader import load_config, load_model
 
 COMPUTE_DTYPE = torch.float32
 
@@ -54,15 +56,16 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     torch.manual_seed(0)
     device = resolve_device(recipe.device, "device")  # before any work: an absent GPU is a recipe error
     check_output(recipe)  # before any work: never export over what is not an earlier artifact
-    loaded = load_model(recipe.model, dtype=COMPUTE_DTYPE)
+    source = resolve_model(recipe.model, log)  # a GGUF checkpoint: its cached HF conversion
+    stages = build_stages(recipe, load_config(source), log)  # shapes only: before any weight is read
+    loaded = load_model(source, dtype=COMPUTE_DTYPE)
     if loaded.quantized:
         raise UnsupportedModelError(
             f"model {recipe.model} is already quantized; compress its unquantized base model instead"
         )
     model, tok = loaded.model, loaded.tokenizer
-    stages = _build_stages(recipe, model.config)
     model.eval()
-    storage = _storage_dtype(recipe, model)
+    storage = _storage_dtype(recipe, source)
     ev = recipe.eval
     eval_ids = load_token_documents(ev.dataset, tok, recipe.base_dir)
 
@@ -95,8 +98,10 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     eval_info = {"dataset": ev.dataset, "seq_len": ev.seq_len, "tokens": baseline.tokens,
                  "windows": baseline.windows, "baseline_ppl": baseline.ppl, "final_ppl": final_ppl, "gate": gate}
     manifest = ArtifactManifest(
-        base_model=recipe.model, base_model_sha256=hash_checkpoint(recipe.model), recipe=recipe.text,
+        base_model=recipe.model, base_model_sha256=hash_checkpoint(gguf_file(recipe.model) or source),
+        recipe=recipe.text,
         stages=[r.to_dict() for r in reports], eval=eval_info,
+        partial_groups=partial_group_modules(state.quantized),
     )
     model.to(storage)
     model.config.dtype = storage  # config.json must name the dtype the tensors are stored in
@@ -146,34 +151,49 @@ def check_output(recipe: Recipe) -> None:
             raise RecipeError(f"output: {problem}")
 
 
-def _build_stages(recipe: Recipe, config) -> list[Stage]:
-    """The recipe's stage objects, after refusing what cannot work before any work is done."""
+def build_stages(recipe: Recipe, config, log: Callable[[str], None] = print) -> list[Stage]:
+    """The recipe's stage objects for a model with `config`, after refusing what cannot work
+    before any work is done; logs a warning for the partial groups the recipe allows."""
     stages = [spec.build() for spec in recipe.stages]
     for stage in stages:  # a scheme the export format cannot store
         if stage.scheme is not None:
-            check_exportable(recipe.export.format, stage.scheme)
-    _preflight(recipe.stages, stages, config)
+            check_exportable(recipe.export.format, stage.scheme, recipe.export.allow_partial_groups)
+    _preflight(recipe, stages, config, log)
     return stages
 
 
-def _preflight(specs, stages: list[Stage], config) -> None:
+def _preflight(recipe: Recipe, stages: list[Stage], config, log: Callable[[str], None]) -> None:
     """Refuse impossible shape targets before any work: each reshaping stage checks the config the
-    stages before it leave (`preflight(config) -> config | None`), and a later group-quantization stage
-    must find every pruned Linear input width a multiple of its group size."""
-    pruned_by = None
-    for spec, stage in zip(specs, stages):
+    stages before it leave (`preflight(config) -> config | None`), and each quantizing stage's group
+    size must divide the input width of every Linear it groups in the model it will see
+    (compress/quant/group_sizes.py), unless the recipe allows partial groups."""
+    pruned_by, shapes = None, None  # the last reshaping stage; the meta model of `config`
+    for i, (spec, stage) in enumerate(zip(recipe.stages, stages)):
         after = stage.preflight(config)
         if after is not None:
-            config, pruned_by = after, spec.name
-        elif pruned_by and stage.scheme is not None:
-            w = stage.scheme.weights
-            widths = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-                      "num_attention_heads * head_dim": config.num_attention_heads * config.head_dim}
-            for key, width in widths.items():
-                if w.strategy == "group" and width % w.group_size:
-                    raise RecipeError(
-                        f"stages: {pruned_by} leaves {key} = {width}, not a multiple of {spec.name}.group_size "
-                        f"{w.group_size}; set {pruned_by}.multiple_of: {w.group_size} or another size")
+            config, pruned_by, shapes = after, spec.name, None
+            continue
+        if stage.scheme is None or stage.scheme.weights.strategy != "group":
+            continue
+        shapes = shapes if shapes is not None else shape_model(config)
+        problem = partial_groups(stage.grouped_linears(shapes), stage.scheme)
+        if problem is None:
+            continue
+        where = f"stages[{i}].{spec.name}.group_size: {problem.group_size} does not divide the input width of"
+        if recipe.export.allow_partial_groups and stage.handles_partial_groups:
+            log(f"warning: {where} {problem.modules()}; export.allow_partial_groups is set, so they get a "
+                "partial last group, which only slimserve loads: vLLM and transformers (compressed-tensors) "
+                "refuse this artifact")
+            continue
+        prune = f", or set {pruned_by}.multiple_of: {problem.group_size}" if pruned_by else ""
+        if not stage.handles_partial_groups:
+            opt_in = f" ({spec.name} needs whole groups even with export.allow_partial_groups)"
+        elif LIMITS[recipe.export.format].partial_groups:
+            opt_in = (", or set export.allow_partial_groups: true for an artifact only slimserve loads "
+                      "(vLLM and transformers refuse partial groups)")
+        else:
+            opt_in = ""
+        raise RecipeError(f"{where} {problem.modules()}; {problem.fix()}{prune}{opt_in}")
 
 
 def _keeps_teacher(stages: list[Stage], i: int) -> bool:
@@ -218,9 +238,9 @@ def _layer_bar(name: str, layers: int | None, enabled: bool):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def _storage_dtype(recipe: Recipe, model: nn.Module) -> torch.dtype:
+def _storage_dtype(recipe: Recipe, source: str) -> torch.dtype:
     """The recipe's dtype, or the checkpoint's own (read from config.json, not the loaded copy)."""
     if recipe.dtype != "auto":
         return DTYPES[recipe.dtype]
-    cfg_dtype = checkpoint_dtype(recipe.model)
+    cfg_dtype = checkpoint_dtype(source)
     return cfg_dtype if cfg_dtype in DTYPES.values() else torch.bfloat16

@@ -46,6 +46,10 @@ class EvalSpec(_Strict):
 
 class ExportSpec(_Strict):
     format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"  # on-disk format of the artifact
+    # true: a group size that does not divide some Linear's in_features is quantized with a partial
+    # last group instead of being refused; only slimserve loads such an artifact (vLLM and
+    # transformers refuse it), compressed-tensors only, listed in the manifest (compress/quant/group_sizes.py)
+    allow_partial_groups: bool = False
 
 
 class RecipeModel(_Strict):

@@ -127,13 +127,25 @@ class Stage:
     scheme: QuantScheme | None = None
     """The weight scheme the stage quantizes with (rtn, gptq) or prepares weights for (awq); None:
     it quantizes no weights. The pipeline refuses a scheme the export format cannot store, and a
-    group size that does not divide a width an earlier reshaping stage (`preflight`) leaves."""
+    group size that does not divide the input width of a Linear it groups (`grouped_linears`),
+    unless the recipe allows partial groups (compress/quant/group_sizes.py)."""
+
+    handles_partial_groups: bool = True
+    """With `export.allow_partial_groups`, the stage's algorithm copes with a last input group
+    narrower than `group_size` (rtn, gptq); False: refused even then (awq, whose search compares
+    whole groups)."""
 
     def preflight(self, config: Any) -> Any | None:
         """The model config this stage will leave (shapes only), given the one before it, or None
         when it leaves the shapes as they are (the default). Raises RecipeError for impossible
         targets, before any model work."""
         return None
+
+    def grouped_linears(self, model: nn.Module) -> dict[str, nn.Linear]:
+        """The Linears of `model` whose input columns this stage's `scheme` splits into groups
+        (name -> module, model order); the pipeline checks their widths against the group size
+        before any work, on a shape-only copy of the model each stage will see. Default: none."""
+        return {}
 
     def prepare(self, state: CompressionState) -> None:
         """Check the model and options against `state` and set up; runs before the work."""

@@ -8,7 +8,8 @@ from slimserve.runtime.sequence import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Load an artifact (or HF checkpoint folder) once and generate for many prompts at a time.
+    """Load an artifact (or HF checkpoint folder, or GGUF checkpoint: a .gguf file, a folder holding
+    one, `pkg:<module>`; runtime/gguf.py) once and generate for many prompts at a time.
 
     Keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, device, ...);
     `verify="none"` loads a slimserve artifact whose slimserve.json is missing or mismatched

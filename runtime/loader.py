@@ -1,5 +1,6 @@
 """Load a model for serving: a slimserve / compressed-tensors artifact, a GPTQ or AWQ GEMM
-checkpoint, a plain HF folder or a hub id.
+checkpoint, a plain HF folder, a hub id, or a GGUF checkpoint (dequantized once into a cached HF
+folder by runtime/gguf.py).
 
 Artifacts are built without transformers' own quantizer: the HF architecture is created from
 config.json with the quantization block removed, GPTQ/AWQ tensors are converted to CT buffers
@@ -31,6 +32,7 @@ from slimserve.runtime.artifact.targets import matches
 from slimserve.runtime.artifact.weights import check_config_bounds, tensor_shapes, weight_files
 from slimserve.runtime.dtypes import torch_dtype
 from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.gguf import resolve_model
 from slimserve.runtime.hf_fp8kv import install_kv_scales
 from slimserve.runtime.layers.quant_linear import QuantLinear
 
@@ -90,7 +92,8 @@ def load_model(
     trust_remote_code: bool = False,
     verify: str = "strict",
 ) -> LoadedModel:
-    """Load an artifact folder, a plain HF checkpoint folder or a hub id.
+    """Load an artifact folder, a plain HF checkpoint folder, a hub id or a GGUF checkpoint
+    (a .gguf file, a folder holding one, `pkg:<module>`: runtime/gguf.py `resolve_model`).
 
     dtype: None keeps the checkpoint's dtype. verify: "strict" (a slimserve artifact needs a
     matching slimserve.json; plain checkpoints load unchecked) or "none" (no manifest check).
@@ -98,6 +101,7 @@ def load_model(
     folder, config values the weight files contradict, an unsupported quant_method, or
     missing/unexpected tensors.
     """
+    path_or_id = resolve_model(path_or_id)
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         config_path = path / "config.json"
@@ -118,6 +122,27 @@ def load_model(
     except OSError as e:
         raise _missing(str(path_or_id), e) from e
     return _finish(model, str(path_or_id), None, False, device, trust_remote_code)
+
+
+def load_config(path_or_id: str | Path, trust_remote_code: bool = False):
+    """The transformers config of a model folder or hub id, without reading any weights (for the
+    checks that run before any work). A local folder's config.json must be a regular file inside it."""
+    from transformers import AutoConfig
+
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        if not os.path.lexists(path / "config.json"):
+            raise _missing(str(path_or_id))
+        read_config_json(path)  # confined: no symlink out of the folder
+    elif path.exists() or not _HUB_ID.match(str(path_or_id)):
+        raise _missing(str(path_or_id))
+    try:
+        return AutoConfig.from_pretrained(str(path_or_id), trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise _missing(str(path_or_id), e) from e
+    except ValueError as e:  # e.g. a model_type this transformers does not know
+        raise ArtifactError(f"{path_or_id}: transformers cannot read its config "
+                            f"({str(e).splitlines()[0]})") from None
 
 
 def check_folder(path: Path, verify: str) -> ArtifactManifest | None:

@@ -10,12 +10,24 @@
 
 The layouts: docs/architecture.md, "The artifact contract".
 
-`check_exportable` refuses a scheme before any work is done; `export_artifact` re-checks every
-module at export time, where shapes and g_idx are known.
+What each format can hold beyond its schemes is stated once, in `LIMITS`:
+
+  format              partial groups   fp8 KV scales   different schemes per Linear
+  compressed-tensors  yes (1)          yes             yes
+  gptq                no               no              no
+  awq                 no               no              no (only the group size counts)
+
+  (1) only slimserve's loaders read them: compressed-tensors, transformers and vLLM refuse a group
+      size that does not divide a Linear's in_features, so a recipe must opt in with
+      `export.allow_partial_groups: true` (compress/quant/group_sizes.py).
+
+`check_exportable` refuses a scheme (and an opt-in the format cannot honour) before any work is
+done; `export_artifact` re-checks every module at export time, where shapes and g_idx are known.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,8 +52,32 @@ FORMATS = (COMPRESSED_TENSORS, GPTQ, AWQ)
 GPTQ_CONFIG_FILE = "quantize_config.json"  # AutoGPTQ's side file, read when config.json lacks the block
 
 
-def check_exportable(fmt: str, scheme: QuantScheme) -> None:
-    """Raise SchemeError (naming the scheme's problem and the fix) if `fmt` cannot store `scheme`."""
+@dataclass(frozen=True, slots=True)
+class FormatLimits:
+    """What a format can store besides the schemes its `check_*_scheme` accepts."""
+
+    partial_groups: bool  # a last input group narrower than group_size (group_size not dividing K)
+    kv_cache_scales: bool  # static fp8 K/V scales per attention module
+    mixed_schemes: bool  # different weight schemes for different Linears
+
+
+LIMITS = {
+    COMPRESSED_TENSORS: FormatLimits(partial_groups=True, kv_cache_scales=True, mixed_schemes=True),
+    GPTQ: FormatLimits(partial_groups=False, kv_cache_scales=False, mixed_schemes=False),
+    AWQ: FormatLimits(partial_groups=False, kv_cache_scales=False, mixed_schemes=False),
+}
+
+
+def check_exportable(fmt: str, scheme: QuantScheme, partial_groups: bool = False) -> None:
+    """Raise SchemeError (naming the scheme's problem and the fix) if `fmt` cannot store `scheme`,
+    or, with `partial_groups`, a scheme whose group size leaves some Linear a partial last group."""
+    if fmt not in LIMITS:
+        raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+    w = scheme.weights
+    if partial_groups and w.strategy == "group" and not LIMITS[fmt].partial_groups:
+        raise SchemeError(f"export.allow_partial_groups: {fmt} checkpoints cannot hold partial groups "
+                          f"(its loaders need group_size {w.group_size} to divide every in_features); "
+                          "export format 'compressed-tensors' or use a group_size that divides them")
     if fmt == COMPRESSED_TENSORS:
         if scheme.ct_format() not in SUPPORTED_FORMATS:
             raise SchemeError(f"scheme {scheme} needs compressed-tensors format "
@@ -49,10 +85,8 @@ def check_exportable(fmt: str, scheme: QuantScheme) -> None:
                               f"{', '.join(SUPPORTED_FORMATS)}")
     elif fmt == GPTQ:
         gptq_format.check_gptq_scheme(scheme)
-    elif fmt == AWQ:
-        awq_format.check_awq_scheme(scheme)
     else:
-        raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+        awq_format.check_awq_scheme(scheme)
 
 
 def export_artifact(
@@ -78,7 +112,7 @@ def export_artifact(
                                          kv_scales=kv_scales, before_move=before_move)
     if fmt not in FORMATS:
         raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
-    if kv_scales:
+    if kv_scales and not LIMITS[fmt].kv_cache_scales:
         raise SchemeError(f"fp8 KV-cache scales cannot be stored in a {fmt} checkpoint; export "
                           "format 'compressed-tensors' or drop the kv_cache stage")
     for name, qw in quantized.items():
@@ -121,7 +155,7 @@ def _check_modules(fmt: str, model: torch.nn.Module, quantized: dict[str, Quanti
         key = lambda a: a.group_size  # noqa: E731
     first_name, first = next(iter(quantized.items()))
     for name, qw in quantized.items():
-        if key(qw.args) != key(first.args):
+        if not LIMITS[fmt].mixed_schemes and key(qw.args) != key(first.args):
             raise SchemeError(
                 f"{name} is quantized as {qw.args} but {first_name} as {first.args}; a {fmt} "
                 "checkpoint has one scheme for all Linears, so quantize them alike or export "

@@ -79,6 +79,7 @@ class AwqStage(Stage):
     name = "awq"
     needs_calibration = True
     layerwise = True
+    handles_partial_groups = False  # the scale and clip searches reshape weights into whole groups
 
     def __init__(self, options: AwqOptions):
         self.options = options
@@ -92,6 +93,11 @@ class AwqStage(Stage):
         })
         self._t0 = 0.0
         self._restore: list[tuple[nn.Linear, torch.Tensor]] = []  # (Linear, its unquantized weight)
+
+    def grouped_linears(self, model: nn.Module) -> dict[str, nn.Linear]:
+        """Every Linear of the decoder layers: the searches quantize them all with the scheme."""
+        prefix = mapping_for(model).layers + "."
+        return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix)}
 
     def prepare(self, state: CompressionState) -> None:
         self._t0 = time.perf_counter()

@@ -76,6 +76,9 @@ class GptqStage(Stage):
         self._notes: list[str] = []  # facts for the report
         self._t0 = 0.0  # perf_counter at prepare()
 
+    def grouped_linears(self, model: nn.Module) -> dict[str, nn.Linear]:
+        return select_linears(model, self.options.targets, self.options.ignore)
+
     def prepare(self, state: CompressionState) -> None:
         self._t0 = time.perf_counter()
         check_patterns(state.model, self.options.targets, f"stages.{self.name}.targets")

@@ -63,6 +63,9 @@ class RtnStage(Stage):
         self.scheme = options.resolve_scheme()
         self.report = StageReport(self.name, details={"scheme": describe_scheme(self.scheme)})
 
+    def grouped_linears(self, model: nn.Module) -> dict[str, nn.Linear]:
+        return select_linears(model, self.options.targets, self.options.ignore)
+
     def prepare(self, state: CompressionState) -> None:
         check_patterns(state.model, self.options.targets, f"stages.{self.name}.targets")
         check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")

@@ -53,6 +53,9 @@ class ArtifactManifest:
     stages: list[dict] = field(default_factory=list)  # one StageReport dict per stage, in order
     eval: dict = field(default_factory=dict)  # perplexity before/after and gate results
     files: dict[str, str] = field(default_factory=dict)  # artifact file (relative path) -> sha256
+    # Linears whose last input group is partial (group_size does not divide in_features): only with
+    # the recipe's export.allow_partial_groups; vLLM and transformers refuse such an artifact
+    partial_groups: list[str] = field(default_factory=list)
     tool_version: str = field(default_factory=tool_version)  # slimserve version that wrote it
     format_version: int = FORMAT_VERSION  # version of this manifest's schema
 
@@ -88,14 +91,18 @@ def sha256_file(path: str | Path) -> str:
 
 
 def hash_checkpoint(path: str | Path) -> str | None:
-    """sha256 over a local checkpoint's weight files (name and digest of each, sorted).
+    """sha256 over a local checkpoint's weight files (name and digest of each, sorted), or over
+    the one file `path` names (a GGUF checkpoint).
 
-    Returns None when `path` is not a local folder (e.g. a hub id) or holds no weight files.
+    Returns None when `path` is not local (e.g. a hub id) or a folder without weight files.
     """
     folder = Path(path)
-    if not folder.is_dir():
+    if folder.is_file():
+        files = [folder]
+    elif not folder.is_dir():
         return None
-    files = sorted({p for g in _WEIGHT_GLOBS for p in folder.glob(g)})
+    else:
+        files = sorted({p for g in _WEIGHT_GLOBS for p in folder.glob(g)})
     if not files:
         return None
     h = hashlib.sha256()

@@ -40,6 +40,7 @@ from slimserve.runtime.bench.workload import (
     jsonl_requests,
     poisson_arrivals,
 )
+from slimserve.runtime.gguf import resolve_model
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
@@ -110,7 +111,7 @@ class BenchArgs:
 def build_requests(args: BenchArgs) -> list[BenchRequest]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    tok = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer or args.model))  # GGUF: converted once
     if args.dataset == "stdlib":
         return corpus_requests(tok, args.num_prompts, args.input_len, args.output_len, args.seed)
     return jsonl_requests(args.dataset, tok, args.num_prompts, args.input_len, args.output_len,

@@ -20,3 +20,25 @@ def test_there_are_recipes():
 def test_recipe_validates(path):
     r = load_recipe(path)
     assert r.stages and r.text.lstrip().startswith("#")  # each recipe says what it is for
+
+
+# Shapes of the hub models shipped recipes name (no download): Meta-Llama-3-8B's config.json.
+HUB_SHAPES = {"meta-llama/Meta-Llama-3-8B": dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128)}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_recipe_passes_the_preflight_on_its_model(path):
+    """Every stage's targets exist in shape and every group size divides the widths it groups
+    (after the recipe's own pruning), without the partial-groups opt-in."""
+    from transformers import LlamaConfig
+
+    from slimserve.compress.pipeline import build_stages
+    from slimserve.runtime.loader import load_config
+
+    r = load_recipe(path)
+    config = LlamaConfig(**HUB_SHAPES[r.model]) if r.model in HUB_SHAPES else load_config(r.model)
+    warnings = []
+    build_stages(r, config, log=warnings.append)
+    assert warnings == [] and not r.export.allow_partial_groups

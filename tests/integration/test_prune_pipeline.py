@@ -142,7 +142,8 @@ def test_prune_distill_quantize_loads_with_the_reported_ppl(tmp_path, tiny_check
     ("  - prune: {mlp: 0.25}\n  - prune: {intermediate_size: 200}",
      "prune.intermediate_size=200 is not between 1 and the model's 191"),  # checked on the first's shape
     ("  - prune: {mlp: 0.25, multiple_of: 32}\n  - rtn: {scheme: W4A16, group_size: 128}",
-     "prune leaves intermediate_size = 192, not a multiple of rtn.group_size 128; set prune.multiple_of: 128"),
+     "stages[1].rtn.group_size: 128 does not divide the input width of 2 Linears: model.layers.*.mlp.down_proj "
+     "(in 192); use group_size 64 (or 32); 64 divides 128 and 192, or set prune.multiple_of: 128"),
 ])
 def test_impossible_target_is_refused_before_any_work(tmp_path, tiny_checkpoint, texts, stages, needle):
     logged = []
