@@ -28,6 +28,9 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, built: BuiltModel | None = None):
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on the current device: without this `cuda:1` would run on cuda:0
+            torch.cuda.set_device(self.device)
         if built is None:
             dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model))
             built = build_model(config.model, dtype, self.device, config.trust_remote_code,

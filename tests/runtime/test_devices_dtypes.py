@@ -16,6 +16,12 @@ def test_resolve_device(monkeypatch):
     with pytest.raises(DeviceUnavailableError,
                        match=r"^device: 'cuda:0' asked for but no CUDA device is visible; use --device cpu$"):
         resolve_device("cuda:0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(DeviceUnavailableError, match=r"'cuda:1' asked for but only 1 CUDA device is "
+                                                     r"visible; use cuda:0$"):
+        resolve_device("cuda:1")
 
 
 def test_torch_dtype_and_resolve_dtype():
