@@ -32,6 +32,12 @@ SHAPES = {
         max_position_embeddings=4096, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
         tie_word_embeddings=False, sliding_window=None,
         inv_freq=tuple((1.0 / (10000.0 ** (torch.arange(0, 128, 2).float() / 128))).tolist())),
+    "llama3-8b": ModelSpec(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
+        tie_word_embeddings=False, sliding_window=None,
+        inv_freq=tuple((1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))).tolist())),
     "demo": ModelSpec(
         model_type="llama", vocab_size=4096, hidden_size=384, intermediate_size=1024, num_layers=4,
         num_heads=6, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=1024,
@@ -73,16 +79,17 @@ def quantize_randomly(model: CausalLM, group_size: int = 128, seed: int = 0,
     return count
 
 
-def build_engine(spec: ModelSpec, *, quant: bool, kv_cache_dtype: str, device: str,
+def build_engine(spec: ModelSpec, *, quant: bool | str, kv_cache_dtype: str, device: str,
                  dtype: torch.dtype, **engine_args) -> LLMEngine:
+    """quant: False (dense), True / "W4A16" (int4 group 128) or "W8A8" (int8 per channel)."""
     folder = tempfile.mkdtemp(prefix="slimserve-random-")
     model = random_model(spec, dtype, torch.device(device))
     if quant:
-        quantize_randomly(model)
+        quantize_randomly(model, scheme_name="W4A16" if quant is True else quant)
     fuse_projections(model)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # the dense weights just replaced or concatenated
-    built = BuiltModel(model, spec, None, kv_cache_dtype == "fp8_e4m3", quant, (), dtype)
+    built = BuiltModel(model, spec, None, kv_cache_dtype == "fp8_e4m3", bool(quant), (), dtype)
     config = EngineConfig(model=folder, device=device, kv_cache_dtype=kv_cache_dtype, **engine_args)
     return LLMEngine(config, ModelRunner(config, built))
 

@@ -1,0 +1,308 @@
+"""The prepared GPU check: everything a session with a GPU should measure, in one command.
+
+    python -m slimserve.eval.gpu_check [--budget-s 480] [--out DIR] [--hbm-tbps 4.8]
+    python -m slimserve.eval.gpu_check --dry-run        # CPU: the same plan at tiny shapes
+
+In order, each step in a child process with its own time limit (a CUDA fault or a hang in one
+cannot take the others down; whatever a step saved comes back):
+
+1. **kernels**: correctness of every Triton kernel against its torch twin, then quick timings
+   (`python -m slimserve.eval.kernels.bench --quick --sections w4a16,w8a8,attn,norm`).
+2. **decode**: engine decode throughput on random weights of the Llama-3-8B shape (hidden 4096,
+   intermediate 14336, 32 layers, 32 query / 8 KV heads, vocab 128256) for bf16, W4A16 (int4,
+   group 128) and W8A8 weights, with a bf16 and an FP8 KV cache, at batch 1, 16, 64 and 256:
+   prompts of 128 tokens are prefilled, then 32 decode steps are timed (synchronized). Beside
+   each row the HBM roofline: the bytes one decode step must read (every weight once, plus each
+   sequence's K and V so far) over `--hbm-tbps`. CUDA graphs: the engine has none yet (issue
+   12), so every row is eager and says so.
+3. **transformers**: `generate` with a static cache on the same shape in bf16 at the same batch
+   sizes (decode rate = the 33-token run minus the 1-token run), the baseline of the bf16 rows.
+4. **sweeps**: the W4A16 / W8A8 tile sweeps of the kernel benchmark's full plan, if the budget
+   has at least 150 s left.
+
+It prints one table (hardware, model shape and workload in its header) and writes
+`gpu_check.json` (default: $OUT, else the current folder). `--dry-run` runs the same four steps
+on the CPU at tiny shapes, the kernels through the Triton interpreter, so CI keeps the script
+working (tests/eval/test_gpu_check.py); its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from slimserve.eval.engine_bench import SHAPES, build_engine
+from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
+from slimserve.runtime.models.llama import ModelSpec
+from slimserve.runtime.sequence import SamplingParams
+
+WEIGHTS = ("bf16", "W4A16", "W8A8")
+KV = ("auto", "fp8_e4m3")
+
+
+def _plan(dry_run: bool) -> dict:
+    if dry_run:
+        tiny = replace(SHAPES["demo"], vocab_size=512, hidden_size=128, intermediate_size=256,
+                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
+                       inv_freq=SHAPES["demo"].inv_freq[:16])
+        # fp16: the Triton kernels take fp16/bf16 only, and the interpreter runs fp16
+        return {"shape": "tiny", "spec": tiny, "device": "cpu", "dtype": torch.float16,
+                "batches": (2,), "prompt_len": 8, "steps": 2, "warmup": 0,
+                "kv_cache_memory": "16MiB", "limits": {"kernels": 300, "decode": 300, "hf": 120,
+                                                       "sweeps": 0}}
+    return {"shape": "llama3-8b", "spec": SHAPES["llama3-8b"], "device": "cuda",
+            "dtype": torch.bfloat16, "batches": (1, 16, 64, 256), "prompt_len": 128, "steps": 32,
+            "warmup": 4, "kv_cache_memory": "8GiB",
+            "limits": {"kernels": 200, "decode": 200, "hf": 90, "sweeps": 150}}
+
+
+# -- step 2: the engine's decode rate --------------------------------------------------------------
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_rate(engine, batch: int, prompt_len: int, steps: int, warmup: int, device: str) -> dict:
+    """Prefill `batch` random prompts, take `warmup` decode steps, then time `steps` more."""
+    g = torch.Generator().manual_seed(batch)
+    vocab = engine.runner.spec.vocab_size
+    params = SamplingParams(max_tokens=warmup + steps + 4, temperature=0.0, ignore_eos=True)
+    rids = [f"b{batch}-{i}" for i in range(batch)]
+    for rid in rids:
+        engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (chunked) until every sequence has its first token
+        started.update(out.request_id for out in engine.step())
+    for _ in range(warmup):
+        engine.step()
+    _sync(device)
+    t0 = time.perf_counter()
+    decoded = 0
+    for _ in range(steps):
+        decoded += len(engine.step())
+    _sync(device)
+    dt = time.perf_counter() - t0
+    for rid in rids:
+        engine.abort_request(rid)
+    assert decoded == batch * steps, f"{decoded} tokens in {steps} steps of batch {batch}"
+    return {"step_ms": 1e3 * dt / steps, "tok_s": batch * steps / dt,
+            "mean_context": prompt_len + warmup + steps / 2}
+
+
+def step_bytes(engine, batch: int, context: float, kv_dtype: str, spec: ModelSpec) -> float:
+    """Bytes one decode step must read: every weight once (the embedding only for the batch's
+    rows) and the K and V of every cached token of every sequence."""
+    model = engine.runner.model
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).weight
+    weights -= emb.numel() * emb.element_size() * (1 - batch / emb.shape[0])
+    kv_elem = 1 if kv_dtype == "fp8_e4m3" else engine.runner.kv_caches[0][0].element_size()
+    kv = batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * kv_elem
+    return weights + kv
+
+
+def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
+    rows = []
+    for weights in WEIGHTS:
+        for kv in KV:
+            row0 = {"weights": weights, "kv": "fp8" if kv == "fp8_e4m3" else "bf16", "graphs": "off"}
+            try:
+                engine = build_engine(
+                    plan["spec"], quant=False if weights == "bf16" else weights, kv_cache_dtype=kv,
+                    device=plan["device"], dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
+                    max_num_batched_tokens=8192, kv_cache_memory=plan["kv_cache_memory"])
+                if plan["device"].startswith("cuda"):  # compile every kernel before timing
+                    decode_rate(engine, 1, plan["prompt_len"], 2, 1, plan["device"])
+                for batch in plan["batches"]:
+                    r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"],
+                                    plan["warmup"], plan["device"])
+                    nbytes = step_bytes(engine, batch, r["mean_context"], kv, plan["spec"])
+                    roof = batch / (nbytes / (hbm_tbps * 1e12))
+                    rows.append({**row0, "batch": batch, **r, "bytes_per_step": nbytes,
+                                 "roofline_tok_s": roof, "roofline_share": r["tok_s"] / roof})
+                    print(f"decode {weights:>5} KV {row0['kv']:>4} batch {batch:>3}: "
+                          f"{r['tok_s']:9.1f} tok/s, {r['step_ms']:7.2f} ms/step, "
+                          f"{100 * r['tok_s'] / roof:5.1f}% of roofline", flush=True)
+                del engine
+            except Exception:
+                rows.append({**row0, "error": traceback.format_exc()[-2000:]})
+                print(f"decode {weights} KV {kv}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+            if plan["device"].startswith("cuda"):
+                torch.cuda.empty_cache()
+    return rows
+
+
+# -- step 3: transformers generate with a static cache ----------------------------------------------
+
+def _hf_config(spec: ModelSpec):
+    from transformers import LlamaConfig
+
+    theta = 1.0 / spec.inv_freq[1] ** (spec.head_dim / 2) if len(spec.inv_freq) > 1 else 10000.0
+    return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                       intermediate_size=spec.intermediate_size,
+                       num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                       num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                       max_position_embeddings=spec.max_position_embeddings,
+                       rms_norm_eps=spec.rms_norm_eps, rope_theta=theta,
+                       tie_word_embeddings=False)
+
+
+def run_hf(plan: dict) -> list[dict]:
+    from transformers import LlamaForCausalLM
+
+    device, steps = plan["device"], plan["steps"]
+    with torch.device(device):
+        model = LlamaForCausalLM(_hf_config(plan["spec"])).to(plan["dtype"]).eval()
+    rows = []
+    for batch in plan["batches"]:
+        try:
+            ids = torch.randint(0, plan["spec"].vocab_size, (batch, plan["prompt_len"]),
+                                device=device)
+
+            def gen(n: int) -> float:
+                _sync(device)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                   min_new_tokens=n, do_sample=False,
+                                   cache_implementation="static", pad_token_id=0)
+                _sync(device)
+                return time.perf_counter() - t0
+
+            gen(2)  # warm-up
+            dt = gen(steps + 1) - gen(1)
+            rows.append({"batch": batch, "tok_s": batch * steps / dt, "step_ms": 1e3 * dt / steps})
+            print(f"transformers generate (static cache) batch {batch:>3}: "
+                  f"{rows[-1]['tok_s']:9.1f} tok/s", flush=True)
+        except Exception:
+            rows.append({"batch": batch, "error": traceback.format_exc()[-2000:]})
+            print(f"transformers batch {batch}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+    return rows
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+def _child(step: str, dry_run: bool, hbm_tbps: float, result: str) -> int:
+    plan = _plan(dry_run)
+    rows = run_decode(plan, hbm_tbps) if step == "decode" else run_hf(plan)
+    Path(result).write_text(json.dumps(rows))
+    return 0
+
+
+def _spawn(cmd: list[str], limit: float, env: dict) -> str:
+    sys.stdout.flush()
+    t0 = time.monotonic()
+    try:
+        rc = subprocess.run(cmd, env=env, timeout=limit).returncode
+        status = "ok" if rc == 0 else f"exited with code {rc}"
+    except subprocess.TimeoutExpired:
+        status = f"killed at its {limit:.0f} s limit"
+    return f"{status} ({time.monotonic() - t0:.0f} s)"
+
+
+def _step(name: str, args, plan: dict, env: dict) -> tuple[str, list]:
+    fd, path = tempfile.mkstemp(prefix=f"gpu-check-{name}-", suffix=".json")
+    os.close(fd)
+    cmd = [sys.executable, "-m", "slimserve.eval.gpu_check", "--child", name, "--result", path,
+           "--hbm-tbps", str(args.hbm_tbps)] + (["--dry-run"] if args.dry_run else [])
+    status = _spawn(cmd, plan["limits"][name], env)
+    try:
+        rows = json.loads(Path(path).read_text() or "[]")
+    except (OSError, ValueError):
+        rows = []
+    Path(path).unlink(missing_ok=True)
+    return status, rows
+
+
+def _table(report: dict) -> str:
+    hf = {r["batch"]: r for r in report["transformers"] if "tok_s" in r}
+    lines = [f"| weights | KV | batch | graphs | tok/s | ms/step | roofline tok/s | % roofline "
+             f"| transformers tok/s | x transformers |", "|" + "---|" * 10]
+    for r in report["decode"]:
+        if "tok_s" not in r:
+            lines.append(f"| {r['weights']} | {r['kv']} | - | {r['graphs']} | FAILED | | | | | |")
+            continue
+        base = hf.get(r["batch"]) if r["weights"] == "bf16" and r["kv"] == "bf16" else None
+        lines.append(
+            f"| {r['weights']} | {r['kv']} | {r['batch']} | {r['graphs']} | {r['tok_s']:.1f} | "
+            f"{r['step_ms']:.2f} | {r['roofline_tok_s']:.0f} | {100 * r['roofline_share']:.1f}% | "
+            f"{base['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x |" if base else
+            f"| {r['weights']} | {r['kv']} | {r['batch']} | {r['graphs']} | {r['tok_s']:.1f} | "
+            f"{r['step_ms']:.2f} | {r['roofline_tok_s']:.0f} | {100 * r['roofline_share']:.1f}% | | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="the whole run, seconds")
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the roofline "
+                    "(H200: 4.8 TB/s)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        if args.dry_run:
+            os.environ["SLIMSERVE_KERNELS"] = "triton"  # the kernels, interpreted
+        return _child(args.child, args.dry_run, args.hbm_tbps, args.result)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("error: no CUDA device visible; run with --dry-run on a CPU")
+        return 2
+    t0 = time.monotonic()
+    plan = _plan(args.dry_run)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.dry_run:
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = plan["spec"]
+    report = {"hardware": hardware_line(hardware_info()), "dry_run": args.dry_run,
+              "shape": plan["shape"], "hidden": spec.hidden_size, "layers": spec.num_layers,
+              "prompt_len": plan["prompt_len"], "decode_steps": plan["steps"],
+              "hbm_tbps": args.hbm_tbps, "steps": {}}
+    print(f"slimserve gpu_check | {report['hardware']} | random {plan['shape']} weights | "
+          f"{plan['prompt_len']}-token prompts, {plan['steps']} timed decode steps", flush=True)
+
+    kern_json = out / "kernel_bench.json"
+    kern_cmd = [sys.executable, "-m", "slimserve.eval.kernels.bench", "--json-out", str(kern_json),
+                "--sections", "norm" if args.dry_run else "w4a16,w8a8,attn,norm"]
+    if not args.dry_run:
+        kern_cmd.append("--quick")
+    report["steps"]["kernels"] = _spawn(kern_cmd, plan["limits"]["kernels"], env)
+    for name in ("decode", "hf"):
+        report["steps"][name], report["decode" if name == "decode" else "transformers"] = \
+            _step(name, args, plan, env)
+    left = args.budget_s - (time.monotonic() - t0)
+    if plan["limits"]["sweeps"] and left >= plan["limits"]["sweeps"]:
+        report["steps"]["sweeps"] = _spawn(
+            [sys.executable, "-m", "slimserve.eval.kernels.bench", "--sections", "w4a16,w8a8",
+             "--json-out", str(out / "kernel_sweeps.json")], left, env)
+    else:
+        report["steps"]["sweeps"] = "skipped (budget)" if plan["limits"]["sweeps"] else "skipped (dry run)"
+    report["seconds"] = time.monotonic() - t0
+    print(f"\nEngine decode throughput | {report['hardware']} | random {plan['shape']} | batch x "
+          f"{plan['prompt_len']}-token prompts, {plan['steps']} decode steps timed | roofline at "
+          f"{args.hbm_tbps} TB/s\n" + _table(report))
+    print("steps: " + ", ".join(f"{k} {v}" for k, v in report["steps"].items())
+          + f"; total {report['seconds']:.0f} s")
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    print(f"results: {out / 'gpu_check.json'}")
+    ok = all(v.startswith(("ok ", "skipped")) for v in report["steps"].values())
+    ok = ok and all("error" not in r for r in report["decode"] + report["transformers"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
