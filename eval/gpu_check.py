@@ -227,8 +227,8 @@ def _step(name: str, args, plan: dict, env: dict) -> tuple[str, list]:
 
 def _table(report: dict) -> str:
     hf = {r["batch"]: r for r in report["transformers"] if "tok_s" in r}
-    lines = [f"| weights | KV | batch | graphs | tok/s | ms/step | roofline tok/s | % roofline "
-             f"| transformers tok/s | x transformers |", "|" + "---|" * 10]
+    lines = ["| weights | KV | batch | graphs | tok/s | ms/step | roofline tok/s | % roofline "
+             "| transformers tok/s | x transformers |", "|" + "---|" * 10]
     for r in report["decode"]:
         if "tok_s" not in r:
             lines.append(f"| {r['weights']} | {r['kv']} | - | {r['graphs']} | FAILED | | | | | |")

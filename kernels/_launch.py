@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ AOT_MODULES = (
     "w8a8_gemm",
     "act_quant",
     "kv_cache",
+    "rope_kv_cache",
     "paged_attention",
     "rms_norm",
     "activation",
@@ -58,10 +60,17 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def check(cond: bool, message: str) -> None:
-    """Raise ValueError(message) unless `cond`: launchers report what is wrong with an argument."""
+def check(cond: bool, message: str | Callable[[], str]) -> None:
+    """Raise ValueError(message) unless `cond`: launchers report what is wrong with an argument.
+
+    `message` may be a callable returning the text, so a launcher on the hot path formats its
+    f-string only when the check fails (`check(ok, lambda: f"...")`)."""
     if not cond:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def check_tensor(
@@ -74,23 +83,26 @@ def check_tensor(
     device: torch.device | None = None,
     last_contiguous: bool = False,
 ) -> None:
-    """Check a launcher argument; the message names the argument, what it is and what it must be."""
-    check(isinstance(t, torch.Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtypes is not None:
-        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        check(t.dtype in dtypes, f"{name} has dtype {str(t.dtype).replace('torch.', '')}; "
-                                 f"expected one of {allowed}")
-    if ndim is not None:
-        check(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    """Check a launcher argument; the message names the argument, what it is and what it must be.
+    Messages are formatted only on failure (this runs for every argument of every launch)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(_dtype_name(d) for d in dtypes)
+        raise ValueError(f"{name} has dtype {_dtype_name(t.dtype)}; expected one of {allowed}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if shape is not None:
-        ok = t.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, t.shape))
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-        check(ok, f"{name} has shape {tuple(t.shape)}; expected {want}")
-    if device is not None:
-        check(t.device == device, f"{name} is on {t.device} but the other inputs are on {device}")
-    if last_contiguous and t.numel() > 0:
-        check(t.stride(-1) == 1, f"{name} must be contiguous in its last dim "
-                                 f"(strides {tuple(t.stride())}); call .contiguous()")
+        tshape = t.shape
+        if len(tshape) != len(shape) or any(s is not None and s != d
+                                            for s, d in zip(shape, tshape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} has shape {tuple(tshape)}; expected {want}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    if last_contiguous and t.numel() > 0 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim "
+                         f"(strides {tuple(t.stride())}); call .contiguous()")
 
 
 def next_pow2(n: int) -> int:

@@ -39,7 +39,7 @@ def launch_params(k: int, block_k: int | None = None) -> dict:
     if block_k is None:
         block_k = min(max(next_pow2(k), MIN_BLOCK_K), MAX_ONE_PASS_K)
     check(block_k >= 16 and block_k == next_pow2(block_k),
-          f"block_k={block_k} must be a power of two >= 16")
+          lambda: f"block_k={block_k} must be a power of two >= 16")
     return {"BLOCK_K": block_k, "ONE_PASS": block_k >= k, "num_warps": _num_warps(block_k)}
 
 
@@ -98,7 +98,7 @@ def act_quant(x: torch.Tensor, *, block_k: int | None = None,
     """
     check_tensor("x", x, dtypes=_DTYPES, ndim=2, last_contiguous=True)
     m, k = x.shape
-    check(k > 0, f"x has shape {tuple(x.shape)}; K (the last dim) must be > 0")
+    check(k > 0, lambda: f"x has shape {tuple(x.shape)}; K (the last dim) must be > 0")
     params = launch_params(k, block_k)
     if num_warps is not None:
         params["num_warps"] = num_warps

@@ -54,10 +54,11 @@ def silu_and_mul(x: torch.Tensor, *, block: int | None = None,
     """x [..., 2I] fp16/bf16/fp32 -> silu(x[..., :I]) * x[..., I:] as [..., I] in x's dtype."""
     check_tensor("x", x, dtypes=_DTYPES, last_contiguous=True)
     check(x.dim() >= 1 and x.shape[-1] % 2 == 0 and x.shape[-1] > 0,
-          f"x has shape {tuple(x.shape)}; its last dim must be 2 * intermediate_size (even, > 0)")
+          lambda: f"x has shape {tuple(x.shape)}; its last dim must be 2 * intermediate_size "
+                  f"(even, > 0)")
     inter = x.shape[-1] // 2
     block = block or launch_block(inter)
-    check(block == next_pow2(block), f"block={block} must be a power of two")
+    check(block == next_pow2(block), lambda: f"block={block} must be a power of two")
     x2 = x.reshape(-1, x.shape[-1])
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     if x2.shape[0]:

@@ -133,11 +133,12 @@ def scale_tensor(name: str, scale: float | torch.Tensor, device: torch.device) -
     if isinstance(scale, torch.Tensor):
         check_tensor(name, scale, dtypes=(torch.float32, torch.bfloat16, torch.float16),
                      device=device)
-        check(scale.numel() == 1, f"{name} has shape {tuple(scale.shape)}; expected one element "
-                                  f"(a per-layer scale, shape [1])")
+        check(scale.numel() == 1,
+              lambda: f"{name} has shape {tuple(scale.shape)}; expected one element "
+                      f"(a per-layer scale, shape [1])")
         return scale.reshape(1).float()
     check(isinstance(scale, (int, float)) and float(scale) > 0,
-          f"{name}={scale!r} must be a positive float or a float32 tensor of shape [1]")
+          lambda: f"{name}={scale!r} must be a positive float or a float32 tensor of shape [1]")
     return torch.full((1,), float(scale), dtype=torch.float32, device=device)
 
 
@@ -170,7 +171,7 @@ def write_kv_cache(
     check_tensor("value_cache", value_cache, dtypes=(key_cache.dtype,),
                  shape=tuple(key_cache.shape), device=dev)
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(t,), device=dev)
-    check(d >= 1 and d == next_pow2(d), f"key has head_dim {d}; expected a power of two")
+    check(d >= 1 and d == next_pow2(d), lambda: f"key has head_dim {d}; expected a power of two")
     ks = scale_tensor("k_scale", k_scale, dev)
     vs = scale_tensor("v_scale", v_scale, dev)
     if t == 0:

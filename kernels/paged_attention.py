@@ -276,20 +276,23 @@ def _prepare(query, key_cache, value_cache, block_tables, context_lens, n_seqs, 
     check_tensor("value_cache", value_cache, dtypes=(key_cache.dtype,),
                  shape=tuple(key_cache.shape), device=dev)
     check(key_cache.dtype in (FP8, query.dtype),
-          f"key_cache has dtype {key_cache.dtype}; expected the query's dtype {query.dtype} or "
-          f"float8_e4m3fn")
+          lambda: f"key_cache has dtype {key_cache.dtype}; expected the query's dtype "
+                  f"{query.dtype} or float8_e4m3fn")
     check(hkv > 0 and h % hkv == 0,
-          f"query has {h} heads; expected a multiple of key_cache's {hkv} KV heads")
-    check(d in (16, 32, 64, 128), f"head_dim {d} is not supported; expected 16, 32, 64 or 128")
+          lambda: f"query has {h} heads; expected a multiple of key_cache's {hkv} KV heads")
+    check(d in (16, 32, 64, 128),
+          lambda: f"head_dim {d} is not supported; expected 16, 32, 64 or 128")
     check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
-    check(block_tables.shape[0] == n_seqs, f"block_tables has {block_tables.shape[0]} rows; "
-                                           f"expected one per sequence ({n_seqs})")
+    check(block_tables.shape[0] == n_seqs,
+          lambda: f"block_tables has {block_tables.shape[0]} rows; "
+                  f"expected one per sequence ({n_seqs})")
     check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(n_seqs,),
                  device=dev)
     cfg = config or default_config(path, d)
-    check(isinstance(cfg, AttentionConfig), f"config must be an AttentionConfig, got {cfg!r}")
+    check(isinstance(cfg, AttentionConfig),
+          lambda: f"config must be an AttentionConfig, got {cfg!r}")
     check(cfg.block_n >= 16 and cfg.block_n == next_pow2(cfg.block_n),
-          f"config.block_n={cfg.block_n} must be a power of two >= 16")
+          lambda: f"config.block_n={cfg.block_n} must be a power of two >= 16")
     fp8 = key_cache.dtype == FP8
     return SimpleNamespace(
         kc=kc, vc=vc, ks=scale_tensor("k_scale", k_scale, dev),
@@ -330,7 +333,7 @@ def paged_attention_decode(
                  v_scale, config, "decode")
     cfg, dev = p.cfg, query.device
     check(cfg.partition > 0 and cfg.partition % cfg.block_n == 0,
-          f"config.partition={cfg.partition} must be a positive multiple of block_n")
+          lambda: f"config.partition={cfg.partition} must be a positive multiple of block_n")
     max_ctx = block_tables.shape[1] * p.bs if max_context_len is None else int(max_context_len)
     if b == 0 or max_ctx <= 0:
         return p.out.zero_()
@@ -369,9 +372,10 @@ def paged_attention_prefill(
     check_tensor("cu_seqlens_q", cu_seqlens_q, device=query.device)
     bm = p.cfg.block_m
     check(bm >= 16 and bm == next_pow2(bm) and bm >= p.g,
-          f"config.block_m={bm} must be a power of two >= 16 and >= {p.g} (heads per KV head)")
+          lambda: f"config.block_m={bm} must be a power of two >= 16 and >= {p.g} (heads per "
+                  f"KV head)")
     max_q = query.shape[0] if max_q_len is None else int(max_q_len)
-    check(max_q >= 0, f"max_q_len={max_q_len} must be >= 0")
+    check(max_q >= 0, lambda: f"max_q_len={max_q_len} must be >= 0")
     if query.shape[0] == 0 or n == 0 or max_q == 0:
         return p.out
     block_q = bm // p.g

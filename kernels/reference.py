@@ -233,6 +233,49 @@ def write_kv_cache(
             flat[slots] = src.to(cache.dtype)
 
 
+def rope_tables(positions: torch.Tensor,
+                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, D/2] fp32 of positions [T] x inv_freq [D/2] (fp32): computed once per
+    step and shared by every layer's `rope_and_write_kv`. transformers' tables are these
+    concatenated with themselves (cos(cat(f, f)) = cat(cos f, cos f))."""
+    freqs = positions.unsqueeze(1) * inv_freq.unsqueeze(0)  # int64 * fp32 promotes to fp32
+    return freqs.cos(), freqs.sin()
+
+
+def rope_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """transformers' rotate_half RoPE of x [T, heads, D] in place, in fp32, rounded once to x's
+    dtype: out1 = x1 c - x2 s, out2 = x2 c + x1 s with cos/sin [T, D/2] (bit for bit
+    `x * cat(c, c) + cat(-x2, x1) * cat(s, s)`: negation is exact)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    out1 = x1 * c - x2 * s
+    out2 = x2 * c + x1 * s
+    x[..., :half].copy_(out1)  # the fp32 -> dtype cast of copy_ rounds to nearest even
+    x[..., half:].copy_(out2)
+
+
+def rope_and_write_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+) -> None:
+    """RoPE on query [T, H, D] and key [T, Hkv, D] in place (cos/sin [T, D/2] fp32), then the
+    rotated key and value written to the paged caches as `write_kv_cache` does (negative slots
+    skipped). Twin of kernels/rope_kv_cache.py."""
+    rope_inplace(query, cos, sin)
+    rope_inplace(key, cos, sin)
+    write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
 def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
                scale: float | torch.Tensor) -> torch.Tensor:
     """fp32 [B, length, Hkv, D]: the first `length` cached tokens of every sequence's blocks

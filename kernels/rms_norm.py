@@ -68,14 +68,14 @@ def _rms_norm_kernel(
 
 def _launch(x, residual, weight, eps, num_warps):
     check_tensor("x", x, dtypes=_DTYPES, last_contiguous=True)
-    check(x.dim() >= 1 and x.shape[-1] > 0, f"x has shape {tuple(x.shape)}; it needs a "
+    check(x.dim() >= 1 and x.shape[-1] > 0, lambda: f"x has shape {tuple(x.shape)}; it needs a "
                                             "non-empty last (hidden) dim")
     hidden = x.shape[-1]
-    check(hidden <= MAX_HIDDEN, f"x has hidden size {hidden}; rms_norm supports up to "
+    check(hidden <= MAX_HIDDEN, lambda: f"x has hidden size {hidden}; rms_norm supports up to "
                                 f"{MAX_HIDDEN} (one row per program)")
     check_tensor("weight", weight, dtypes=_DTYPES, shape=(hidden,), device=x.device)
     check(weight.stride(0) == 1 or hidden == 1, "weight must be contiguous; call .contiguous()")
-    check(isinstance(eps, (int, float)) and eps >= 0, f"eps={eps!r} must be a float >= 0")
+    check(isinstance(eps, (int, float)) and eps >= 0, lambda: f"eps={eps!r} must be a float >= 0")
     x2 = x.reshape(-1, hidden)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = r2 = None

@@ -203,7 +203,7 @@ _INTERPRET = not isinstance(_dequant_kernel, triton.runtime.jit.JITFunction)
 def _kernel_args(w: W4A16Weight, block_k: int) -> tuple[int, int, bool]:
     """(block_k, group_size for the kernel, gather) with block_k dividing the group."""
     check(block_k >= 16 and block_k & (block_k - 1) == 0,
-          f"config.block_k={block_k}; use a power of two >= 16 (tl.dot's K step)")
+          lambda: f"config.block_k={block_k}; use a power of two >= 16 (tl.dot's K step)")
     if w.group_idx is not None:
         return block_k, _PER_CHANNEL, True
     if not w.group_size:
@@ -214,14 +214,18 @@ def _kernel_args(w: W4A16Weight, block_k: int) -> tuple[int, int, bool]:
 
 
 def dequantize_w4a16(w: W4A16Weight, dtype: torch.dtype | None = None, *,
-                     config: W4A16Config | None = None) -> torch.Tensor:
-    """W [N, K] in `dtype` (default: the scales' dtype), columns in the checkpoint's order."""
+                     config: W4A16Config | None = None,
+                     use_kernel: bool | None = None) -> torch.Tensor:
+    """W [N, K] in `dtype` (default: the scales' dtype), columns in the checkpoint's order.
+    use_kernel: run the kernel (True) or the torch twin (False); None: as SLIMSERVE_KERNELS says."""
     dtype = dtype or w.scales.dtype
-    check(dtype in SCALE_DTYPES, f"dtype={dtype} is not supported; use one of {SCALE_DTYPES}")
-    if not use_triton(w.qweight):
+    check(dtype in SCALE_DTYPES,
+          lambda: f"dtype={dtype} is not supported; use one of {SCALE_DTYPES}")
+    if not (use_triton(w.qweight) if use_kernel is None else use_kernel):
         return dequantize_torch(w).to(dtype)
-    check(w.n * w.k < 2**31, f"W [{w.n}, {w.k}] has 2^31 elements or more, past the dequant "
-                             "kernel's int32 indexing; split the layer along N")
+    check(w.n * w.k < 2**31,
+          lambda: f"W [{w.n}, {w.k}] has 2^31 elements or more, past the dequant "
+                  "kernel's int32 indexing; split the layer along N")
     cfg = config or DISPATCH[-1][1]
     out = torch.empty(w.n, w.k, dtype=dtype, device=w.qweight.device)
     block_k, group_size, gather = _kernel_args(w, cfg.block_k)
@@ -251,22 +255,26 @@ def _split_k(cfg: W4A16Config, m: int, n: int, k_tiles: int, device: torch.devic
 
 
 def w4a16_gemm(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, *,
-               config: W4A16Config | None = None) -> torch.Tensor:
+               config: W4A16Config | None = None, use_kernel: bool | None = None) -> torch.Tensor:
     """x [..., K] fp16/bf16 @ W^T (+ bias [N]) -> [..., N] in x's dtype. `config` forces a path
-    and tiles (tests, benchmarks); by default `DISPATCH` picks by M."""
+    and tiles (tests, benchmarks); by default `DISPATCH` picks by M. use_kernel: the kernel (True)
+    or the torch twin (False); None reads SLIMSERVE_KERNELS (callers that resolved the backend
+    once, like QuantLinear, pass it)."""
     check_tensor("x", x, dtypes=_X_DTYPES, device=w.qweight.device, last_contiguous=True)
     check(x.dim() >= 1 and x.shape[-1] == w.k,
-          f"x has shape {tuple(x.shape)}; its last dim must be the weight's in_features {w.k}")
+          lambda: f"x has shape {tuple(x.shape)}; its last dim must be the weight's "
+                  f"in_features {w.k}")
     if bias is not None:
         check_tensor("bias", bias, dtypes=(x.dtype,), shape=(w.n,), device=x.device,
                      last_contiguous=True)
     lead, x2 = x.shape[:-1], x.reshape(-1, w.k)
     m = x2.shape[0]
     cfg = config or select_config(m)
-    check(cfg.path in ("gemm", "dequant"), f"config.path={cfg.path!r}; use 'gemm' or 'dequant'")
+    check(cfg.path in ("gemm", "dequant"),
+          lambda: f"config.path={cfg.path!r}; use 'gemm' or 'dequant'")
     check(cfg.path == "dequant" or min(cfg.block_m, cfg.block_n) >= 16,
-          f"config block_m={cfg.block_m}, block_n={cfg.block_n}; tl.dot needs tiles >= 16")
-    if not use_triton(x):
+          lambda: f"config block_m={cfg.block_m}, block_n={cfg.block_n}; tl.dot needs tiles >= 16")
+    if not (use_triton(x) if use_kernel is None else use_kernel):
         return F.linear(x, dequantize_torch(w).to(x.dtype), bias)
     if m == 0:
         return x.new_empty(*lead, w.n)
@@ -274,7 +282,7 @@ def w4a16_gemm(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None
     k_tiles = triton.cdiv(w.k, block_k)
     split = _split_k(cfg, m, w.n, k_tiles, x.device) if cfg.path == "gemm" else 1
     if cfg.path == "dequant" or split * m * max(w.k, w.n) >= 2**31:  # the kernel's i32 offsets
-        return F.linear(x, dequantize_w4a16(w, x.dtype, config=cfg), bias)
+        return F.linear(x, dequantize_w4a16(w, x.dtype, config=cfg, use_kernel=True), bias)
     out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, m, w.n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(w.n, cfg.block_n), split)

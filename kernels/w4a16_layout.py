@@ -67,7 +67,7 @@ def prepare_w4a16(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     columns are gathered by `perm` at run time, and scales load once per tile when every group is
     a run of group_size columns (GPTQ's case); otherwise the kernel gathers scales by group_idx.
     """
-    check(num_bits in (4, 8), f"num_bits={num_bits} is not supported; use 4 or 8")
+    check(num_bits in (4, 8), lambda: f"num_bits={num_bits} is not supported; use 4 or 8")
     n, k = (int(v) for v in weight_shape)
     dev = weight_packed.device
     check_tensor("weight_packed", weight_packed, dtypes=(torch.int32,),
@@ -80,15 +80,16 @@ def prepare_w4a16(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
         group_size = 0
     elif weight_g_idx is None:
         check(bool(group_size) and groups == -(-k // group_size),
-              f"weight_scale has {groups} groups for K={k} but group_size={group_size}; pass "
-              f"the scheme's group_size (K / groups rounded up) or a weight_g_idx")
+              lambda: f"weight_scale has {groups} groups for K={k} but "
+                      f"group_size={group_size}; pass "
+                      f"the scheme's group_size (K / groups rounded up) or a weight_g_idx")
     perm = gidx = None
     qweight = weight_packed  # CT's word w already holds k = w * 32/b + field: only transposed
     if weight_g_idx is not None:
         check_tensor("weight_g_idx", weight_g_idx, dtypes=(torch.int32, torch.int64),
                      shape=(k,), device=dev)
         check(k == 0 or 0 <= int(weight_g_idx.min()) and int(weight_g_idx.max()) < groups,
-              f"weight_g_idx values must lie in [0, {groups}) (weight_scale's groups)")
+              lambda: f"weight_g_idx values must lie in [0, {groups}) (weight_scale's groups)")
         order = torch.sort(weight_g_idx.long(), stable=True)
         regular = bool(group_size) and torch.equal(
             order.values, torch.arange(k, device=dev) // group_size)

@@ -126,15 +126,17 @@ def _check_config(cfg: W8A8Config) -> None:
     for name, value, least in (("block_m", cfg.block_m, 16), ("block_n", cfg.block_n, 16),
                                ("block_k", cfg.block_k, 32)):
         check(value >= least and value == next_pow2(value),
-              f"config.{name}={value} must be a power of two >= {least} (tl.dot int8 tiles)")
-    check(cfg.group_m >= 1, f"config.group_m={cfg.group_m} must be >= 1")
+              lambda: f"config.{name}={value} must be a power of two >= {least} (tl.dot int8 "
+                      f"tiles)")
+    check(cfg.group_m >= 1, lambda: f"config.group_m={cfg.group_m} must be >= 1")
 
 
 def _check_scale(name: str, s: torch.Tensor, rows: int, device: torch.device) -> None:
     check_tensor(name, s, dtypes=_SCALE_DTYPES, device=device)
     check(s.numel() == rows and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)),
-          f"{name} has shape {tuple(s.shape)}; expected [{rows}, 1] or [{rows}] (one scale per "
-          "row)")
+          lambda: f"{name} has shape {tuple(s.shape)}; expected [{rows}, 1] or [{rows}] (one "
+                  f"scale per "
+                  "row)")
 
 
 def w8a8_gemm(
@@ -154,8 +156,9 @@ def w8a8_gemm(
     check_tensor("w_q", w_q, dtypes=(torch.int8,), ndim=2, device=dev, last_contiguous=True)
     m, k = a_q.shape
     n = w_q.shape[0]
-    check(w_q.shape[1] == k, f"w_q has shape {tuple(w_q.shape)}; expected [N, {k}] (K of a_q)")
-    check(out_dtype in _OUT_DTYPES, f"out_dtype={out_dtype} must be one of torch.float16, "
+    check(w_q.shape[1] == k,
+          lambda: f"w_q has shape {tuple(w_q.shape)}; expected [N, {k}] (K of a_q)")
+    check(out_dtype in _OUT_DTYPES, lambda: f"out_dtype={out_dtype} must be one of torch.float16, "
                                     "torch.bfloat16, torch.float32, torch.int32")
     _check_scale("a_scale", a_scale, m, dev)
     _check_scale("w_scale", w_scale, n, dev)

@@ -1,66 +1,93 @@
-"""The runtime's ops: the Triton kernel on CUDA (or when forced), the torch twin otherwise.
+"""The runtime's ops: the Triton kernels on CUDA (or when forced), the torch twins otherwise.
 
 `SLIMSERVE_KERNELS=auto|triton|torch` (kernels/_launch.py) picks the path; `auto` runs the
 kernels on CUDA tensors and the pure-torch twins in kernels/reference.py on CPU, so the CPU path
 is exactly the oracle the kernel tests compare against.
+
+The choice is resolved once, not per op: `select(device)` reads the environment and returns
+one of two `KernelOps` tables of plain functions (the kernel modules are imported when the
+Triton table is first built), which the model resolves at its first forward and keeps.
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from slimserve.kernels import reference
-from slimserve.kernels._launch import use_triton
+from slimserve.kernels._launch import kernel_backend
 
 
-def _kernel(module: str):
-    return importlib.import_module(f"slimserve.kernels.{module}")
+@dataclass(frozen=True)
+class KernelOps:
+    """One backend's ops, with the signatures of the twins in kernels/reference.py (the
+    attention ops also take the host-side `max_context_len` / `max_q_len` bounds)."""
+
+    triton: bool
+    rms_norm: Callable
+    fused_add_rms_norm: Callable
+    silu_and_mul: Callable
+    rope_and_write_kv: Callable
+    write_kv_cache: Callable
+    paged_attention_decode: Callable
+    paged_attention_prefill: Callable
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_triton(x):
-        return _kernel("rms_norm").rms_norm(x, weight, eps)
-    return reference.rms_norm(x, weight, eps)
-
-
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if use_triton(x):
-        return _kernel("rms_norm").fused_add_rms_norm(x, residual, weight, eps)
-    return reference.fused_add_rms_norm(x, residual, weight, eps)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if use_triton(x):
-        return _kernel("activation").silu_and_mul(x)
-    return reference.silu_and_mul(x)
-
-
-def write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
-    if use_triton(key):
-        _kernel("kv_cache").write_kv_cache(key, value, key_cache, value_cache, slot_mapping,
-                                           k_scale, v_scale)
-    else:
-        reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-
-
-def paged_attention_decode(query, key_cache, value_cache, block_tables, context_lens, scale,
-                           k_scale, v_scale, max_context_len: int | None = None) -> torch.Tensor:
-    if use_triton(query):
-        return _kernel("paged_attention").paged_attention_decode(
-            query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale,
-            max_context_len=max_context_len)
+def _torch_decode(query, key_cache, value_cache, block_tables, context_lens, scale, k_scale,
+                  v_scale, max_context_len=None):
     return reference.paged_attention_decode(query, key_cache, value_cache, block_tables,
                                             context_lens, scale, k_scale, v_scale)
 
 
-def paged_attention_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                            context_lens, scale, k_scale, v_scale, max_q_len: int) -> torch.Tensor:
-    if use_triton(query):
-        return _kernel("paged_attention").paged_attention_prefill(
-            query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            k_scale, v_scale, max_q_len=max_q_len)
+def _torch_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                   k_scale, v_scale, max_q_len):
     return reference.paged_attention_prefill(query, key_cache, value_cache, block_tables,
                                              cu_seqlens_q, context_lens, scale, k_scale, v_scale)
+
+
+TORCH = KernelOps(
+    triton=False, rms_norm=reference.rms_norm, fused_add_rms_norm=reference.fused_add_rms_norm,
+    silu_and_mul=reference.silu_and_mul, rope_and_write_kv=reference.rope_and_write_kv,
+    write_kv_cache=reference.write_kv_cache, paged_attention_decode=_torch_decode,
+    paged_attention_prefill=_torch_prefill,
+)
+
+
+@functools.cache
+def triton_ops() -> KernelOps:
+    """The Triton table (imports triton and the kernel modules on first use)."""
+    from slimserve.kernels import activation, kv_cache, paged_attention, rms_norm, rope_kv_cache
+
+    def decode(query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale,
+               max_context_len=None):
+        return paged_attention.paged_attention_decode(
+            query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale,
+            max_context_len=max_context_len)
+
+    def prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                k_scale, v_scale, max_q_len):
+        return paged_attention.paged_attention_prefill(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
+            k_scale, v_scale, max_q_len=max_q_len)
+
+    return KernelOps(
+        triton=True, rms_norm=rms_norm.rms_norm, fused_add_rms_norm=rms_norm.fused_add_rms_norm,
+        silu_and_mul=activation.silu_and_mul, rope_and_write_kv=rope_kv_cache.rope_and_write_kv,
+        write_kv_cache=kv_cache.write_kv_cache, paged_attention_decode=decode,
+        paged_attention_prefill=prefill,
+    )
+
+
+def triton_enabled(device: torch.device) -> bool:
+    """Whether ops on `device` run the Triton kernels (reads SLIMSERVE_KERNELS now)."""
+    backend = kernel_backend()
+    return backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")
+
+
+def select(device: torch.device) -> KernelOps:
+    """The ops for tensors on `device` under the current SLIMSERVE_KERNELS; resolve once and
+    keep the result (the model does so at its first forward)."""
+    return triton_ops() if triton_enabled(device) else TORCH

@@ -13,6 +13,9 @@ The buffers have CT's on-disk names, so an artifact's safetensors load straight 
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -22,6 +25,16 @@ from slimserve.runtime.artifact.scheme import QuantScheme
 
 PACKED = "pack-quantized"
 UNPACKED = ("naive-quantized", "int-quantized")
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """The GEMM launchers, imported once on first use (triton is not imported on the torch path)."""
+    from slimserve.kernels.w4a16_gemm import prepare_w4a16, w4a16_gemm
+    from slimserve.kernels.w8a8_gemm import linear_w8a8
+
+    return SimpleNamespace(prepare_w4a16=prepare_w4a16, w4a16_gemm=w4a16_gemm,
+                           linear_w8a8=linear_w8a8)
 
 
 class QuantLinear(nn.Module):
@@ -103,25 +116,30 @@ class QuantLinear(nn.Module):
 
     def _triton_forward(self, x: torch.Tensor, path: str) -> torch.Tensor:
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        kernels = _kernels()
         if path == "w8a8":
-            from slimserve.kernels.w8a8_gemm import linear_w8a8
-
-            return linear_w8a8(x.contiguous(), self.weight, self.weight_scale, bias)
-        from slimserve.kernels.w4a16_gemm import prepare_w4a16, w4a16_gemm
-
+            return kernels.linear_w8a8(x.contiguous(), self.weight, self.weight_scale, bias)
         prepared = getattr(self, "_prepared", None)
         if prepared is None:
             w = self.scheme.weights
-            prepared = self._prepared = prepare_w4a16(
+            prepared = self._prepared = kernels.prepare_w4a16(
                 self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx,
                 (self.out_features, self.in_features), w.group_size, w.num_bits)
-        return w4a16_gemm(x.contiguous(), prepared, bias)
+        return kernels.w4a16_gemm(x.contiguous(), prepared, bias, use_kernel=True)
+
+    def _route(self, x: torch.Tensor) -> str | None:
+        """The kernel path for inputs on x's device, resolved once per device (reading
+        SLIMSERVE_KERNELS then) and kept: 'w4a16' | 'w8a8' | None (the torch path)."""
+        route = self.__dict__.get("_routed")
+        if route is None or route[0] != x.device:
+            path = self._kernel_path() if use_triton(x) else None
+            route = self.__dict__["_routed"] = (x.device, path)
+        return route[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
-        if use_triton(x) and x.dtype in (torch.float16, torch.bfloat16):
-            path = self._kernel_path()
-            if path is not None:
-                return self._triton_forward(x, path)
+        path = self._route(x)
+        if path is not None and x.dtype in (torch.float16, torch.bfloat16):
+            return self._triton_forward(x, path)
         if self.scheme.input_activations is not None:
             x = reference.fake_quantize_per_token_int8(x)
         bias = self.bias.to(x.dtype) if self.bias is not None else None

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slimserve.kernels.reference import rope_tables
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import ops
+from slimserve.runtime.layers.ops import KernelOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -121,18 +123,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                kops: KernelOps | None = None):
+        kops = kops or ops.select(x.device)
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotate_half RoPE on [T, heads, D] in fp32, rounded to x's dtype."""
-    xf = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos + rotated * sin).to(x.dtype)
+            return kops.rms_norm(x, self.weight, self.eps)
+        return kops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(Fp32Buffers):
@@ -155,7 +151,9 @@ class Attention(Fp32Buffers):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
-    def forward(self, x, cos, sin, batch: BatchInputs, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+    def forward(self, x, cos, sin, batch: BatchInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                kops: KernelOps):
+        """cos/sin: the step's RoPE tables [T, D/2] fp32 (`rope_tables`, once per step)."""
         t = x.shape[0]
         if hasattr(self, "qkv_proj"):  # fused at load (runtime/models/fuse.py)
             q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
@@ -165,16 +163,18 @@ class Attention(Fp32Buffers):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = self.q_norm(q, kops=kops), self.k_norm(k, kops=kops)
         key_cache, value_cache = kv_cache
-        ops.write_kv_cache(k, v, key_cache, value_cache, batch.slot_mapping, self.k_scale, self.v_scale)
+        # q and k rotated in place (they are views of this step's projection output), the
+        # rotated k and v stored in the paged cache: one launch on the kernel path
+        kops.rope_and_write_kv(q, k, v, cos, sin, key_cache, value_cache, batch.slot_mapping,
+                               self.k_scale, self.v_scale)
         if batch.decode_only:
-            out = ops.paged_attention_decode(q, key_cache, value_cache, batch.block_tables,
+            out = kops.paged_attention_decode(q, key_cache, value_cache, batch.block_tables,
                                              batch.context_lens, self.scale, self.k_scale,
                                              self.v_scale, batch.max_context_len)
         else:
-            out = ops.paged_attention_prefill(q, key_cache, value_cache, batch.block_tables,
+            out = kops.paged_attention_prefill(q, key_cache, value_cache, batch.block_tables,
                                               batch.cu_seqlens_q, batch.context_lens, self.scale,
                                               self.k_scale, self.v_scale, batch.max_q_len)
         return self.o_proj(out.reshape(t, -1))
@@ -187,10 +187,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kops: KernelOps) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):  # fused at load: [T, 2I] is what silu_and_mul takes
-            return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-        return self.down_proj(ops.silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+            return self.down_proj(kops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(kops.silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
 
 
 class DecoderLayer(nn.Module):
@@ -201,14 +201,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, residual, cos, sin, batch, kv_cache):
+    def forward(self, x, residual, cos, sin, batch, kv_cache, kops: KernelOps):
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, kops=kops)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, batch, kv_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm(x, residual, kops)
+        x = self.self_attn(x, cos, sin, batch, kv_cache, kops)
+        x, residual = self.post_attention_layernorm(x, residual, kops)
+        return self.mlp(x, kops), residual
 
 
 class Backbone(nn.Module):
@@ -223,7 +223,9 @@ class CausalLM(Fp32Buffers):
     """Embedding -> decoder layers over the paged cache -> final norm -> lm_head (sampled rows).
 
     `inv_freq` (RoPE) and every layer's `k_scale`/`v_scale` stay fp32 in any model dtype
-    (`Fp32Buffers`); RoPE angles and cos/sin are computed in fp32.
+    (`Fp32Buffers`); RoPE angles and cos/sin are computed in fp32, once per step for all layers.
+    The kernel backend (runtime/layers/ops.py) is resolved at the first forward on a device and
+    kept, so no op reads the environment or imports a module on the hot path.
     """
 
     FP32_BUFFERS = ("inv_freq",)
@@ -237,15 +239,22 @@ class CausalLM(Fp32Buffers):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", torch.tensor(spec.inv_freq, dtype=torch.float32),
                              persistent=False)
+        self._kops: tuple[torch.device, KernelOps] | None = None  # (device, its ops), first forward
+
+    def kernel_ops(self, device: torch.device) -> KernelOps:
+        """The ops for `device`, resolved from SLIMSERVE_KERNELS once and kept."""
+        cached = self._kops
+        if cached is None or cached[0] != device:
+            cached = self._kops = (device, ops.select(device))
+        return cached[1]
 
     @torch.inference_mode()
     def forward(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """fp32 logits [S, vocab] for the rows batch.logits_indices selects."""
-        freqs = batch.positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [T, 1, D]
-        cos, sin = emb.cos(), emb.sin()
+        kops = self.kernel_ops(batch.input_ids.device)
+        cos, sin = rope_tables(batch.positions, self.inv_freq)  # [T, D/2] fp32, for every layer
         x, residual = self.model.embed_tokens(batch.input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, batch, kv)
-        x, _ = self.model.norm(x, residual)
+            x, residual = layer(x, residual, cos, sin, batch, kv, kops)
+        x, _ = self.model.norm(x, residual, kops)
         return self.lm_head(x[batch.logits_indices]).float()
