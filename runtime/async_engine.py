@@ -15,6 +15,10 @@ Failure handling: a request the engine fails alone (non-finite logits, a decode 
 an output whose `error` is set; if the loop itself dies, every registered request is failed at
 once with EngineDeadError and `health_problem()` says so (the server's /health answers 503); a
 step running longer than `step_watchdog_s` also makes `health_problem()` report the engine stuck.
+
+Load (`load()`, for the router's least-latency policy through the server's GET /state): the prompt
+tokens of requests that have no first output yet (queued prefill work), and moving averages of
+the engine's step time and of its prefill cost per token, measured on the engine thread.
 """
 
 from __future__ import annotations
@@ -30,10 +34,33 @@ from collections.abc import AsyncIterator
 from slimserve.runtime.config import DEFAULT_STEP_WATCHDOG_S, EngineConfig
 from slimserve.runtime.engine import EngineStats, LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.sequence import OutputAccumulator, RequestOutput, SamplingParams
+from slimserve.runtime.sequence import (
+    OutputAccumulator,
+    RequestOutput,
+    SamplingParams,
+    SequenceStatus,
+)
 
 log = logging.getLogger(__name__)
 _STOP = object()
+LOAD_EWMA_ALPHA = 0.1  # weight of the newest step in the moving averages of load()
+PREFILL_STEP_TOKENS = 32  # a step computing at least this many tokens counts as a prefill step
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLoad:
+    """What a router needs to predict this engine's time to first token (runtime/router/)."""
+
+    queued_prefill_tokens: int  # prompt tokens of admitted requests without a first output yet
+    step_time_s: float | None  # moving average of a decode-dominated step; None before the first
+    prefill_s_per_token: float | None  # moving average of a prefill step's time per token, beyond
+    # a decode step's; None before the first prefill step
+    max_num_batched_tokens: int  # tokens one step computes at most
+    steps: int  # steps run so far
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else old + LOAD_EWMA_ALPHA * (new - old)
 
 
 class _Mailbox:
@@ -80,6 +107,10 @@ class AsyncEngine:
         self._step_started: float | None = None  # monotonic s, while a step runs
         self._stats = engine.stats()
         self._queued = 0  # adds handed to the engine thread and not yet applied (for num_waiting)
+        self._prefill: dict[str, int] = {}  # request id -> prompt tokens, until its first output
+        self._step_s: float | None = None  # load(): moving averages, written by the engine thread
+        self._prefill_s_per_token: float | None = None
+        self._steps = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kw) -> "AsyncEngine":
@@ -103,6 +134,11 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
         s = self._stats
         return dataclasses.replace(s, num_waiting=s.num_waiting + self._queued)
+
+    def load(self) -> EngineLoad:
+        """Queued prefill tokens and step-time averages (see EngineLoad); cheap, event loop only."""
+        return EngineLoad(sum(self._prefill.values()), self._step_s, self._prefill_s_per_token,
+                          self.config.max_num_batched_tokens, self._steps)
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (dead loop, or a step past the watchdog); None if healthy."""
@@ -133,11 +169,13 @@ class AsyncEngine:
                 raise EngineDeadError(f"the engine stopped: {self._dead}")
             self._streams[request_id] = (asyncio.get_running_loop(), box)
             self._queued += 1
+        self._prefill[request_id] = len(seq.prompt_token_ids)
         self._commands.put(("add", seq))
         finished = False
         try:
             while True:
                 item = await box.get()
+                self._prefill.pop(request_id, None)
                 if isinstance(item, RequestError):
                     finished = True  # never reached the scheduler: nothing to abort
                     raise item
@@ -149,6 +187,7 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
+            self._prefill.pop(request_id, None)
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
@@ -188,6 +227,25 @@ class AsyncEngine:
                 self._deliver(out, arg)
         return True
 
+    def _measure(self, seconds: float, seqs: list) -> None:
+        """Fold one step into the load averages: tokens computed = growth of each sequence's
+        computed tokens (a finished one has freed its blocks: all its tokens but the sampled
+        last one were computed; a preempted one shrinks: counted as 0)."""
+        tokens = 0
+        for seq, before in seqs:
+            done = seq.num_tokens - 1 if seq.status is SequenceStatus.FINISHED else \
+                seq.num_computed_tokens
+            tokens += max(0, done - before)
+        if tokens == 0:
+            return
+        self._steps += 1
+        if tokens < PREFILL_STEP_TOKENS:
+            self._step_s = _ewma(self._step_s, seconds)
+        else:
+            extra = seconds - (self._step_s or 0.0)
+            self._prefill_s_per_token = _ewma(self._prefill_s_per_token,
+                                              max(extra, 0.1 * seconds) / tokens)
+
     def _loop(self) -> None:
         try:
             running = True
@@ -201,9 +259,12 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 if running and self.engine.has_unfinished():
-                    self._step_started = time.monotonic()
+                    seqs = [(r.seq, r.seq.num_computed_tokens)
+                            for r in self.engine.requests.values()]
+                    self._step_started = started = time.monotonic()
                     outputs = self.engine.step()
                     self._step_started = None
+                    self._measure(time.monotonic() - started, seqs)
                     for out in outputs:
                         self._deliver(out, out.request_id)
                 self._stats = self.engine.stats()

@@ -1,12 +1,16 @@
-"""The `runtime` command: `serve` (the OpenAI-compatible server), `bench` (the serving load
-generator, runtime/bench/driver.py) and `generate` (one prompt, a quick look).
+"""The `runtime` command: `serve` (the OpenAI-compatible server), `router` (one endpoint in front
+of several servers, runtime/router/), `bench` (the serving load generator,
+runtime/bench/driver.py) and `generate` (one prompt, a quick look).
 
-`serve` runs the continuous-batching engine behind the HTTP API of runtime/server/.
+`serve` runs the continuous-batching engine behind the HTTP API of runtime/server/; with
+`--data-parallel-size N` it starts N `serve` child processes on free local ports instead and
+the router in front of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from typing import Optional
 
@@ -141,9 +145,31 @@ def serve(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     verify: str = VERIFY_OPTION,
     allow_failed_gate: bool = ALLOW_FAILED_GATE_OPTION,
+    data_parallel_size: int = typer.Option(1, "--data-parallel-size", min=1, help="engine "
+                                           "replicas (processes; one GPU each on CUDA, an equal "
+                                           "share of the cores on CPU) behind one router"),
+    router_policy: str = typer.Option("least-latency", "--router-policy",
+                                      help="with --data-parallel-size > 1: least-latency | "
+                                           "round-robin | random"),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from slimserve.runtime.errors import ArtifactError
+
+    if data_parallel_size > 1:
+        flags = {"--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
+                 "--max-model-len": max_model_len, "--block-size": block_size,
+                 "--kv-cache-dtype": kv_cache_dtype, "--kv-cache-memory": kv_cache_memory,
+                 "--max-queue": max_queue, "--max-connections": max_connections,
+                 "--body-timeout": body_timeout, "--stream-timeout": stream_timeout,
+                 "--step-watchdog": step_watchdog, "--served-model-name": served_model_name,
+                 "--dtype": dtype, "--verify": verify}
+        args = [a for k, v in flags.items() if v is not None for a in (k, str(v))]
+        args.append("--enable-prefix-caching" if enable_prefix_caching
+                    else "--no-enable-prefix-caching")
+        args += ["--trust-remote-code"] * trust_remote_code + ["--allow-failed-gate"] * allow_failed_gate
+        _serve_data_parallel(artifact, args, data_parallel_size, device, host, port, api_key,
+                             router_policy, max_connections, body_timeout, stream_timeout)
+        return
 
     try:
         config = EngineConfig(
@@ -178,8 +204,140 @@ def serve(
             api.state.serving.drain()
             await super().shutdown(sockets)
 
-    Server(uvicorn.Config(api, host=host, port=port, limit_concurrency=max_connections,
-                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run()
+    uv_config = uvicorn.Config(api, host=host, port=port, limit_concurrency=max_connections,
+                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    logging.getLogger("uvicorn.access").addFilter(_NoStatePolls())  # a router polls ~7/s
+    Server(uv_config).run()
+
+
+class _NoStatePolls(logging.Filter):
+    """Keep a router's GET /state polls out of the access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return '"GET /state ' not in record.getMessage()
+
+
+REPLICA_START_TIMEOUT_S = 900  # s each replica of --data-parallel-size gets to load its model
+
+
+def _run_router(urls: list[str], *, policy: str, host: str, port: int, api_key: str | None,
+                admin_key: str | None, poll_interval: float, max_connections: int,
+                body_timeout: float, stream_timeout: float) -> None:
+    import uvicorn
+
+    from slimserve.runtime.router.app import build_router_app
+
+    try:
+        api = build_router_app(urls, policy=policy, api_key=api_key, admin_key=admin_key,
+                               poll_interval_s=poll_interval, body_timeout_s=body_timeout,
+                               stream_timeout_s=stream_timeout)
+    except ValueError as e:  # a bad URL or policy
+        _fail(e)
+    console.print(f"router ({escape(policy)}) over {len(urls)} replica(s) on "
+                  f"http://{host}:{port}/v1", highlight=False, soft_wrap=True)
+    uvicorn.run(api, host=host, port=port, limit_concurrency=max_connections,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="warning")
+
+
+def _serve_data_parallel(artifact: str, flags: list[str], n: int, device: str, host: str,
+                         port: int, api_key: str | None, policy: str, max_connections: int,
+                         body_timeout: float, stream_timeout: float) -> None:
+    """N `runtime serve` children on free 127.0.0.1 ports (one GPU each through
+    CUDA_VISIBLE_DEVICES, or cores // N threads each on CPU) and the router on host:port; the
+    children are stopped when the router exits (Ctrl-C, SIGTERM) and die with this process."""
+    import os
+
+    from slimserve.runtime.bench.server_process import (
+        BenchError,
+        ServerSpec,
+        free_port,
+        launched_servers,
+    )
+    from slimserve.runtime.router.policy import POLICIES
+
+    if policy not in POLICIES:
+        _fail(ValueError(f"--router-policy {policy!r}: choose one of {', '.join(POLICIES)}"))
+    if device.startswith("cuda:"):
+        _fail(ValueError("--device cuda:N cannot be combined with --data-parallel-size: each "
+                         "replica gets one GPU of CUDA_VISIBLE_DEVICES; use --device cuda"))
+    cuda = device == "cuda"
+    if device == "auto":
+        import torch
+
+        cuda = torch.cuda.is_available()
+    env = dict(os.environ)
+    if api_key is not None:
+        env["SLIMSERVE_API_KEY"] = api_key  # not on the command line, where `ps` shows it
+    specs = []
+    if cuda:
+        import torch
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < n:
+            _fail(ValueError(f"--data-parallel-size {n} needs {n} GPUs; {len(gpus)} visible"))
+        envs = [{**env, "CUDA_VISIBLE_DEVICES": gpus[i]} for i in range(n)]
+        child_device = "cuda"
+    else:
+        threads = str(max(1, (os.cpu_count() or 1) // n))
+        envs = [{**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+                for _ in range(n)]
+        child_device = "cpu"
+    for i in range(n):
+        p = free_port()
+        cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", artifact, "--host",
+               "127.0.0.1", "--port", str(p), "--device", child_device, *flags]
+        specs.append(ServerSpec(cmd, f"http://127.0.0.1:{p}", envs[i]))
+    share = "one GPU" if cuda else f"{envs[0]['OMP_NUM_THREADS']} threads"
+    console.print(f"starting {n} replicas ({share} each): {', '.join(s.url for s in specs)}",
+                  highlight=False, soft_wrap=True)
+    import signal
+
+    def terminated(signum, frame):  # uvicorn re-raises SIGTERM after its graceful shutdown:
+        raise SystemExit(128 + signum)  # exit through the finally that stops the replicas
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        with launched_servers(specs, REPLICA_START_TIMEOUT_S):
+            _run_router([s.url for s in specs], policy=policy, host=host, port=port,
+                        api_key=api_key, admin_key=None, poll_interval=0.15,
+                        max_connections=max_connections, body_timeout=body_timeout,
+                        stream_timeout=stream_timeout)
+    except BenchError as e:
+        _fail(e)
+
+
+@app.command()
+def router(
+    replica: list[str] = typer.Option(..., "--replica", help="base URL of a `runtime serve` "
+                                      "replica, e.g. http://10.0.0.2:8000; repeat for each"),
+    policy: str = typer.Option("least-latency", help="least-latency | round-robin | random"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on (0.0.0.0: every one)"),
+    port: int = typer.Option(8000, min=0, max=65535),
+    api_key: Optional[str] = typer.Option(None, envvar="SLIMSERVE_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on /v1/* "
+                                               "(forwarded to the replicas)"),
+    admin_key: Optional[str] = typer.Option(None, envvar="SLIMSERVE_ROUTER_ADMIN_KEY",
+                                            help="allow POST/DELETE /router/replicas with "
+                                                 "'Authorization: Bearer KEY' (default: the "
+                                                 "replica list is fixed)"),
+    poll_interval: float = typer.Option(0.15, min=0.01, help="s between polls of each "
+                                        "replica's /state (health and load)"),
+    max_connections: int = typer.Option(DEFAULT_MAX_CONNECTIONS, min=1,
+                                        help="open connections at most; more get 503"),
+    body_timeout: float = typer.Option(DEFAULT_BODY_TIMEOUT_S, min=0.1, help="s a request body may "
+                                       "take to arrive; later: 408"),
+    stream_timeout: float = typer.Option(DEFAULT_STREAM_TIMEOUT_S, min=0.1, help="s a streaming "
+                                         "client may read nothing before its request is dropped"),
+) -> None:
+    """One OpenAI-compatible endpoint in front of several `runtime serve` replicas."""
+    from slimserve.runtime.router.policy import POLICIES
+
+    if policy not in POLICIES:
+        _fail(ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}"))
+    _run_router(replica, policy=policy, host=host, port=port, api_key=api_key, admin_key=admin_key,
+                poll_interval=poll_interval, max_connections=max_connections,
+                body_timeout=body_timeout, stream_timeout=stream_timeout)
 
 
 # The load generator lives in runtime/bench/driver.py; its typed keyword signature is the CLI.

@@ -2,14 +2,20 @@
 /health answers, stop it (SIGTERM, then kill after a grace period) when the block ends.
 
 runtime/bench/driver.py decides what to serve (the command line); this module only runs it.
+`runtime serve --data-parallel-size N` starts its replicas with `launched_servers` (all at once,
+then waits for each; on Linux each child also gets SIGTERM if the parent dies, so none outlives
+it).
 """
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -33,31 +39,87 @@ def _last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "(no output)"
 
 
-@contextmanager
-def launched_server(cmd: list[str], url: str, timeout_s: float, log_path: Path) -> Iterator[str]:
-    """Run `cmd` (a server listening at url) until the block ends; yields url once /health is 200."""
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise BenchError(f"`runtime serve` exited with code {proc.returncode} before it was "
-                                 f"ready: {_last_line(log_path)} (log: {log_path})")
-            try:
-                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise BenchError(f"`runtime serve` did not answer /health within {timeout_s:.0f} s "
-                                 f"(log: {log_path}); raise server_start_timeout_s")
-            time.sleep(0.25)
-        yield url
-    finally:
-        proc.terminate()  # uvicorn shuts down gracefully on SIGTERM
+def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux only)
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class ServerSpec:
+    """One child server: its command line, the URL it listens at, its environment (None: the
+    parent's) and log file (None: the parent's stdout/stderr)."""
+
+    cmd: list[str]
+    url: str
+    env: dict[str, str] | None = None
+    log_path: Path | None = None
+
+
+def start_server(spec: ServerSpec, die_with_parent: bool = False) -> subprocess.Popen:
+    preexec = _die_with_parent if die_with_parent and sys.platform.startswith("linux") else None
+    if spec.log_path is None:
+        return subprocess.Popen(spec.cmd, env=spec.env, preexec_fn=preexec)
+    with open(spec.log_path, "wb") as log:
+        return subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT, env=spec.env,
+                                preexec_fn=preexec)
+
+
+def wait_ready(proc: subprocess.Popen, spec: ServerSpec, deadline: float) -> None:
+    """Return once the server answers /health with 200; BenchError if it exits or the monotonic
+    `deadline` passes first."""
+    where = f" (log: {spec.log_path})" if spec.log_path else ""
+    while True:
+        if proc.poll() is not None:
+            last = f": {_last_line(spec.log_path)}" if spec.log_path else ""
+            raise BenchError(f"`runtime serve` exited with code {proc.returncode} before it was "
+                             f"ready{last}{where}")
         try:
-            proc.wait(STOP_GRACE_S)
+            if httpx.get(spec.url + "/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise BenchError(f"`runtime serve` at {spec.url} did not answer /health in time"
+                             f"{where}; raise the start timeout")
+        time.sleep(0.25)
+
+
+def stop_servers(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to all (uvicorn shuts down gracefully), then kill whoever is left after the grace."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextmanager
+def launched_servers(specs: list[ServerSpec], timeout_s: float,
+                     die_with_parent: bool = True) -> Iterator[list[subprocess.Popen]]:
+    """Start every server at once, wait until each answers /health, stop all when the block ends
+    (also on an error or Ctrl-C while they start)."""
+    procs: list[subprocess.Popen] = []
+    try:
+        for spec in specs:
+            procs.append(start_server(spec, die_with_parent))
+        deadline = time.monotonic() + timeout_s
+        for proc, spec in zip(procs, specs):
+            wait_ready(proc, spec, deadline)
+        yield procs
+    finally:
+        stop_servers(procs)
+
+
+@contextmanager
+def launched_server(cmd: list[str], url: str, timeout_s: float, log_path: Path) -> Iterator[str]:
+    """Run `cmd` (a server listening at url) until the block ends; yields url once /health is 200."""
+    with launched_servers([ServerSpec(cmd, url, log_path=log_path)], timeout_s,
+                          die_with_parent=False):
+        yield url

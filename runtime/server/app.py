@@ -2,7 +2,7 @@
 "The engine interface the server uses").
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream over SSE), GET
-/v1/models[/{id}], GET /health, GET /metrics. Every error is an OpenAI-style JSON body
+/v1/models[/{id}], GET /health, GET /metrics, GET /state (the load a router polls: JSON). Every error is an OpenAI-style JSON body
 {"error": {"message", "type", "param", "code"}}; nothing internal (tracebacks, paths) leaks.
 
 A request that loses its client is aborted in the engine: while waiting for the first token and
@@ -21,6 +21,7 @@ held for a slow stream grows with its output, not with its output squared.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -120,6 +121,26 @@ class OpenAIServing:
         if problem is not None:
             return JSONResponse(error_body(f"engine is not healthy: {problem}", "server_error"), 503)
         return JSONResponse({"status": "ok"})
+
+    async def state(self) -> Response:
+        """The engine's load as JSON, for runtime/router/ (polled every ~150 ms): 503 with the
+        same fields while /health would answer 503."""
+        problem = self.engine.health_problem()
+        try:
+            s = self.engine.stats()
+        except EngineDeadError as e:
+            return JSONResponse(error_body(f"engine is not running: {e}", "server_error",
+                                           code="engine_dead"), 503)
+        body: dict[str, Any] = {
+            "model": self.engine.model_name, "healthy": problem is None, "problem": problem,
+            "num_running": s.num_running, "num_waiting": s.num_waiting,
+            "num_pending": self.pending, "kv_cache_usage": s.kv_cache_usage,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "block_size": s.block_size,
+            "capacity_tokens": s.capacity_tokens, "max_model_len": self.engine.max_model_len}
+        load = getattr(self.engine, "load", None)  # an engine without it: counts only
+        if load is not None:
+            body.update(dataclasses.asdict(load()))
+        return JSONResponse(body, 200 if problem is None else 503)
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -435,6 +456,7 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
     install_error_handlers(app)
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics_text, methods=["GET"])
+    app.add_api_route("/state", serving.state, methods=["GET"])
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
     v1.add_api_route("/models", serving.models, methods=["GET"])
     v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])

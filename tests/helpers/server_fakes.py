@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass
 
+from slimserve.runtime.async_engine import EngineLoad
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams
 from slimserve.runtime.stops import StopHoldBack
@@ -72,6 +73,7 @@ class FakeEngine:
         self.closed_early: list[str] = []  # generators the consumer left before the end
         self.waiting = 0
         self._aborts: dict[str, asyncio.Event] = {}
+        self._prefill: dict[str, int] = {}  # request id -> prompt tokens, until its first token
 
     async def start(self):
         self.started = True
@@ -83,6 +85,9 @@ class FakeEngine:
         if self.dead:
             raise EngineDeadError("fake engine died")
         return FakeStats(num_running=len(self._aborts), num_waiting=self.waiting)
+
+    def load(self):
+        return EngineLoad(sum(self._prefill.values()), self.delay, None, 64, len(self.requests))
 
     def health_problem(self):
         return "fake engine died" if self.dead else self.unhealthy
@@ -111,6 +116,7 @@ class FakeEngine:
             raise RequestError("max_tokens", f"ask for at most {self.max_model_len - len(ids)}")
         self.requests.append((request_id, ids, params))
         aborted = self._aborts[request_id] = asyncio.Event()
+        self._prefill[request_id] = len(ids)
         t = {"arrival": time.monotonic()}
         out_ids, lps, finished = [], [] if params.logprobs is not None else None, False
         hold, sent = StopHoldBack(params.stop), 0  # sent: token ids handed out so far
@@ -133,6 +139,7 @@ class FakeEngine:
                     pass
                 if self.die_after is not None and i >= self.die_after:
                     raise EngineDeadError("fake engine died mid-request")
+                self._prefill.pop(request_id, None)
                 tok = ord("a") + (i + (params.seed or 0)) % 26
                 out_ids.append(tok)
                 if lps is not None:
@@ -161,6 +168,7 @@ class FakeEngine:
                     return
         finally:
             self._aborts.pop(request_id, None)
+            self._prefill.pop(request_id, None)
             if not finished:
                 self.closed_early.append(request_id)
 

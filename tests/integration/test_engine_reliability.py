@@ -213,3 +213,32 @@ def test_prompts_are_tokenized_off_the_event_loop_and_oversized_ones_not_at_all(
     asyncio.run(run())
     max_chars = LLMEngine(engine_config).max_prompt_chars
     assert 1024 <= max_chars <= 1024 * 64  # the demo model's context times its longest token
+
+
+def test_load_reports_queued_prefill_and_measured_step_times(engine_config):
+    """AsyncEngine.load(), what GET /state serves to the router (runtime/router/policy.py)."""
+    async def run():
+        engine = AsyncEngine.from_config(engine_config)
+        fresh = engine.load()
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            gen = engine.generate(PROMPT * 4, params, "r0")
+            task = asyncio.ensure_future(gen.__anext__())
+            await asyncio.sleep(0)
+            while not task.done() and engine.load().queued_prefill_tokens == 0:
+                await asyncio.sleep(0.001)  # tokenizing in a worker thread
+            queued = engine.load().queued_prefill_tokens
+            await task
+            async for _ in gen:
+                pass
+            return fresh, queued, engine.load()
+        finally:
+            await engine.shutdown()
+
+    fresh, queued, after = asyncio.run(run())
+    assert fresh.steps == 0 and fresh.step_time_s is None and fresh.prefill_s_per_token is None
+    assert fresh.max_num_batched_tokens == engine_config.max_num_batched_tokens
+    assert queued > 32  # the prompt, until its first output
+    assert after.queued_prefill_tokens == 0 and after.steps == 6
+    assert after.step_time_s > 0 and after.prefill_s_per_token > 0
