@@ -1,4 +1,4 @@
-"""kernel_bench's row-kernel section ("norm"): write_kv_cache (bit exact), rms_norm,
+"""kernel_bench's row-kernel section ("norm"): write_kv_cache and rope_and_write_kv (bit exact), rms_norm,
 fused_add_rms_norm and silu_and_mul (<= 2 ulp) checks, and memory-bound timings of those and
 act_quant against their torch eager twins."""
 
@@ -33,6 +33,34 @@ def checks_norm(ctx: Ctx) -> None:
             bad = sum((a.cpu().view(view) != b.view(view)).sum().item() for a, b in ((kc_d, kc), (vc_d, vc)))
             return bad == 0, float(bad), "mismatched codes (bit exact)"
         run_check(ctx, "write_kv_cache", f"{DT[kdt]} -> {DT[cdt]} cache, {p.kv_tokens} tokens", kv)
+    h = p.attn[0]
+    for kdt, cdt in ((F16, F16), (BF16, BF16), (BF16, FP8)):
+        def rope_kv(kdt=kdt, cdt=cdt):
+            from slimserve.kernels.rope_kv_cache import rope_and_write_kv
+
+            n, g = p.kv_tokens, gen("cpu", 4)
+            qkv = (torch.randn(n, (h + 2 * hkv) * d, generator=g) * 4).to(kdt)  # one fused projection
+            pos = torch.randint(0, 8192, (n,), generator=g)
+            inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
+            cos, sin = R.rope_tables(pos, inv_freq)
+            nblk = 2 * -(-n // bs) + 1
+            slots = torch.randperm(nblk * bs, generator=g)[:n]
+            slots[::10] = -1
+            kc, vc = torch.zeros(nblk, bs, hkv, d, dtype=cdt), torch.zeros(nblk, bs, hkv, d, dtype=cdt)
+
+            def split(x):
+                return (x[:, :h * d].view(n, h, d), x[:, h * d:(h + hkv) * d].view(n, hkv, d),
+                        x[:, (h + hkv) * d:].view(n, hkv, d))
+
+            ref, out = qkv.clone(), qkv.to(dev)
+            kc_d, vc_d = kc.to(dev), vc.to(dev)
+            rope_and_write_kv(*split(out), cos.to(dev), sin.to(dev), kc_d, vc_d, slots.to(dev), 0.5, 0.25)
+            R.rope_and_write_kv(*split(ref), cos, sin, kc, vc, slots, 0.5, 0.25)
+            view = torch.uint8 if cdt == FP8 else torch.int16
+            bad = sum((a.cpu().view(view) != b.view(view)).sum().item() for a, b in ((kc_d, kc), (vc_d, vc)))
+            bad += (out.cpu().view(torch.int16) != ref.view(torch.int16)).sum().item()
+            return bad == 0, float(bad), "mismatched q/k bits and cache codes (bit exact)"
+        run_check(ctx, "rope_and_write_kv", f"{DT[kdt]} -> {DT[cdt]} cache, {p.kv_tokens} tokens", rope_kv)
     for dt in (F16, BF16):
         g = gen("cpu", 2)
         x, r = (torch.randn(t, hidden, generator=g) * 4).to(dt), (torch.randn(t, hidden, generator=g) * 4).to(dt)

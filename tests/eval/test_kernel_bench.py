@@ -14,7 +14,7 @@ from slimserve.eval.kernels import sweep
 
 KERNELS = {
     "w4a16_gemm", "dequantize_w4a16", "act_quant", "w8a8_gemm", "linear_w8a8",
-    "paged_attention_decode", "paged_attention_prefill", "write_kv_cache", "rms_norm",
+    "paged_attention_decode", "paged_attention_prefill", "write_kv_cache", "rope_and_write_kv", "rms_norm",
     "fused_add_rms_norm", "silu_and_mul",
 }
 
