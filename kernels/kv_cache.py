@@ -83,14 +83,21 @@ def load_kv_tile(cache_ptr, bt_row, toks, tok_ok, offs_d, stride_b, stride_o, he
 
 
 @triton.jit
-def _write_rows(src_ptr, dst_ptr, src_off, dst_off, mask, scale, IS_FP8: tl.constexpr):
-    x = tl.load(src_ptr + src_off, mask=mask, other=0.0).to(tl.float32)  # fp32 at once: bf16
+def store_cache(dst_ptr, dst_off, x, mask, scale, IS_FP8: tl.constexpr):
+    """fp32 x (already rounded to the source's dtype) into the cache: fp8 codes of x / scale,
+    or x rounded to the cache's dtype. Shared with kernels/rope_kv_cache.py."""
     if IS_FP8:
         y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
         tl.store(dst_ptr + dst_off, fp8_e4m3_encode(y).to(tl.uint8), mask=mask)
     else:
         dt = dst_ptr.dtype.element_ty
         tl.store(dst_ptr + dst_off, round_to(x, dt).to(dt), mask=mask)
+
+
+@triton.jit
+def _write_rows(src_ptr, dst_ptr, src_off, dst_off, mask, scale, IS_FP8: tl.constexpr):
+    x = tl.load(src_ptr + src_off, mask=mask, other=0.0).to(tl.float32)  # fp32 at once: bf16
+    store_cache(dst_ptr, dst_off, x, mask, scale, IS_FP8)
 
 
 @triton.jit

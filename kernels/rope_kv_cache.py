@@ -28,7 +28,7 @@ import triton.language as tl
 
 from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2
 from slimserve.kernels._rounding import round_to
-from slimserve.kernels.kv_cache import FP8, cache_view, fp8_e4m3_encode, scale_tensor
+from slimserve.kernels.kv_cache import FP8, cache_view, scale_tensor, store_cache
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", FP8: "u8"}
@@ -51,18 +51,6 @@ def _rotate_rows(ptr, row_off, heads, stride_h, c, s, HALF: tl.constexpr, BLOCK_
     tl.store(ptr + off, o1.to(dt), mask=mask)
     tl.store(ptr + off + HALF, o2.to(dt), mask=mask)
     return o1, o2, h, d, mask
-
-
-@triton.jit
-def _store_cache(dst_ptr, dst_off, x, mask, scale, IS_FP8: tl.constexpr):
-    """fp32 x (already rounded to the source's dtype) into the cache: fp8 codes of x / scale,
-    or x rounded to the cache's dtype."""
-    if IS_FP8:
-        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-        tl.store(dst_ptr + dst_off, fp8_e4m3_encode(y).to(tl.uint8), mask=mask)
-    else:
-        dt = dst_ptr.dtype.element_ty
-        tl.store(dst_ptr + dst_off, round_to(x, dt).to(dt), mask=mask)
 
 
 @triton.jit
@@ -98,14 +86,14 @@ def _rope_kv_kernel(
         blk = slot // BLOCK_SIZE
         off = slot % BLOCK_SIZE
         k_dst = blk * stride_kcb + off * stride_kco + h * stride_kch + d
-        _store_cache(kc_ptr, k_dst, k1, mask, ks, IS_FP8)
-        _store_cache(kc_ptr, k_dst + HALF, k2, mask, ks, IS_FP8)
+        store_cache(kc_ptr, k_dst, k1, mask, ks, IS_FP8)
+        store_cache(kc_ptr, k_dst + HALF, k2, mask, ks, IS_FP8)
         v_src = t * stride_vt + h * stride_vh + d
         v_dst = blk * stride_vcb + off * stride_vco + h * stride_vch + d
         v1 = tl.load(v_ptr + v_src, mask=mask, other=0.0).to(tl.float32)
         v2 = tl.load(v_ptr + v_src + HALF, mask=mask, other=0.0).to(tl.float32)
-        _store_cache(vc_ptr, v_dst, v1, mask, vs, IS_FP8)
-        _store_cache(vc_ptr, v_dst + HALF, v2, mask, vs, IS_FP8)
+        store_cache(vc_ptr, v_dst, v1, mask, vs, IS_FP8)
+        store_cache(vc_ptr, v_dst + HALF, v2, mask, vs, IS_FP8)
 
 
 def rope_and_write_kv(

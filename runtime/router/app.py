@@ -206,15 +206,8 @@ class Router:
             self.metrics.failures.labels(replica.url, "connect").inc()
             replica.mark_down(f"connection failed: {type(e).__name__}: {e}")
             return None
-        except ReplicaFailed as e:
-            self.metrics.failures.labels(replica.url, "down").inc()
-            raise APIError(502, f"replica {replica.url} failed while serving the request: {e}",
-                           code="replica_failed") from None
-        except httpx.HTTPError as e:
-            self.metrics.failures.labels(replica.url, "lost").inc()
-            replica.mark_down(f"{type(e).__name__}: {e}")
-            raise APIError(502, f"replica {replica.url} failed while serving the request: "
-                                f"{type(e).__name__}: {e}", code="replica_failed") from None
+        except (ReplicaFailed, httpx.HTTPError) as e:
+            raise self._failed(replica, e) from None
         if resp.status_code == 503:
             data = await self._read(request, replica, ticket, resp)
             try:
@@ -228,21 +221,27 @@ class Router:
                 return None
         return resp  # a 503 of another kind is answered as it is (already read)
 
+    def _failed(self, replica: Replica, e: Exception) -> APIError:
+        """The 502 for a request its replica failed before answering: taken out of rotation
+        already (ReplicaFailed), or lost now (an HTTP error: taken out here)."""
+        if isinstance(e, ReplicaFailed):
+            self.metrics.failures.labels(replica.url, "down").inc()
+            why = str(e)
+        else:
+            self.metrics.failures.labels(replica.url, "lost").inc()
+            why = f"{type(e).__name__}: {e}"
+            replica.mark_down(why)
+        return APIError(502, f"replica {replica.url} failed while serving the request: {why}",
+                        code="replica_failed")
+
     async def _read(self, request: Request, replica: Replica, ticket: Ticket,
                     resp: httpx.Response) -> bytes:
         try:
             return await unless_disconnected(request, self._guarded(replica, ticket, resp.aread()))
         except ClientGone:
             raise APIError(CLIENT_CLOSED, "client closed the request") from None
-        except ReplicaFailed as e:
-            self.metrics.failures.labels(replica.url, "down").inc()
-            raise APIError(502, f"replica {replica.url} failed while serving the request: {e}",
-                           code="replica_failed") from None
-        except httpx.HTTPError as e:
-            self.metrics.failures.labels(replica.url, "lost").inc()
-            replica.mark_down(f"{type(e).__name__}: {e}")
-            raise APIError(502, f"replica {replica.url} failed while serving the request: "
-                                f"{type(e).__name__}: {e}", code="replica_failed") from None
+        except (ReplicaFailed, httpx.HTTPError) as e:
+            raise self._failed(replica, e) from None
         finally:
             await resp.aclose()
 
