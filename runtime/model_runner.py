@@ -37,7 +37,7 @@ class ModelRunner:
                                 verify=config.verify, allow_failed_gate=config.allow_failed_gate)
         self.built = built
         self.model, self.spec, self.dtype = built.model, built.spec, built.dtype
-        self._freeze_torch_path_weights()
+        self._prepare_weights()
         self.kv_dtype = self._kv_dtype()
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
@@ -48,16 +48,27 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self._tables = BlockTableCache()  # block tables as tensors, kept across steps
 
-    def _freeze_torch_path_weights(self) -> None:
-        """Quantized layers that no kernel serves here (every one on CPU) dequantize once now
-        instead of on every step."""
+    def _prepare_weights(self) -> None:
+        """Every quantized layer takes its run-time form now, before the KV cache is sized: the
+        W4A16 kernel path repacks once and releases the buffers it replaces (one copy of the
+        weights, not two: the repack used to happen on the first request, after the sizing);
+        layers no kernel serves here (every one on CPU, and fp32 models) dequantize once.
+        Then the CUDA allocator's cache is emptied, so the sizing sees what the fused q/k/v
+        and the repack freed."""
         from slimserve.kernels._launch import kernel_backend
         from slimserve.runtime.layers.quant_linear import QuantLinear
 
         triton_on = kernel_backend() == "triton" or (kernel_backend() == "auto" and self.device.type == "cuda")
+        half = self.dtype in (torch.float16, torch.bfloat16)  # what the kernels take
         for m in self.model.modules():
-            if isinstance(m, QuantLinear) and not (triton_on and m._kernel_path() is not None):
+            if not isinstance(m, QuantLinear):
+                continue
+            if triton_on and half and m._kernel_path() is not None:
+                m.prepare_kernel()
+            else:
                 m.freeze_dense(self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _kv_dtype(self) -> torch.dtype:
         """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV."""

@@ -89,6 +89,10 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] weight in `dtype`: fp32 arithmetic, rounded to the storage dtype, then cast."""
+        if self.__dict__.get("_released"):
+            raise RuntimeError("this layer's compressed-tensors buffers were released after the "
+                               "W4A16 repack at load (runtime/model_runner.py); only the kernel "
+                               "path (fp16/bf16 inputs) can run it")
         w = self.scheme.weights
         if self.ct_format == PACKED:
             full = reference.dequantize_packed(
@@ -102,6 +106,25 @@ class QuantLinear(nn.Module):
     def freeze_dense(self, dtype: torch.dtype) -> None:
         """Keep the dequantized weight in `dtype` for the torch path (see the module docstring)."""
         self._dense = self.dequantized_weight(dtype)
+
+    def prepare_kernel(self, release: bool = True) -> None:
+        """Repack for the Triton W4A16 kernel now instead of on the first request and, with
+        `release`, drop the compressed-tensors buffers the repacked copy replaces, so the layer
+        holds its weights once (afterwards only the kernel path, fp16/bf16 inputs, can run it).
+        W8A8 runs on its buffers as they are: nothing to do."""
+        if self._kernel_path() != "w4a16" or "_prepared" in self.__dict__:
+            return
+        w = self.scheme.weights
+        self._prepared = _kernels().prepare_w4a16(
+            self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx,
+            (self.out_features, self.in_features), w.group_size, w.num_bits)
+        if not release:
+            return
+        for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"):
+            buf = getattr(self, name)
+            if buf is not None:
+                setattr(self, name, buf.new_empty(0))  # still a registered buffer, now empty
+        self._released = True
 
     def _kernel_path(self) -> str | None:
         """'w4a16' | 'w8a8' | None: the Triton kernel that serves this layer's format."""
@@ -119,13 +142,9 @@ class QuantLinear(nn.Module):
         kernels = _kernels()
         if path == "w8a8":
             return kernels.linear_w8a8(x.contiguous(), self.weight, self.weight_scale, bias)
-        prepared = getattr(self, "_prepared", None)
-        if prepared is None:
-            w = self.scheme.weights
-            prepared = self._prepared = kernels.prepare_w4a16(
-                self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx,
-                (self.out_features, self.in_features), w.group_size, w.num_bits)
-        return kernels.w4a16_gemm(x.contiguous(), prepared, bias, use_kernel=True)
+        if "_prepared" not in self.__dict__:  # a model outside the engine: keep its buffers
+            self.prepare_kernel(release=False)
+        return kernels.w4a16_gemm(x.contiguous(), self._prepared, bias, use_kernel=True)
 
     def _route(self, x: torch.Tensor) -> str | None:
         """The kernel path for inputs on x's device, resolved once per device (reading

@@ -46,7 +46,7 @@ def _logits(backend, monkeypatch, kv_cache_dtype, scheme="W4A16"):
     for layer in runner.model.model.layers:  # non-trivial fp8 scales
         layer.self_attn.k_scale.fill_(0.05)
         layer.self_attn.v_scale.fill_(0.02)
-    runner._freeze_torch_path_weights()
+    runner._prepare_weights()
     table = [[3, 1], [0, 2]]
     prefill = runner.prepare([[5, 9, 100, 7, 42, 3, 8, 11, 12], [17, 4]], [0, 0], table, [True, True])
     first = runner.execute(prefill)
@@ -66,3 +66,21 @@ def test_kernel_path_logits_match_torch_path_with_quantized_weights(monkeypatch,
         # wrong index, scale or mask (which move logits by O(range)).
         span = float(w.max() - w.min())
         torch.testing.assert_close(g, w, rtol=0, atol=0.02 * span)
+
+
+def test_w4a16_layers_are_repacked_at_load_and_hold_their_weights_once(monkeypatch):
+    """The runner repacks W4A16 layers before the KV cache is sized (not on the first request)
+    and releases the compressed-tensors buffers the repacked copy replaces."""
+    from slimserve.runtime.layers.quant_linear import QuantLinear
+
+    monkeypatch.setenv("SLIMSERVE_KERNELS", "triton")
+    runner = ModelRunner(EngineConfig(model=str(DEMO_MODEL), dtype="float16", kv_cache_memory="4MiB"))
+    quantize_randomly(runner.model, group_size=128, seed=1, scheme_name="W4A16")
+    layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
+    before = sum(m.weight_packed.numel() for m in layers)
+    runner._prepare_weights()
+    assert before > 0 and all(m.weight_packed.numel() == 0 and m.weight_scale.numel() == 0
+                              for m in layers)
+    assert all(m._prepared.qweight.numel() * 8 >= m.in_features * m.out_features for m in layers)
+    with pytest.raises(RuntimeError, match="released after the W4A16 repack"):
+        layers[0].dequantized_weight(torch.float16)
