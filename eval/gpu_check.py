@@ -13,8 +13,9 @@ cannot take the others down; whatever a step saved comes back):
    group 128) and W8A8 weights, with a bf16 and an FP8 KV cache, at batch 1, 16, 64 and 256:
    prompts of 128 tokens are prefilled, then 32 decode steps are timed (synchronized). Beside
    each row the HBM roofline: the bytes one decode step must read (every weight once, plus each
-   sequence's K and V so far) over `--hbm-tbps`. CUDA graphs: the engine has none yet (issue
-   12), so every row is eager and says so.
+   sequence's K and V so far) over `--hbm-tbps`. Each configuration runs eagerly, then with
+   its decode steps replayed from CUDA graphs (runtime/cuda_graphs.py; the dry run pads into the
+   same static buffers without capturing).
 3. **transformers**: `generate` with a static cache on the same shape in bf16 at the same batch
    sizes (decode rate = the 33-token run minus the 1-token run), the baseline of the bf16 rows.
 4. **sweeps**: the W4A16 / W8A8 tile sweeps of the kernel benchmark's full plan, if the budget
@@ -43,6 +44,7 @@ import torch
 
 from slimserve.eval.engine_bench import SHAPES, build_engine
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
+from slimserve.runtime.cuda_graphs import DecodeGraphs
 from slimserve.runtime.models.llama import ModelSpec
 from slimserve.runtime.sequence import SamplingParams
 
@@ -57,11 +59,12 @@ def _plan(dry_run: bool) -> dict:
                        inv_freq=SHAPES["demo"].inv_freq[:16])
         # fp16: the Triton kernels take fp16/bf16 only, and the interpreter runs fp16
         return {"shape": "tiny", "spec": tiny, "device": "cpu", "dtype": torch.float16,
-                "batches": (2,), "prompt_len": 8, "steps": 2, "warmup": 0,
+                "batches": (2,), "prompt_len": 8, "steps": 2, "warmup": 0, "max_model_len": 64,
                 "kv_cache_memory": "16MiB", "limits": {"kernels": 300, "decode": 300, "hf": 120,
                                                        "sweeps": 0}}
     return {"shape": "llama3-8b", "spec": SHAPES["llama3-8b"], "device": "cuda",
             "dtype": torch.bfloat16, "batches": (1, 16, 64, 256), "prompt_len": 128, "steps": 32,
+            "max_model_len": 512,
             "warmup": 4, "kv_cache_memory": "8GiB",
             "limits": {"kernels": 200, "decode": 200, "hf": 90, "sweeps": 150}}
 
@@ -112,28 +115,47 @@ def step_bytes(engine, batch: int, context: float, kv_dtype: str, spec: ModelSpe
     return weights + kv
 
 
+def _add_graphs(engine, plan: dict) -> str:
+    """Give the engine's runner decode CUDA graphs (captured on CUDA; on the CPU the same static
+    buffers run eagerly): the row label."""
+    runner = engine.runner
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, max(plan["batches"]),
+                                 -(-runner.max_model_len // runner.block_size), runner.block_size,
+                                 runner.device)
+    if runner.device.type != "cuda":
+        return "static"
+    runner.graphs.capture()
+    return "on"
+
+
 def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
     rows = []
     for weights in WEIGHTS:
         for kv in KV:
             row0 = {"weights": weights, "kv": "fp8" if kv == "fp8_e4m3" else "bf16", "graphs": "off"}
+            if plan["device"].startswith("cuda"):
+                torch.cuda.empty_cache()
             try:
                 engine = build_engine(
                     plan["spec"], quant=False if weights == "bf16" else weights, kv_cache_dtype=kv,
                     device=plan["device"], dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
-                    max_num_batched_tokens=8192, kv_cache_memory=plan["kv_cache_memory"])
+                    max_num_batched_tokens=8192, kv_cache_memory=plan["kv_cache_memory"],
+                    max_model_len=plan["max_model_len"])  # bounds the graphs' attention grid
                 if plan["device"].startswith("cuda"):  # compile every kernel before timing
                     decode_rate(engine, 1, plan["prompt_len"], 2, 1, plan["device"])
-                for batch in plan["batches"]:
-                    r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"],
-                                    plan["warmup"], plan["device"])
-                    nbytes = step_bytes(engine, batch, r["mean_context"], kv, plan["spec"])
-                    roof = batch / (nbytes / (hbm_tbps * 1e12))
-                    rows.append({**row0, "batch": batch, **r, "bytes_per_step": nbytes,
-                                 "roofline_tok_s": roof, "roofline_share": r["tok_s"] / roof})
-                    print(f"decode {weights:>5} KV {row0['kv']:>4} batch {batch:>3}: "
-                          f"{r['tok_s']:9.1f} tok/s, {r['step_ms']:7.2f} ms/step, "
-                          f"{100 * r['tok_s'] / roof:5.1f}% of roofline", flush=True)
+                for graphs in ("off", "on"):
+                    if graphs == "on":  # the same engine, decode steps now replayed from graphs
+                        row0["graphs"] = _add_graphs(engine, plan)
+                    for batch in plan["batches"]:
+                        r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"],
+                                        plan["warmup"], plan["device"])
+                        nbytes = step_bytes(engine, batch, r["mean_context"], kv, plan["spec"])
+                        roof = batch / (nbytes / (hbm_tbps * 1e12))
+                        rows.append({**row0, "batch": batch, **r, "bytes_per_step": nbytes,
+                                     "roofline_tok_s": roof, "roofline_share": r["tok_s"] / roof})
+                        print(f"decode {weights:>5} KV {row0['kv']:>4} graphs {row0['graphs']:>6} "
+                              f"batch {batch:>3}: {r['tok_s']:9.1f} tok/s, {r['step_ms']:7.2f} "
+                              f"ms/step, {100 * r['tok_s'] / roof:5.1f}% of roofline", flush=True)
                 del engine
             except Exception:
                 rows.append({**row0, "error": traceback.format_exc()[-2000:]})

@@ -126,6 +126,9 @@ def serve(
         None, help="KV-cache size, e.g. 2GiB (default: 90% of free GPU memory; 512MiB on CPU)"),
     enable_prefix_caching: bool = typer.Option(
         _ENGINE["enable_prefix_caching"], "--enable-prefix-caching/--no-enable-prefix-caching"),
+    cuda_graphs: bool = typer.Option(_ENGINE["cuda_graphs"], "--cuda-graphs/--enforce-eager",
+                                     help="replay decode-only steps from CUDA graphs (CUDA only; "
+                                     "not yet validated on a GPU, so off by default)"),
     api_key: Optional[str] = typer.Option(None, envvar="SLIMSERVE_API_KEY",
                                           help="require 'Authorization: Bearer KEY' on /v1/*"),
     max_queue: Optional[int] = typer.Option(None, min=1, help="answer 503 + Retry-After while "
@@ -166,6 +169,7 @@ def serve(
         args = [a for k, v in flags.items() if v is not None for a in (k, str(v))]
         args.append("--enable-prefix-caching" if enable_prefix_caching
                     else "--no-enable-prefix-caching")
+        args.append("--cuda-graphs" if cuda_graphs else "--enforce-eager")
         args += ["--trust-remote-code"] * trust_remote_code + ["--allow-failed-gate"] * allow_failed_gate
         _serve_data_parallel(artifact, args, data_parallel_size, device, host, port, api_key,
                              router_policy, max_connections, body_timeout, stream_timeout)
@@ -177,7 +181,8 @@ def serve(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-            trust_remote_code=trust_remote_code, verify=verify, allow_failed_gate=allow_failed_gate)
+            cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code, verify=verify,
+            allow_failed_gate=allow_failed_gate)
     except (ValueError, ArtifactError) as e:  # ArtifactError: a GGUF that cannot be converted
         _fail(e)
     import uvicorn

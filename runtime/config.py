@@ -48,6 +48,9 @@ class EngineConfig:
     memory_fraction: float = 0.9  # of free device memory (after weights) for the KV cache on CUDA
     cpu_kv_cache_memory: int = 512 * 2**20  # default KV budget on CPU, bytes
     enable_prefix_caching: bool = True
+    # CUDA graphs for decode-only steps (runtime/cuda_graphs.py). Off by default until they have
+    # been validated on a GPU; `--cuda-graphs` turns them on, `--enforce-eager` off.
+    cuda_graphs: bool = False
     seed: int = 0  # default RNG seed for requests without one
     trust_remote_code: bool = False  # never on unless asked
     verify: str = "strict"  # strict: a slimserve artifact needs a matching slimserve.json; none: skip

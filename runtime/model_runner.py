@@ -8,6 +8,7 @@ import torch
 
 from slimserve.runtime.batch import BatchInputs, BlockTableCache, prepare_batch
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.cuda_graphs import DecodeGraphs
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
@@ -47,6 +48,12 @@ class ModelRunner:
                           for _ in range(self.spec.num_layers)]
         self.max_model_len = self._max_model_len()
         self._tables = BlockTableCache()  # block tables as tensors, kept across steps
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
+                                       -(-self.max_model_len // self.block_size), self.block_size,
+                                       self.device)
+            self.graphs.capture()
 
     def _prepare_weights(self) -> None:
         """Every quantized layer takes its run-time form now, before the KV cache is sized: the
@@ -122,5 +129,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
-        """fp32 logits [S, vocab] of the rows to sample."""
+        """fp32 logits [S, vocab] of the rows to sample: decode-only steps replay a CUDA graph
+        when they are on, everything else runs eagerly."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.run(batch)
         return self.model(batch, self.kv_caches)

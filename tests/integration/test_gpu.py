@@ -40,6 +40,18 @@ def test_engine_on_cuda_matches_cpu_greedy():
     assert _greedy("cuda", kv_cache_memory="256MiB", max_num_batched_tokens=16) == _greedy("cpu")
 
 
+def test_cuda_graph_replay_gives_the_eager_tokens():
+    """Decode steps replayed from CUDA graphs (runtime/cuda_graphs.py) against eager steps, fp16
+    on the kernel path, with batches that fall between buckets (padding rows)."""
+    kw = dict(device="cuda", dtype="float16", kv_cache_memory="256MiB", max_num_seqs=6)
+    llm = LLM(str(DEMO_MODEL), cuda_graphs=True, **kw)
+    assert sorted(llm.engine.runner.graphs.graphs) == [1, 2, 4, 6]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    eager = [o.outputs[0].token_ids for o in LLM(str(DEMO_MODEL), **kw).generate(PROMPTS, params, use_tqdm=False)]
+    assert graphed == eager
+
+
 def test_engine_on_second_gpu_stays_there():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
