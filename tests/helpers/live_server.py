@@ -29,3 +29,11 @@ def serve_in_thread(app, start_timeout: float = 10.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def wait_for(cond, timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll `cond()` every 10 ms until it is true; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

@@ -35,7 +35,7 @@ from slimserve.runtime.router.policy import (
 from slimserve.runtime.router.replicas import Replica
 from slimserve.runtime.server.app import build_app
 
-from tests.helpers.live_server import serve_in_thread
+from tests.helpers.live_server import serve_in_thread, wait_for
 from tests.helpers.server_fakes import FakeEngine, chat_messages
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,13 +151,6 @@ def test_prompt_info_reads_completions_chat_and_token_ids():
 
 # -- live: two fake replicas behind the router -----------------------------------------------------
 
-def _wait_for(cond, timeout=5.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 @contextmanager
 def _cluster(n=2, policy="round-robin", delay=0.01, **router_kw):
     engines = [FakeEngine(delay=delay, max_model_len=4096) for _ in range(n)]
@@ -238,16 +231,16 @@ def test_client_disconnect_aborts_on_the_replica():
             with c.stream("POST", "/v1/completions",
                           json={"prompt": "hi", "max_tokens": 500, "stream": True}) as r:
                 first = json.loads(next(ln for ln in r.iter_lines() if ln)[len("data: "):])
-            _wait_for(lambda: first["id"] in engine.closed_early or first["id"] in engine.abort_calls,
+            wait_for(lambda: first["id"] in engine.closed_early or first["id"] in engine.abort_calls,
                       what="the streamed request to be aborted on the replica")
             n = len(engine.requests)
             with pytest.raises(httpx.ReadTimeout):  # non-streamed, abandoned while running
                 c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 500}, timeout=0.2)
-            _wait_for(lambda: len(engine.requests) > n)
+            wait_for(lambda: len(engine.requests) > n)
             rid = engine.requests[n][0]
-            _wait_for(lambda: rid in engine.closed_early or rid in engine.abort_calls,
+            wait_for(lambda: rid in engine.closed_early or rid in engine.abort_calls,
                       what="the plain request to be aborted on the replica")
-        _wait_for(lambda: _router.replicas.states()[0].inflight == 0, what="tickets closed")
+        wait_for(lambda: _router.replicas.states()[0].inflight == 0, what="tickets closed")
 
 
 def test_unhealthy_replica_fails_its_streams_at_once_and_gets_no_new_requests():
@@ -264,9 +257,9 @@ def test_unhealthy_replica_fails_its_streams_at_once_and_gets_no_new_requests():
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        _wait_for(lambda: all(len(e._aborts) == 2 for e in engines), what="streams running")
+        wait_for(lambda: all(len(e._aborts) == 2 for e in engines), what="streams running")
         engines[1].unhealthy = "an engine step has run for 400 s"  # /state answers 503
-        _wait_for(lambda: len(ended) >= 2, timeout=3, what="the failed streams to end")
+        wait_for(lambda: len(ended) >= 2, timeout=3, what="the failed streams to end")
         time.sleep(0.2)
         assert len(ended) == 2  # failed promptly, not after 1000 tokens (10 s); the others run on
         for i in ended:
@@ -279,13 +272,13 @@ def test_unhealthy_replica_fails_its_streams_at_once_and_gets_no_new_requests():
                        timeout=10, trust_env=False)
         assert r.status_code == 200 and len(engines[1].requests) == 2
         engines[0].dead = True  # now nobody is up
-        _wait_for(lambda: not router.replicas.get(urls[0]).up, what="replica 0 out")
+        wait_for(lambda: not router.replicas.get(urls[0]).up, what="replica 0 out")
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi"}, timeout=10, trust_env=False)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica"
         assert httpx.get(url + "/health", trust_env=False).status_code == 503
         engines[0].dead = False
         engines[1].unhealthy = None  # both come back
-        _wait_for(lambda: all(r.up for r in router.replicas), what="replicas back")
+        wait_for(lambda: all(r.up for r in router.replicas), what="replicas back")
         for t in threads:
             t.join(20)
 
@@ -351,7 +344,7 @@ def test_killing_a_replica_mid_load_loses_no_unstarted_request_and_hangs_no_clie
             threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
             for t in threads:
                 t.start()
-            _wait_for(lambda: len(started) == 6, what="6 streams running")
+            wait_for(lambda: len(started) == 6, what="6 streams running")
             os.kill(proc.pid, signal.SIGKILL)
             killed = time.monotonic()
             # requests sent now: the first that lands on the dead replica finds it refusing

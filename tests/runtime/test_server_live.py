@@ -5,7 +5,6 @@ the official `openai` client, client disconnects, and the `runtime serve` comman
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -15,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from slimserve.runtime.server.app import build_app
 
-from tests.helpers.live_server import serve_in_thread
+from tests.helpers.live_server import serve_in_thread, wait_for
 from tests.helpers.server_fakes import FakeEngine, chat_messages
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,13 +53,6 @@ def test_official_openai_client(live):
         openai.OpenAI(base_url=url + "/v1", api_key="bad", max_retries=0).models.list()
 
 
-def _wait_for(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_client_disconnect_aborts_the_request(live):
     engine, url = live
     auth = {"Authorization": "Bearer sk-test"}
@@ -70,14 +62,14 @@ def test_client_disconnect_aborts_the_request(live):
             lines = r.iter_lines()
             first = json.loads(next(line for line in lines if line)[len("data: "):])
         # leaving the block closed the connection mid-stream
-        _wait_for(lambda: first["id"] in engine.closed_early or first["id"] in engine.abort_calls)
+        wait_for(lambda: first["id"] in engine.closed_early or first["id"] in engine.abort_calls)
         assert len(engine.requests[-1][1]) == 2 and engine.requests[-1][0] == first["id"]
         n = len(engine.requests)
         with pytest.raises(httpx.ReadTimeout):  # a non-streamed request, abandoned while running
             c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 60}, timeout=0.1)
-        _wait_for(lambda: len(engine.requests) > n)
+        wait_for(lambda: len(engine.requests) > n)
         rid = engine.requests[n][0]
-        _wait_for(lambda: rid in engine.closed_early or rid in engine.abort_calls)
+        wait_for(lambda: rid in engine.closed_early or rid in engine.abort_calls)
 
 
 # -- `runtime serve` -----------------------------------------------------------------------------
@@ -142,7 +134,7 @@ def test_disconnect_aborts_every_choice(live):
                                                        "stream": True}) as r:
             first = json.loads(next(line for line in r.iter_lines() if line)[len("data: "):])
     rids = [f"{first['id']}-{i}" for i in range(3)]
-    _wait_for(lambda: all(rid in engine.closed_early or rid in engine.abort_calls for rid in rids))
+    wait_for(lambda: all(rid in engine.closed_early or rid in engine.abort_calls for rid in rids))
 
 
 
@@ -170,6 +162,6 @@ def test_a_stalled_reader_is_dropped_while_others_are_served():
             client.completions.create(model="fake-model", prompt="hi", max_tokens=5,
                                       stop=["x" * 2000])
         assert "at most 1024 characters" in str(e.value)
-        _wait_for(lambda: len(engine.abort_calls) == 1, timeout=40)
+        wait_for(lambda: len(engine.abort_calls) == 1, timeout=40)
         stalled.close()
     assert engine.closed_early == engine.abort_calls
