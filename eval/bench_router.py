@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default="least-latency,round-robin")
     ap.add_argument("--num-requests", type=int, default=120)
     ap.add_argument("--rate", type=float, default=4.0, help="requests/s (Poisson)")
-    ap.add_argument("--short-chars", type=int, default=400, help="characters of a short prompt")
+    ap.add_argument("--short-chars", type=int, default=250, help="characters of a short prompt "
+                    "(x the long factor stays inside the demo model's 1,024-token context)")
     ap.add_argument("--long-factor", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)

@@ -408,7 +408,11 @@ def build_router_app(replica_urls: list[str], *, policy: str = "least-latency",
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # uvicorn closes a keep-alive connection idle for 5 s (timeout_keep_alive); a pooled
+        # connection reused just as a replica closes it fails with "Server disconnected without
+        # sending a response", which would take a healthy replica out: expire ours sooner.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                              keepalive_expiry=2.0)
         timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=None)
         async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
             router.client = client
