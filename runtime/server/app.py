@@ -136,10 +136,8 @@ class OpenAIServing:
             "num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_pending": self.pending, "kv_cache_usage": s.kv_cache_usage,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "block_size": s.block_size,
-            "capacity_tokens": s.capacity_tokens, "max_model_len": self.engine.max_model_len}
-        load = getattr(self.engine, "load", None)  # an engine without it: counts only
-        if load is not None:
-            body.update(dataclasses.asdict(load()))
+            "capacity_tokens": s.capacity_tokens, "max_model_len": self.engine.max_model_len,
+            **dataclasses.asdict(self.engine.load())}
         return JSONResponse(body, 200 if problem is None else 503)
 
     async def metrics_text(self) -> Response:
