@@ -19,6 +19,12 @@ step running longer than `step_watchdog_s` also makes `health_problem()` report 
 Load (`load()`, for the router's least-latency policy through the server's GET /state): the prompt
 tokens of requests that have no first output yet (queued prefill work), and moving averages of
 the engine's step time and of its prefill cost per token, measured on the engine thread.
+
+Step timing and profiling: `step_timing()` is a copy of the engine's per-phase histograms
+(runtime/step_timing.py) for /metrics. With a `profile_dir`, `start_profile()` and
+`stop_profile()` run a `StepProfiler` (runtime/profiler.py) on the engine thread: they travel
+over the command queue like adds and aborts, so the profiler starts and stops between steps
+and sees each step whole; writing the trace pauses the steps while it lasts.
 """
 
 from __future__ import annotations
@@ -29,17 +35,28 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
 
 from slimserve.runtime.config import DEFAULT_STEP_WATCHDOG_S, EngineConfig
 from slimserve.runtime.engine import EngineStats, LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
+from slimserve.runtime.profiler import (
+    PROFILE_MAX_STEPS,
+    ProfileError,
+    ProfileResult,
+    ProfilingDisabled,
+    StepProfiler,
+    prepare_profile_dir,
+)
 from slimserve.runtime.sequence import (
     OutputAccumulator,
     RequestOutput,
     SamplingParams,
     SequenceStatus,
 )
+from slimserve.runtime.step_timing import StepTimingSnapshot
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -90,7 +107,12 @@ class _Mailbox:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, step_watchdog_s: float = DEFAULT_STEP_WATCHDOG_S):
+    """profile_dir: where POST /start_profile ... /stop_profile write traces (created if missing;
+    None: profiling off); profile_max_steps: the default cap of one profile."""
+
+    def __init__(self, engine: LLMEngine, step_watchdog_s: float = DEFAULT_STEP_WATCHDOG_S,
+                 profile_dir: str | Path | None = None,
+                 profile_max_steps: int = PROFILE_MAX_STEPS):
         self.engine = engine
         engine.output_deltas = True
         self.config = engine.config
@@ -111,6 +133,10 @@ class AsyncEngine:
         self._step_s: float | None = None  # load(): moving averages, written by the engine thread
         self._prefill_s_per_token: float | None = None
         self._steps = 0
+        self.profile_dir = None if profile_dir is None else prepare_profile_dir(profile_dir)
+        self._profiler = None if self.profile_dir is None else StepProfiler(
+            self.profile_dir, engine.step_timing, cuda=engine.step_timing.cuda,
+            max_steps=profile_max_steps)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kw) -> "AsyncEngine":
@@ -152,6 +178,36 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    def step_timing(self) -> StepTimingSnapshot:
+        """The engine's per-phase and batch histograms so far (any thread; a consistent copy)."""
+        return self.engine.step_timing.snapshot()
+
+    async def start_profile(self, record_shapes: bool = False, max_steps: int | None = None) -> int:
+        """Profile the steps from now on (runtime/profiler.py); returns the step cap in force.
+        ProfilingDisabled without a profile_dir, ProfileStateError while one runs."""
+        profiler = self._require_profiler()
+        return await self._on_engine_thread(lambda: profiler.start(record_shapes, max_steps))
+
+    async def stop_profile(self) -> ProfileResult:
+        """Stop profiling and write the trace (or return the one written at the cap)."""
+        profiler = self._require_profiler()
+        return await self._on_engine_thread(profiler.stop)
+
+    def _require_profiler(self) -> StepProfiler:
+        if self._profiler is None:
+            raise ProfilingDisabled("profiling is off: start the server with --profile-dir DIR")
+        return self._profiler
+
+    async def _on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """fn() run by the engine thread between steps; its result or exception comes back."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:  # as in generate: a dead loop's finally fails whatever is queued
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine stopped: {self._dead}")
+            self._commands.put(("call", (fn, loop, fut)))
+        return await fut
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
@@ -202,6 +258,20 @@ class AsyncEngine:
             self._post(target, out)
 
     @staticmethod
+    def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any,
+                error: BaseException | None) -> None:
+        def settle() -> None:
+            if not fut.done():  # the caller may have given up (request cancelled)
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error)
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    @staticmethod
     def _post(target: tuple[asyncio.AbstractEventLoop, _Mailbox], out) -> None:
         loop, box = target
         try:
@@ -221,6 +291,16 @@ class AsyncEngine:
             except (RequestError, ValueError) as e:  # fails this request only, not the loop
                 err = e if isinstance(e, RequestError) else RequestError("prompt", str(e))
                 self._deliver(err, arg.request_id)
+        elif kind == "call":
+            fn, loop, fut = arg
+            try:
+                result, error = fn(), None
+            except ProfileError as e:
+                result, error = None, e
+            except Exception as e:  # a bug: the caller gets it, the loop goes on
+                log.exception("engine-thread call failed")
+                result, error = None, e
+            self._settle(loop, fut, result, error)
         else:
             out = self.engine.abort_request(arg)
             if out is not None:
@@ -246,6 +326,23 @@ class AsyncEngine:
             self._prefill_s_per_token = _ewma(self._prefill_s_per_token,
                                               max(extra, 0.1 * seconds) / tokens)
 
+    def _after_profiled_step(self) -> None:
+        try:
+            self._profiler.after_step()  # type: ignore[union-attr]
+        except Exception:  # writing the capped trace failed: serving goes on
+            log.exception("stopping the profile at its cap failed")
+
+    def _fail_queued_calls(self) -> None:
+        """The loop has ended: engine-thread calls still queued get EngineDeadError."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is not _STOP and cmd[0] == "call":
+                _, loop, fut = cmd[1]
+                self._settle(loop, fut, None, EngineDeadError(f"the engine stopped: {self._dead}"))
+
     def _loop(self) -> None:
         try:
             running = True
@@ -265,6 +362,8 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     self._step_started = None
                     self._measure(time.monotonic() - started, seqs)
+                    if self._profiler is not None:
+                        self._after_profiled_step()
                     for out in outputs:
                         self._deliver(out, out.request_id)
                 self._stats = self.engine.stats()
@@ -274,11 +373,17 @@ class AsyncEngine:
                 self._dead = e
         finally:
             self._step_started = None
+            if self._profiler is not None:
+                try:
+                    self._profiler.close()  # a running profile's trace is written
+                except Exception:
+                    log.exception("writing the profile at shutdown failed")
             with self._lock:  # from here on generate() refuses, so nobody registers unseen
                 clean = self._dead is None
                 if clean:
                     self._dead = EngineDeadError("the engine was shut down")
                 streams = dict(self._streams)
+            self._fail_queued_calls()
             for rid in list(self.engine.requests):
                 try:
                     out = self.engine.abort_request(rid)

@@ -1,6 +1,8 @@
 """The `runtime` command: `serve` (the OpenAI-compatible server), `router` (one endpoint in front
 of several servers, runtime/router/), `bench` (the serving load generator,
-runtime/bench/driver.py) and `generate` (one prompt, a quick look).
+runtime/bench/driver.py), `tune` (the engine-setting search for a goodput SLO, runtime/tune/) and
+`generate` (one prompt, a quick look). `serve --config FILE` reads its options from a YAML file
+(runtime/serve_config.py), the file `tune` writes.
 
 `serve` runs the continuous-batching engine behind the HTTP API of runtime/server/; with
 `--data-parallel-size N` it starts N `serve` child processes on free local ports instead and
@@ -53,6 +55,14 @@ VERIFY_OPTION = typer.Option("strict", "--verify", help="strict: a slimserve art
 ALLOW_FAILED_GATE_OPTION = typer.Option(False, "--allow-failed-gate", help="load an artifact whose "
                                         "perplexity gate failed (its slimserve.json says so; "
                                         "refused otherwise)")
+TP_OPTION = typer.Option(1, "--tensor-parallel-size", "-tp", help="split the model over N ranks "
+                         "(processes: one GPU each on CUDA, cores / N threads each on CPU; "
+                         "runtime/distributed/)")
+PP_OPTION = typer.Option(1, "--pipeline-parallel-size", "-pp", help="split the layers into M "
+                         "pipeline stages (processes, as -tp; with -tp N: N x M ranks)")
+EXECUTOR_OPTION = typer.Option("mp", "--distributed-executor-backend", help="how -tp/-pp ranks "
+                               "start: mp (processes on this machine) | ray (Ray actors, one per "
+                               "GPU, on a Ray cluster's nodes; pip install -e \".[ray]\")")
 
 @app.command()
 def generate(
@@ -69,6 +79,9 @@ def generate(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     verify: str = VERIFY_OPTION,
     allow_failed_gate: bool = ALLOW_FAILED_GATE_OPTION,
+    tensor_parallel_size: int = TP_OPTION,
+    pipeline_parallel_size: int = PP_OPTION,
+    distributed_executor_backend: str = EXECUTOR_OPTION,
 ) -> None:
     """Continue a prompt with the serving engine (paged KV cache, our kernels)."""
     from pathlib import Path
@@ -86,8 +99,12 @@ def generate(
         params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed)
         llm = LLM(path, device=device, trust_remote_code=trust_remote_code, verify=verify,
-                  allow_failed_gate=allow_failed_gate, kv_cache_memory=256 * 2**20)
+                  allow_failed_gate=allow_failed_gate, kv_cache_memory=256 * 2**20,
+                  tensor_parallel_size=tensor_parallel_size,
+                  pipeline_parallel_size=pipeline_parallel_size,
+                  distributed_executor_backend=distributed_executor_backend)
         out = llm.generate(prompt, params, use_tqdm=False)[0]
+        llm.engine.runner.shutdown()
     except (ArtifactError, RequestError, ValueError, OSError) as e:
         _fail(e)
     sys.stdout.write(prompt + out.outputs[0].text + "\n")
@@ -109,10 +126,30 @@ def _download(model: str) -> str:
         raise ValueError(f"could not download {model}: {str(e).splitlines()[0]}") from None
 
 
+def _serve_config_defaults(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
+    """--config FILE (eager): the file's options become click's default_map, so every option the
+    command line does not give comes from the file (runtime/serve_config.py checks it)."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    from slimserve.runtime.serve_config import ServeConfigError, load_serve_config, options_of
+
+    try:
+        ctx.default_map = {**(ctx.default_map or {}), **load_serve_config(value, options_of(serve))}
+    except ServeConfigError as e:
+        _fail(e)
+    return value
+
+
 @app.command()
 def serve(
     artifact: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder, or a .gguf "
-                                             "file (or pkg:<module> shipping one)"),
+                                             "file (or pkg:<module> shipping one); may come from "
+                                             "--config's `model`"),
+    config: Optional[str] = typer.Option(None, "--config", is_eager=True,
+                                         callback=_serve_config_defaults,
+                                         help="YAML file of serve options (option names as keys, "
+                                              "e.g. max_num_seqs: 32; `model` for MODEL); flags "
+                                              "given here override it; `runtime tune` writes one"),
     host: str = typer.Option("127.0.0.1", help="interface to listen on (0.0.0.0: every one)"),
     port: int = typer.Option(8000, min=0, max=65535),
     max_num_seqs: int = typer.Option(_ENGINE["max_num_seqs"], help="sequences per batch at most"),
@@ -148,16 +185,34 @@ def serve(
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
     verify: str = VERIFY_OPTION,
     allow_failed_gate: bool = ALLOW_FAILED_GATE_OPTION,
+    tensor_parallel_size: int = TP_OPTION,
+    pipeline_parallel_size: int = PP_OPTION,
+    distributed_executor_backend: str = EXECUTOR_OPTION,
     data_parallel_size: int = typer.Option(1, "--data-parallel-size", min=1, help="engine "
                                            "replicas (processes; one GPU each on CUDA, an equal "
                                            "share of the cores on CPU) behind one router"),
     router_policy: str = typer.Option("least-latency", "--router-policy",
                                       help="with --data-parallel-size > 1: least-latency | "
                                            "round-robin | random"),
+    profile_dir: Optional[str] = typer.Option(None, "--profile-dir", help="enable POST "
+                                              "/start_profile and /stop_profile, which write torch "
+                                              "profiler traces of the engine steps here (created "
+                                              "if missing)"),
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
     from slimserve.runtime.errors import ArtifactError
 
+    if profile_dir is not None:
+        from slimserve.runtime.profiler import prepare_profile_dir
+
+        try:
+            profile_dir = str(prepare_profile_dir(profile_dir))  # before any model loads
+        except ValueError as e:
+            _fail(e)
+
+    if data_parallel_size > 1 and tensor_parallel_size * pipeline_parallel_size > 1:
+        _fail(ValueError("--data-parallel-size cannot be combined with --tensor-parallel-size or "
+                         "--pipeline-parallel-size yet; use one of them"))
     if data_parallel_size > 1:
         flags = {"--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
                  "--max-model-len": max_model_len, "--block-size": block_size,
@@ -165,7 +220,7 @@ def serve(
                  "--max-queue": max_queue, "--max-connections": max_connections,
                  "--body-timeout": body_timeout, "--stream-timeout": stream_timeout,
                  "--step-watchdog": step_watchdog, "--served-model-name": served_model_name,
-                 "--dtype": dtype, "--verify": verify}
+                 "--dtype": dtype, "--verify": verify, "--profile-dir": profile_dir}
         args = [a for k, v in flags.items() if v is not None for a in (k, str(v))]
         args.append("--enable-prefix-caching" if enable_prefix_caching
                     else "--no-enable-prefix-caching")
@@ -182,7 +237,9 @@ def serve(
             max_model_len=max_model_len, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code, verify=verify,
-            allow_failed_gate=allow_failed_gate)
+            allow_failed_gate=allow_failed_gate, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend)
     except (ValueError, ArtifactError) as e:  # ArtifactError: a GGUF that cannot be converted
         _fail(e)
     import uvicorn
@@ -191,7 +248,8 @@ def serve(
     from slimserve.runtime.server.app import build_app
 
     try:
-        engine = AsyncEngine.from_config(config, step_watchdog_s=step_watchdog)
+        profiling = {"profile_dir": profile_dir} if profile_dir is not None else {}
+        engine = AsyncEngine.from_config(config, step_watchdog_s=step_watchdog, **profiling)
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         _fail(e)
     s = engine.stats()
@@ -199,6 +257,15 @@ def serve(
                   f"{s.block_size} tokens = {s.capacity_tokens} tokens; max_model_len "
                   f"{engine.max_model_len}; "
                   f"serving on http://{host}:{port}/v1", highlight=False, soft_wrap=True)
+    runner = getattr(getattr(engine, "engine", None), "runner", None)  # None: an engine without one
+    ranks = tensor_parallel_size * pipeline_parallel_size
+    if ranks > 1 and runner is not None:
+        mib = runner.kv_cache_bytes / 2**20
+        console.print(f"{ranks} ranks (tensor parallel {tensor_parallel_size} x pipeline parallel "
+                      f"{pipeline_parallel_size}): KV cache {mib:.1f} MiB per rank ({runner.kv_heads} of "
+                      f"{runner.spec.num_kv_heads} KV heads, {runner.model.spec.num_layers} of "
+                      f"{runner.spec.num_layers} layers each), {ranks * mib:.1f} MiB in total",
+                      highlight=False, soft_wrap=True)
     api = build_app(engine, api_key=api_key, max_queue=max_queue, body_timeout_s=body_timeout,
                     stream_timeout_s=stream_timeout)
 
@@ -349,6 +416,11 @@ def router(
 from slimserve.runtime.bench.driver import bench_main as _bench_main  # noqa: E402
 
 app.command("bench")(_bench_main)
+
+# The engine-setting search lives in runtime/tune/ (command.py is its CLI).
+from slimserve.runtime.tune.command import tune_main as _tune_main  # noqa: E402
+
+app.command("tune")(_tune_main)
 
 
 def main() -> None:

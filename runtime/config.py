@@ -55,6 +55,14 @@ class EngineConfig:
     trust_remote_code: bool = False  # never on unless asked
     verify: str = "strict"  # strict: a slimserve artifact needs a matching slimserve.json; none: skip
     allow_failed_gate: bool = False  # load an artifact whose slimserve.json says its ppl gate failed
+    # ranks one model is split over (runtime/distributed/): processes of the `mp` executor, one
+    # GPU each on CUDA (cuda:0..N-1), an equal share of the cores each on CPU
+    tensor_parallel_size: int = 1
+    # pipeline stages (contiguous layer ranges, runtime/distributed/pipeline.py); one process each
+    pipeline_parallel_size: int = 1
+    # how the other ranks start: "mp" (processes on this machine) or "ray" (Ray actors, one per GPU,
+    # on the nodes of a Ray cluster; runtime/distributed/ray_executor.py)
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -69,6 +77,16 @@ class EngineConfig:
                              f"{', '.join(KV_CACHE_DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend: {self.distributed_executor_backend!r} is "
+                             "not one of mp, ray")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size: must be >= 1, got {self.pipeline_parallel_size}")
+        if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1) and self.cuda_graphs:
+            raise ValueError("cuda_graphs: not supported with tensor or pipeline parallelism yet; "
+                             "drop --cuda-graphs")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         self.kv_cache_memory = parse_size(self.kv_cache_memory)

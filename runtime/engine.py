@@ -25,11 +25,13 @@ import torch
 from slimserve.runtime.block_manager import BlockManager
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.detokenizer import DetokenizerState, make_decoder
+from slimserve.runtime.distributed.launch import make_runner
 from slimserve.runtime.errors import RequestError
 from slimserve.runtime.model_runner import ModelRunner
 from slimserve.runtime.sampler import sample
 from slimserve.runtime.scheduler import Scheduler, SchedulerConfig
 from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence
+from slimserve.runtime.step_timing import StepTimings, batch_composition
 from slimserve.runtime.stops import StopHoldBack, find_stop
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
         self.config = config
-        self.runner = runner or ModelRunner(config)
+        self.runner = runner or make_runner(config)
         self.tokenizer = self.runner.built.tokenizer
         self._decode = make_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(self.runner.built.eos_token_ids)
@@ -76,6 +78,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.output_deltas = False  # step() returns what is new per request, not everything
+        self.step_timing = StepTimings.for_device(self.runner.device)  # phase histograms
         # A token spans at most this many characters of text, so a prompt longer than
         # max_model_len * it cannot fit and is refused before the tokenizer sees it.
         self.max_prompt_chars = self.max_model_len * _max_token_chars(self.tokenizer)
@@ -154,15 +157,22 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an update for every request that produced a token."""
+        """Run one iteration; returns an update for every request that produced a token. Each
+        phase is timed into `self.step_timing` (runtime/step_timing.py)."""
+        clock = self.step_timing.begin()
         out = self.scheduler.schedule()
         if not out.scheduled:
+            clock.cancel()
             return []
         items = out.scheduled
+        composition = batch_composition(items)
+        clock.next("prepare")
         batch = self.runner.prepare(
             [s.seq.token_ids[s.start: s.start + s.num_new_tokens] for s in items],
             [s.start for s in items], [s.seq.block_table for s in items], [s.sample for s in items])
+        clock.next("forward")
         logits = self.runner.execute(batch)
+        clock.next("sample")
         sampled = [s for s in items if s.sample]
         reqs = [self.requests[s.seq.request_id] for s in sampled]
         result = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
@@ -174,8 +184,8 @@ class LLMEngine:
         it = iter(range(len(sampled)))
         tokens = [result.token_ids[next(it)] if s.sample else None for s in items]
         self.scheduler.update(out, tokens)
+        clock.next("detokenize")
         now = time.monotonic()
-        outputs = []
         for j, req in enumerate(reqs):
             seq = req.seq
             if result.logprobs[j] is not None:
@@ -188,6 +198,10 @@ class LLMEngine:
                 except Exception as e:  # a tokenizer/decoder failure is this request's alone
                     log.exception("request %s failed while decoding its output", seq.request_id)
                     req.error = f"decoding the output failed: {type(e).__name__}"
+        clock.next("output")
+        outputs = []
+        for req in reqs:
+            seq = req.seq
             if req.error is not None:
                 seq.finish_reason, seq.stop_reason = "error", None
             if seq.finish_reason is not None:
@@ -195,6 +209,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, seq.finish_reason)
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(req))
+        clock.finish(*composition)
         return outputs
 
     def _check_stop(self, req: _Request) -> None:

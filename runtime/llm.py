@@ -11,7 +11,8 @@ class LLM:
     """Load an artifact (or HF checkpoint folder, or GGUF checkpoint: a .gguf file, a folder holding
     one, `pkg:<module>`; runtime/gguf.py) once and generate for many prompts at a time.
 
-    Keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, device, ...);
+    Keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, device,
+    tensor_parallel_size, ...);
     `verify="none"` loads a slimserve artifact whose slimserve.json is missing or mismatched
     (default "strict": refused; plain HF checkpoints load either way).
     """
@@ -22,6 +23,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (they also stop when this process exits)."""
+        stop = getattr(self.engine.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def generate(
         self,

@@ -1,15 +1,32 @@
-"""ModelRunner: owns the model and the paged KV cache on the device, runs one step's batch."""
+"""ModelRunner: owns the model and the paged KV cache on the device, runs one step's batch.
+
+With `tensor_parallel_size` N and/or `pipeline_parallel_size` M above 1 the runner the engine
+holds is rank 0 of N x M, made by runtime/distributed/launch.py (`make_runner`): it checks that
+the model splits that way (before anything loads), starts the other ranks through the executor
+(`mp`: runtime/distributed/executor.py, `ray`: runtime/distributed/ray_executor.py), each of
+which builds a runner of its own (`group=` given), and gives rank 0's runner the executor. Rank
+0 holds shard 0: its share of the heads and the vocabulary (TP), its stage's layers
+(PP), and the KV cache of those. Every rank sizes its KV cache from its own memory, and all take
+the smallest block count, so the one block manager's block ids are valid everywhere. `execute`
+sends the step's batch to the workers first, then runs rank 0's part (runtime/distributed/
+pipeline.py for PP); the logits come back whole on rank 0. With N = M = 1 nothing of this runs:
+no process, no collective.
+"""
 
 from __future__ import annotations
 
 import logging
 
 import torch
+from torch.distributed import PrefixStore
 
 from slimserve.runtime.batch import BatchInputs, BlockTableCache, prepare_batch
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.cuda_graphs import DecodeGraphs
 from slimserve.runtime.devices import resolve_device
+from slimserve.runtime.distributed.group import TPGroup
+from slimserve.runtime.distributed.loading import TensorShard
+from slimserve.runtime.distributed.pipeline import StageShard, pipeline_step
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.models.load import BuiltModel, build_model
@@ -26,34 +43,74 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 class ModelRunner:
     """Loads the model, sizes and allocates the KV cache, executes batches."""
 
-    def __init__(self, config: EngineConfig, built: BuiltModel | None = None):
+    def __init__(self, config: EngineConfig, built: BuiltModel | None = None,
+                 group: TPGroup | None = None, executor=None):
+        """group: this rank's communicator (all ranks) when the model is split over several
+        (runtime/distributed/launch.py makes rank 0's, runtime/distributed/worker.py the others');
+        executor: on rank 0, the executor that runs ranks 1.. (sent each step's batch)."""
         self.config = config
         self.device = resolve_device(config.device)
+        self.executor = executor
+        self.group = group
+        self.steps = 0
+        self.tp = tp = getattr(config, "tensor_parallel_size", 1)
+        self.pp = getattr(config, "pipeline_parallel_size", 1)
+        self.tp_group: TPGroup | None = None  # a stage's own tensor-parallel group (tp and pp > 1)
+        if tp * self.pp > 1:
+            if built is not None:
+                raise ValueError("tensor/pipeline parallelism builds its own shards; pass no `built` model")
+            if group is None:
+                raise ValueError("a tensor/pipeline-parallel runner needs its group; make the "
+                                 "engine's with runtime/distributed/launch.py (make_runner)")
+            if self.device.type == "cuda":  # a rank's GPU is its group's (cuda:rank, or Ray's one)
+                self.device = group.device
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device: without this `cuda:1` would run on cuda:0
             torch.cuda.set_device(self.device)
+        self._setup(config, built)
+
+    def _setup(self, config: EngineConfig, built: BuiltModel | None) -> None:
         if built is None:
             dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model))
+            driver = self.group is None or self.group.rank == 0  # the manifest and gate: checked once
             built = build_model(config.model, dtype, self.device, config.trust_remote_code,
-                                verify=config.verify, allow_failed_gate=config.allow_failed_gate)
+                                verify=config.verify if driver else "none",
+                                allow_failed_gate=config.allow_failed_gate or not driver,
+                                shard=self._shard())
         self.built = built
         self.model, self.spec, self.dtype = built.model, built.spec, built.dtype
         self._prepare_weights()
         self.kv_dtype = self._kv_dtype()
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
-        shape = (self.num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (self.num_blocks, self.block_size, self.kv_heads, self.spec.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(self.spec.num_layers)]
+                          for _ in range(self.model.spec.num_layers)]  # this stage's layers
         self.max_model_len = self._max_model_len()
         self._tables = BlockTableCache()  # block tables as tensors, kept across steps
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and self.device.type == "cuda":
+        if config.cuda_graphs and self.device.type == "cuda" and self.group is None:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
                                        -(-self.max_model_len // self.block_size), self.block_size,
                                        self.device)
             self.graphs.capture()
+
+    def _shard(self):
+        """What build_model loads on this rank: a tensor-parallel shard, a pipeline stage (whose
+        layers are split over the stage's own tensor-parallel group when tp > 1), or (None) the
+        whole model. Ranks are numbered stage * tp + tensor rank."""
+        if self.group is None:
+            return None
+        if self.pp == 1:
+            return TensorShard(self.group)
+        tensor = None
+        if self.tp > 1:
+            stage = self.group.rank // self.tp
+            self.tp_group = TPGroup(self.group.rank % self.tp, self.tp, self.group.device,
+                                    store=PrefixStore(f"tp-stage{stage}", self.group.store))
+            tensor = TensorShard(self.tp_group)
+        return StageShard(self.group.rank // self.tp, self.pp, tensor)
 
     def _prepare_weights(self) -> None:
         """Every quantized layer takes its run-time form now, before the KV cache is sized: the
@@ -87,8 +144,23 @@ class ModelRunner:
             return torch.float8_e4m3fn
         return self.dtype
 
+    @property
+    def kv_heads(self) -> int:
+        """KV heads this rank caches (all of them without tensor parallelism)."""
+        return self.model.spec.num_kv_heads
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache (each rank of a tensor-parallel model holds as much)."""
+        return self.num_blocks * kv_block_bytes(self.model.spec.num_layers, self.block_size, self.kv_heads,
+                                                self.spec.head_dim, self.kv_dtype)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.group is None else self.tp
+
     def _num_blocks(self) -> int:
-        per_block = kv_block_bytes(self.spec.num_layers, self.block_size, self.spec.num_kv_heads,
+        per_block = kv_block_bytes(self.model.spec.num_layers, self.block_size, self.kv_heads,
                                    self.spec.head_dim, self.kv_dtype)
         budget = self.config.kv_cache_memory
         if budget is None:
@@ -98,6 +170,8 @@ class ModelRunner:
             else:
                 budget = self.config.cpu_kv_cache_memory
         blocks = budget // per_block
+        if self.group is not None:  # one block manager for all ranks: the smallest count
+            blocks = self.group.min_int(blocks)
         if blocks < 2:
             raise ValueError(f"kv_cache_memory: {budget} bytes hold {blocks} KV blocks of "
                              f"{per_block} bytes; give at least {2 * per_block} bytes")
@@ -131,6 +205,35 @@ class ModelRunner:
     def execute(self, batch: BatchInputs) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows to sample: decode-only steps replay a CUDA graph
         when they are on, everything else runs eagerly."""
+        self.steps += 1
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
+        if self.group is None:
+            return self.model(batch, self.kv_caches)
+        if self.executor is None:  # a worker: its forward takes part in the collectives
+            return self._forward(batch)
+        self.executor.send(batch)
+        try:
+            return self._forward(batch)
+        except RuntimeError as e:  # a collective failed: a worker died or hung
+            raise self.executor.failure(e) from None
+
+    def _forward(self, batch: BatchInputs):
+        if self.pp > 1:
+            return pipeline_step(self.model, batch, self.kv_caches, self.group, self.dtype,
+                                 self.spec.vocab_size, self.tp)
         return self.model(batch, self.kv_caches)
+
+    def comm_stats(self) -> dict:
+        """Steps run and seconds this rank spent in all-reduces and the logits gather."""
+        if self.group is None:
+            return {"steps": self.steps, "comm_s": 0.0, "comm_calls": 0}
+        groups = [g for g in (self.group, self.tp_group) if g is not None]
+        return {"steps": self.steps, "comm_s": sum(g.comm_seconds for g in groups),
+                "comm_calls": sum(g.comm_calls for g in groups)}
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them); idempotent."""
+        if self.executor is not None:
+            self.executor.shutdown()
+

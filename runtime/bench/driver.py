@@ -9,6 +9,18 @@ ignore_eos, usage chunk) with prompts of exact drawn token lengths, Poisson arri
 --max-concurrency in flight (workload, timing fields and scoring: runtime/bench/workload.py).
 --baseline hf runs the same requests through transformers `generate` in static batches
 afterwards; runtime/bench/report.py prints the one table and writes the JSON and sweep plot.
+
+--router-policy least-latency,round-robin compares routing policies in one run: for each policy
+it serves MODEL afresh with `--data-parallel-size N --router-policy P` (N replicas behind the
+router, empty prefix caches) and sends the same requests at the same rates; the table has a
+column per policy and rate. --long-fraction/--long-factor and --shared-prefix-len/-fraction skew
+the workload the way routing is tested (a `PromptMix`, runtime/bench/workload.py).
+
+Around each measured run the server's /metrics is scraped and its engine step histograms
+subtracted (runtime/bench/breakdown.py): the step-phase breakdown and batch composition are
+printed beside the latency table. --profile also brackets each measured run (after the
+warm-up) with POST /start_profile and /stop_profile and reports the trace files the server
+wrote; a served MODEL gets `--profile-dir` (beside --json-out, else a temporary folder).
 """
 
 from __future__ import annotations
@@ -29,10 +41,12 @@ import httpx
 import typer
 from tqdm.auto import tqdm
 
+from slimserve.runtime.bench.breakdown import scrape_step_totals, step_breakdown
 from slimserve.runtime.bench.server_process import BenchError, free_port, launched_server
 from slimserve.runtime.bench.workload import (
     BenchRequest,
     LengthDist,
+    PromptMix,
     RequestResult,
     compute_metrics,
     corpus_requests,
@@ -41,10 +55,12 @@ from slimserve.runtime.bench.workload import (
     poisson_arrivals,
 )
 from slimserve.runtime.gguf import resolve_model
+from slimserve.runtime.router.policy import POLICIES
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
-                "device", "verify")  # BenchArgs fields passed to `runtime serve` as --flags when set
+                "device", "verify", "tensor_parallel_size", "data_parallel_size",
+                "router_policy")  # BenchArgs fields passed to `runtime serve` as --flags when set
 
 
 @dataclass(slots=True)
@@ -59,6 +75,7 @@ class BenchArgs:
     max_concurrency: int | None = None  # requests in flight at most; None: no limit
     input_len: LengthDist = LengthDist(128, 0.8, 32, 512)  # prompt tokens (JSONL: cut to .high)
     output_len: LengthDist = LengthDist(64, 1.0, 16, 512)  # output tokens asked for
+    mix: PromptMix = PromptMix()  # long prompts and a shared prefix (stdlib dataset only)
     seed: int = 0  # seeds lengths, prompt offsets and arrivals
     text_prompts: bool = False  # send prompts as text (a server with another tokenizer)
     slo_ttft_ms: float | None = None  # goodput SLO on time to first token, ms
@@ -75,12 +92,18 @@ class BenchArgs:
     kv_cache_memory: str | None = None
     device: str | None = None
     verify: str | None = None  # engine flag (strict | none), also used by the HF baseline's loader
+    tensor_parallel_size: int | None = None  # engine flag: ranks the served model is split over
+    data_parallel_size: int | None = None  # engine flag: replicas behind serve's router
+    router_policies: list[str] = field(default_factory=list)  # compared, one fresh server each
+    router_policy: str | None = None  # engine flag of the run in progress (set by run_bench)
     allow_failed_gate: bool = False  # serve MODEL even when its perplexity gate failed
     api_key: str | None = None  # Bearer token for --url servers that require one
     warmup_requests: int = 1  # untimed requests before the runs
     request_timeout_s: float = 600.0  # per HTTP read/connect, s
     server_start_timeout_s: float = 600.0  # s `runtime serve` gets to answer /health
     progress: bool = True  # progress bars on stderr
+    profile: bool = False  # torch profiler trace of each measured run (POST /start_profile ...)
+    profile_dir: str | None = None  # served MODEL's --profile-dir; None: chosen by run_bench
 
     @property
     def rates(self) -> list[float]:
@@ -106,6 +129,23 @@ class BenchArgs:
             raise ValueError(f"--dataset {self.dataset}: no such file; use stdlib or a JSONL path")
         for rate in self.rates:
             poisson_arrivals(1, rate, 0)  # raises for rates <= 0
+        if self.mix.active and self.dataset != "stdlib":
+            raise ValueError("--long-fraction and --shared-prefix-len shape the stdlib workload; "
+                             "a JSONL dataset keeps its own prompts (drop them or use stdlib)")
+        if self.data_parallel_size is not None and self.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size {self.data_parallel_size} must be >= 1")
+        for policy in self.router_policies:
+            if policy not in POLICIES:
+                raise ValueError(f"--router-policy {policy!r} is unknown; choose from "
+                                 f"{', '.join(POLICIES)} (comma-separated)")
+        if len(set(self.router_policies)) < len(self.router_policies):
+            raise ValueError("--router-policy names a policy twice; list each once")
+        if self.router_policies and self.url is not None:
+            raise ValueError("--router-policy starts its own replicas per policy; give MODEL, "
+                             "not --url")
+        if self.router_policies and (self.data_parallel_size or 1) < 2:
+            raise ValueError("--router-policy compares routing over replicas; add "
+                             "--data-parallel-size 2 (or more)")
 
 
 def build_requests(args: BenchArgs) -> list[BenchRequest]:
@@ -113,7 +153,8 @@ def build_requests(args: BenchArgs) -> list[BenchRequest]:
 
     tok = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer or args.model))  # GGUF: converted once
     if args.dataset == "stdlib":
-        return corpus_requests(tok, args.num_prompts, args.input_len, args.output_len, args.seed)
+        return corpus_requests(tok, args.num_prompts, args.input_len, args.output_len, args.seed,
+                               mix=args.mix)
     return jsonl_requests(args.dataset, tok, args.num_prompts, args.input_len, args.output_len,
                           args.seed)
 
@@ -126,7 +167,35 @@ def serve_command(args: BenchArgs, port: int) -> list[str]:
             cmd += [f"--{name.replace('_', '-')}", str(value)]
     if args.allow_failed_gate:
         cmd.append("--allow-failed-gate")
+    if args.profile_dir is not None:
+        cmd += ["--profile-dir", args.profile_dir]
     return cmd
+
+
+def default_profile_dir(args: BenchArgs) -> str:
+    """Where a served MODEL writes --profile traces: `<json-out stem>-profiles/` beside
+    --json-out, else a new temporary folder."""
+    if args.json_out:
+        out = Path(args.json_out)
+        return str(out.parent / f"{out.stem}-profiles")
+    return tempfile.mkdtemp(prefix="slimserve-profiles-")
+
+
+def profile_request(url: str, action: str, args: BenchArgs) -> dict:
+    """POST /start_profile or /stop_profile (action "start" or "stop"); the JSON answer, or
+    BenchError with the server's one-line reason."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    try:
+        r = httpx.post(f"{url}/{action}_profile", headers=headers, timeout=args.request_timeout_s,
+                       trust_env=False)
+    except httpx.HTTPError as e:
+        raise BenchError(f"--profile: POST {url}/{action}_profile failed: {type(e).__name__}: "
+                         f"{e}") from None
+    if r.status_code != 200:
+        raise BenchError(f"--profile: POST {url}/{action}_profile answered HTTP {r.status_code}: "
+                         f"{_error_text(r.content)} (--profile needs a slimserve `runtime serve` "
+                         "started with --profile-dir)")
+    return r.json()
 
 
 @contextmanager
@@ -242,9 +311,12 @@ def served_model_name(url: str, args: BenchArgs) -> str | None:
 
 
 def warm_up(url: str, model: str | None, requests: list[BenchRequest], args: BenchArgs) -> None:
-    """A few short untimed requests; a failure here stops the benchmark with its message."""
+    """A few short untimed requests, one after another (--warmup-requests per replica behind a
+    --data-parallel-size router, which spreads sequential requests over idle replicas); a
+    failure here stops the benchmark with its message."""
+    n = args.warmup_requests * (args.data_parallel_size or 1)
     warm = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS))
-            for r in requests[:args.warmup_requests]]
+            for r in (requests * n)[:n]]
     results, _ = asyncio.run(run_requests(url, model, warm, [0.0] * len(warm), max_concurrency=1,
                                           text_prompts=args.text_prompts, api_key=args.api_key,
                                           timeout_s=args.request_timeout_s))
@@ -258,32 +330,58 @@ def run_bench(args: BenchArgs) -> dict:
     from slimserve.runtime.bench.sysinfo import hardware_info
 
     args.validate()
+    if args.profile and args.url is None and args.profile_dir is None:
+        args = replace(args, profile_dir=default_profile_dir(args))
     requests = build_requests(args)
     load_before = os.getloadavg()[0]  # other work on the machine skews every number: recorded
-    runs = []
-    with server_for(args) as (url, server_log):
-        model = served_model_name(url, args)
-        if args.warmup_requests:
-            warm_up(url, model, requests, args)
-        for rate in args.rates:
-            arrivals = poisson_arrivals(len(requests), rate, args.seed)
-            results, duration = asyncio.run(run_requests(
-                url, model, requests, arrivals, max_concurrency=args.max_concurrency,
-                text_prompts=args.text_prompts, timeout_s=args.request_timeout_s,
-                api_key=args.api_key, desc=f"rate {rate:g} req/s" if args.progress else None))
-            metrics = compute_metrics(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
-            runs.append({"request_rate": rate, "max_concurrency": args.max_concurrency, **metrics,
-                         "requests": [asdict(r) for r in results]})
+    runs, server_logs = [], []
+    for policy in args.router_policies or [None]:  # a fresh server (and replicas) per policy
+        served = replace(args, router_policy=policy)
+        with server_for(served) as (url, server_log):
+            server_logs.append(server_log)
+            model = served_model_name(url, args)
+            if args.warmup_requests:
+                warm_up(url, model, requests, args)
+            for rate in args.rates:
+                desc = f"{policy + ', ' if policy else ''}rate {rate:g} req/s"
+                runs.append({"router_policy": policy, **measure_rate(url, model, requests, rate, args,
+                                                                     desc if args.progress else None)})
     baseline = (hf_baseline(requests, args.model, args.hf_batch_size, args.hf_device,
                             args.progress, verify=args.verify or "strict")
                 if args.baseline == "hf" else None)
     engine_flags = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    server_log = server_logs[0] if len(server_logs) == 1 else server_logs
     hardware = {**hardware_info(), "load_avg_1m": [load_before, os.getloadavg()[0]]}
     result = {"hardware": hardware, "served_model": model,
               "server": {"url": args.url, "engine_flags": engine_flags, "log": server_log},
               "workload": describe_workload(args, requests), "runs": runs, "baseline": baseline,
               "args": {**asdict(args), "api_key": "(set)" if args.api_key else None}}
     return finish_result(result, args)
+
+
+def measure_rate(url: str, model: str | None, requests: list[BenchRequest], rate: float,
+                 args: BenchArgs, desc: str | None) -> dict:
+    """One measured run at `rate`: its metrics, step breakdown and (--profile) trace."""
+    arrivals = poisson_arrivals(len(requests), rate, args.seed)
+    before = scrape_step_totals(url, args.api_key)
+    if args.profile:
+        profile_request(url, "start", args)
+    results, duration = asyncio.run(run_requests(
+        url, model, requests, arrivals, max_concurrency=args.max_concurrency,
+        text_prompts=args.text_prompts, timeout_s=args.request_timeout_s, api_key=args.api_key,
+        desc=desc))
+    trace = profile_request(url, "stop", args) if args.profile else None
+    after = scrape_step_totals(url, args.api_key)
+    metrics = compute_metrics(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    return {"request_rate": rate, "max_concurrency": args.max_concurrency, **metrics,
+            "step_breakdown": step_breakdown(before, after),
+            "profile_trace": trace and trace["path"], "profile_steps": trace and trace["steps"],
+            "requests": [asdict(r) for r in results]}
+
+
+def parse_policies(value: str | None) -> list[str]:
+    """'least-latency,round-robin' -> the policies (checked by BenchArgs.validate)."""
+    return [p.strip() for p in (value or "").split(",") if p.strip()]
 
 
 def parse_rates(sweep: str | list[float] | None) -> list[float]:
@@ -316,6 +414,13 @@ def bench_main(
     output_len_median: Annotated[int, Opt(help="output tokens: log-normal median")] = 64,
     output_len_sigma: Annotated[float, Opt(help="output tokens: sigma of log(length)")] = 1.0,
     output_len_min: int = 16, output_len_max: int = 512,
+    long_fraction: Annotated[float, Opt(help="of the prompts, those made --long-factor times "
+                                        "their drawn length")] = 0.0,
+    long_factor: Annotated[int, Opt(help="length multiple of a long prompt")] = 8,
+    shared_prefix_len: Annotated[int, Opt(help="tokens of a prefix shared by "
+                                          "--shared-prefix-fraction of the prompts (0: none)")] = 0,
+    shared_prefix_fraction: Annotated[float, Opt(help="of the prompts, those that start with the "
+                                                 "shared prefix")] = 0.5,
     seed: Annotated[int, Opt(help="seeds lengths, prompt offsets and arrivals")] = 0,
     text_prompts: Annotated[bool, Opt(help="send text, not token ids (server with another "
                                       "tokenizer)")] = False,
@@ -336,9 +441,19 @@ def bench_main(
                                          "none (skip the slimserve.json check)")] = None,
     allow_failed_gate: Annotated[bool, Opt("--allow-failed-gate", help="engine flag: serve an "
                                            "artifact whose perplexity gate failed")] = False,
+    tensor_parallel_size: Annotated[Optional[int], Opt("--tensor-parallel-size", "-tp",
+                                                       help="engine flag: ranks")] = None,
+    data_parallel_size: Annotated[Optional[int], Opt("--data-parallel-size", help="engine flag: "
+                                                     "replicas behind serve's router")] = None,
+    router_policy: Annotated[Optional[str], Opt("--router-policy", help="compare routing policies, "
+                                                "e.g. least-latency,round-robin: fresh replicas "
+                                                "per policy (needs --data-parallel-size >= 2)")] = None,
     api_key: Annotated[Optional[str], Opt(envvar="SLIMSERVE_API_KEY", help="Bearer key")] = None,
     warmup_requests: Annotated[int, Opt(help="untimed requests first")] = 1,
     progress: Annotated[bool, Opt(help="progress bars")] = True,
+    profile: Annotated[bool, Opt("--profile", help="torch profiler trace of each measured run "
+                                 "(POST /start_profile, /stop_profile; a --url server needs "
+                                 "--profile-dir)")] = False,
 ) -> dict:
     """Load-test a served model (vllm bench serve style); optionally against HF generate."""
     from rich.console import Console
@@ -359,8 +474,12 @@ def bench_main(
             hf_batch_size=hf_batch_size, hf_device=hf_device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory, device=device, verify=verify,
+            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+            router_policies=parse_policies(router_policy),
+            mix=PromptMix(long_fraction, long_factor, shared_prefix_len,
+                          shared_prefix_fraction if shared_prefix_len else 0.0),
             allow_failed_gate=allow_failed_gate, api_key=api_key,
-            warmup_requests=warmup_requests, progress=progress)
+            warmup_requests=warmup_requests, progress=progress, profile=profile)
         return run_bench(args)
     except (ValueError, BenchError, ArtifactError, OSError) as e:  # user errors and a server that would not run
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e).splitlines()[0])}",

@@ -4,12 +4,15 @@ The table has a column per run (request rate) and one for the HF baseline; its c
 hardware, model, server flags and workload (sysinfo.py), as every benchmark table's header does
 so that a number is never read without its conditions. The plot puts each run's output
 throughput against its P99 TTFT, TPOT and E2E latency, the HF baseline's throughput as a line.
+Beside it, per run, the engine's step breakdown (runtime/bench/breakdown.py): each phase's total
+seconds, milliseconds per step and share of the step time, and the batch composition.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
@@ -33,6 +36,12 @@ ROWS = [("requests completed", "completed", "d"), ("requests failed", "failed", 
 
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def run_label(run: dict) -> str:
+    """'rate 4' or, in a --router-policy comparison, 'least-latency, rate 4'."""
+    policy = run.get("router_policy")
+    return f"{policy + ', ' if policy else ''}rate {rate_label(run['request_rate'])}"
 
 
 def _get(d: dict, key: str):
@@ -65,6 +74,8 @@ def describe_workload(args, requests: list) -> dict:
             "input_len": length_stats([r.prompt_len for r in requests]),
             "output_len": length_stats([r.output_len for r in requests]),
             "request_rates": args.rates, "max_concurrency": args.max_concurrency,
+            "mix": asdict(args.mix) if args.mix.active else None,
+            "router_policies": list(args.router_policies) or None,
             "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
 
 
@@ -75,12 +86,22 @@ def caption(result: dict) -> str:
     where = f"server {srv['url']}" if srv["url"] else f"runtime serve {flags or '(defaults)'}"
     slos = [f"{k} {wl[k]:g} ms" for k in ("slo_ttft_ms", "slo_tpot_ms") if wl[k] is not None]
     load = " -> ".join(f"{x:.1f}" for x in hw.get("load_avg_1m", []))
+    if mix := wl.get("mix"):
+        skew = f"; {mix['long_fraction']:.0%} of prompts x{mix['long_factor']} long" \
+            if mix["long_fraction"] and mix["long_factor"] > 1 else ""
+        if mix["shared_prefix_len"] and mix["shared_prefix_fraction"]:
+            skew += (f"; {mix['shared_prefix_fraction']:.0%} start with one shared "
+                     f"{mix['shared_prefix_len']}-token prefix")
+    else:
+        skew = ""
+    policies = (f"; routing policies compared, fresh replicas each: "
+                f"{', '.join(wl['router_policies'])}" if wl.get("router_policies") else "")
     lines = [f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}; "
              f"load average {load or '?'} (1 min, start -> end)",
              f"model: {m['name']}{params}; {where}",
              f"workload: {wl['num_prompts']} prompts from {wl['dataset']} sent as "
              f"{wl['prompt_format']}, seed {wl['seed']}; input tokens {_lengths(wl['input_len'])}; "
-             f"output tokens {_lengths(wl['output_len'])} (EOS ignored)",
+             f"output tokens {_lengths(wl['output_len'])} (EOS ignored){skew}{policies}",
              f"arrivals: Poisson at the column's rate (req/s; inf = all at once), max concurrency "
              f"{wl['max_concurrency'] or 'unlimited'}; goodput SLOs: {', '.join(slos) or 'none'}"]
     if hf := result["baseline"]:
@@ -96,7 +117,7 @@ def format_table(result: dict) -> Table:
                   caption=escape(caption(result)), caption_justify="left", min_width=100)
     table.add_column("metric")
     for run in runs:
-        table.add_column(f"rate {rate_label(run['request_rate'])}", justify="right")
+        table.add_column(run_label(run), justify="right")
     if hf:
         table.add_column("HF generate", justify="right")
     cols = runs + ([hf] if hf else [])
@@ -108,20 +129,43 @@ def format_table(result: dict) -> Table:
     return table
 
 
+def format_breakdown(run: dict) -> Table | None:
+    """The run's step-phase table (None when the server did not export the histograms)."""
+    b = run.get("step_breakdown")
+    if not b:
+        return None
+    composition = (f"per step: {_cell(b['mean_prefill_tokens'], '.1f')} prefill tokens, "
+                   f"{_cell(b['mean_decode_rows'], '.1f')} decode rows")
+    note = "; profiled: times include the profiler's overhead" if run.get("profile_trace") else ""
+    table = Table(title=f"engine steps, {run_label(run)}: {b['steps']} steps, "
+                        f"{b['step_time_s']:.2f} s", caption=composition + note,
+                  caption_justify="left")
+    for col in ("phase", "total (s)", "ms / step", "share"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for ph in b["phases"]:
+        table.add_row(ph["phase"], f"{ph['total_s']:.3f}", _cell(ph["ms_per_step"], ".3f"),
+                      "-" if ph["share"] is None else f"{ph['share']:.1%}")
+    return table
+
+
 def save_sweep_plot(result: dict, path: Path) -> None:
     """Output throughput vs P99 TTFT / TPOT / E2E, one point per rate (Agg, no pyplot state)."""
     from matplotlib.figure import Figure
 
-    runs = sorted((r for r in result["runs"] if r["completed"]), key=lambda r: r["request_rate"])
+    done = [r for r in result["runs"] if r["completed"]]
+    series: dict[str | None, list[dict]] = {}
+    for r in sorted(done, key=lambda r: r["request_rate"]):
+        series.setdefault(r.get("router_policy"), []).append(r)  # a line per routing policy
     fig = Figure(figsize=(13, 4))
     hf = result["baseline"]
     for ax, (key, name) in zip(fig.subplots(1, 3), (LATENCIES[0], LATENCIES[1], LATENCIES[3])):
-        x = [r["output_throughput"] for r in runs]
-        y = [r[key]["p99"] if r[key] else math.nan for r in runs]
-        ax.plot(x, y, "o-", label="slimserve")
-        for xi, yi, r in zip(x, y, runs):
-            ax.annotate(f"{rate_label(r['request_rate'])} req/s", (xi, yi),
-                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for policy, runs in series.items():
+            x = [r["output_throughput"] for r in runs]
+            y = [r[key]["p99"] if r[key] else math.nan for r in runs]
+            ax.plot(x, y, "o-", label=f"slimserve, {policy}" if policy else "slimserve")
+            for xi, yi, r in zip(x, y, runs):
+                ax.annotate(f"{rate_label(r['request_rate'])} req/s", (xi, yi),
+                            textcoords="offset points", xytext=(4, 4), fontsize=8)
         if hf:
             ax.axvline(hf["output_throughput"], ls="--", color="gray", label="HF generate")
         ax.set_xlabel("output throughput (tok/s)")
@@ -162,11 +206,22 @@ def finish_result(result: dict, args, console: Console | None = None) -> dict:
     console = console or Console()
     console.print(format_table(result))
     for run in result["runs"]:
+        if (table := format_breakdown(run)) is not None:
+            console.print(table)
+    if any("step_breakdown" in run and run["step_breakdown"] is None for run in result["runs"]):
+        console.print("step breakdown omitted: the server's /metrics has no "
+                      "slimserve:step_phase_seconds (an older server, a router or another "
+                      "product)", highlight=False)
+    for run in result["runs"]:
+        if run.get("profile_trace"):
+            console.print(f"profile trace, {run_label(run)} "
+                          f"({run['profile_steps']} steps): {run['profile_trace']}", highlight=False)
+    for run in result["runs"]:
         for err in run["errors"]:
-            console.print(f"[red]rate {rate_label(run['request_rate'])}: failed request:[/] "
+            console.print(f"[red]{run_label(run)}: failed request:[/] "
                           f"{escape(err)}", highlight=False)
         if run["wrong_length"]:
-            console.print(f"[yellow]rate {rate_label(run['request_rate'])}: {run['wrong_length']} "
+            console.print(f"[yellow]{run_label(run)}: {run['wrong_length']} "
                           "requests got another output length than asked for[/]")
     for what, path in (("plot", result["plot"]), ("json", args.json_out)):
         if path:

@@ -8,7 +8,6 @@ import os
 import platform
 from pathlib import Path
 
-
 # Vector extensions that select different CPU matmul kernels (and so different fp32/bf16 rounding):
 # the same code measures perplexities that differ in the 5th-6th digit between such hosts.
 _ISA_FLAGS = ("avx512_bf16", "avx512f", "avx2")

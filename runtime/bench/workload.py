@@ -8,6 +8,12 @@ does not turn the benchmark into a cache test), or the "prompt" field of a JSONL
 are a Poisson process of the given rate (or all at t=0 for an infinite rate). Everything is a
 function of the seed: the lengths and arrivals do not depend on the dataset.
 
+A `PromptMix` skews the corpus workload the way routing and prefix caching are tested: a fraction
+of the prompts `long_factor` times their drawn length (long prompts that stall whoever shares their
+engine), and a fraction that start with one shared prefix of `shared_prefix_len` tokens (a system
+prompt a prefix cache can reuse), put before their drawn window. Its draws come from their own
+seeded stream, so a workload without a mix is the same as before the mix existed.
+
 Scoring follows `vllm bench serve`: per request TTFT (send -> first token chunk), ITL (gaps
 between token chunks), TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E latency; per run the
 throughputs, mean/median/P99 of each latency, and goodput (requests/s meeting every given SLO).
@@ -66,6 +72,30 @@ class BenchRequest:
         return len(self.prompt_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class PromptMix:
+    """Skew of a corpus workload: long prompts and a shared prefix (module doc)."""
+
+    long_fraction: float = 0.0  # of the prompts, those made long_factor times their drawn length
+    long_factor: int = 1
+    shared_prefix_len: int = 0  # tokens of the shared prefix (0: none)
+    shared_prefix_fraction: float = 0.0  # of the prompts, those that start with it
+
+    def __post_init__(self) -> None:
+        for name in ("long_fraction", "shared_prefix_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be in [0, 1]")
+        if self.long_factor < 1:
+            raise ValueError(f"--long-factor {self.long_factor} must be >= 1")
+        if self.shared_prefix_len < 0:
+            raise ValueError(f"--shared-prefix-len {self.shared_prefix_len} must be >= 0 (0: none)")
+
+    @property
+    def active(self) -> bool:
+        return (self.long_fraction > 0 and self.long_factor > 1) or \
+            (self.shared_prefix_len > 0 and self.shared_prefix_fraction > 0)
+
+
 def _rngs(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
     """Independent streams for the lengths and for the dataset choices (offsets, order)."""
     return np.random.default_rng([seed, 0]), np.random.default_rng([seed, 1])
@@ -77,22 +107,30 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def corpus_requests(tokenizer, n: int, inputs: LengthDist, outputs: LengthDist, seed: int,
-                    texts: list[str] | None = None) -> list[BenchRequest]:
-    """n requests cut from `texts` (default: the stdlib validation split), exact prompt lengths."""
+                    texts: list[str] | None = None, mix: PromptMix = PromptMix()) -> list[BenchRequest]:
+    """n requests cut from `texts` (default: the stdlib validation split), exact prompt lengths
+    (a long prompt: long_factor times its draw; a shared-prefix one: the prefix, then its draw)."""
     len_rng, pick_rng = _rngs(seed)
     in_lens, out_lens = inputs.sample(n, len_rng), outputs.sample(n, len_rng)
+    mix_rng = np.random.default_rng([seed, 3])
+    long = mix_rng.random(n) < mix.long_fraction if mix.long_factor > 1 else np.zeros(n, bool)
+    shared = mix_rng.random(n) < mix.shared_prefix_fraction if mix.shared_prefix_len else np.zeros(n, bool)
+    in_lens = [k * mix.long_factor if is_long else k for k, is_long in zip(in_lens, long)]
     if texts is None:
         from slimserve.runtime.corpus import read_texts
 
         texts = read_texts("validation")
     stream = [t for ids in _encode(tokenizer, texts) for t in ids]  # documents back to back
-    if len(stream) < max(in_lens):
+    if len(stream) < max(in_lens + [mix.shared_prefix_len]):
         raise ValueError(f"the corpus has {len(stream)} tokens, fewer than the longest drawn "
-                         f"prompt ({max(in_lens)}); lower --input-len-max")
+                         f"prompt ({max(in_lens + [mix.shared_prefix_len])}); lower "
+                         "--input-len-max, --long-factor or --shared-prefix-len")
+    start = int(mix_rng.integers(0, len(stream) - mix.shared_prefix_len + 1))
+    prefix = stream[start:start + mix.shared_prefix_len]
     reqs = []
-    for in_len, out_len in zip(in_lens, out_lens):
+    for in_len, out_len, with_prefix in zip(in_lens, out_lens, shared):
         start = int(pick_rng.integers(0, len(stream) - in_len + 1))
-        ids = stream[start:start + in_len]
+        ids = (prefix if with_prefix else []) + stream[start:start + in_len]
         reqs.append(BenchRequest(ids, tokenizer.decode(ids), out_len))
     return reqs
 
@@ -114,6 +152,10 @@ def jsonl_requests(path: str | Path, tokenizer, n: int, inputs: LengthDist, outp
             raise ValueError(f"{path}:{i}: not JSON ({e.msg}); one JSON object per line") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise ValueError(f"{path}:{i}: needs a non-empty string field \"prompt\"")
+        out_len = row.get("output_len", 1)
+        if isinstance(out_len, bool) or not isinstance(out_len, int) or out_len < 1:
+            raise ValueError(f"{path}:{i}: \"output_len\" must be a positive integer (output "
+                             f"tokens), got {out_len!r}")
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no prompts; give one JSON object with a \"prompt\" per line")

@@ -49,7 +49,11 @@ class QuantLinear(nn.Module):
         ct_format: str,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        num_groups: int | None = None,
     ) -> None:
+        """num_groups: scale/zero-point columns when they are not ceil(in_features / group_size):
+        a tensor-parallel slice of an act-order layer's input columns keeps every group
+        (runtime/distributed/sharding.py)."""
         super().__init__()
         w = scheme.weights
         if w.type != "int" or ct_format not in (PACKED, *UNPACKED):
@@ -72,6 +76,7 @@ class QuantLinear(nn.Module):
         self.scheme, self.ct_format = scheme, ct_format
         n, k, b = out_features, in_features, w.num_bits
         groups = -(-k // w.group_size) if w.strategy == "group" else 1
+        groups = num_groups if num_groups is not None else groups
         qshape = (1,) if w.strategy == "tensor" else (n, groups)  # CT: one scale per tensor is [1]
         kw = {"device": device}
         if ct_format == PACKED:

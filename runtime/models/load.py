@@ -80,13 +80,16 @@ def _unverified_manifest(path: Path) -> ArtifactManifest | None:
 
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                 trust_remote_code: bool = False, verify: str = "strict",
-                allow_failed_gate: bool = False) -> BuiltModel:
+                allow_failed_gate: bool = False, shard=None) -> BuiltModel:
     """Load `path` (artifact or HF checkpoint folder) into our CausalLM on `device` in `dtype`.
 
     verify: "strict" (a slimserve artifact needs a matching slimserve.json) or "none"; the
     folder confinement and config bounds checks (`check_folder`) run either way.
     allow_failed_gate: load an artifact whose manifest says its perplexity gate failed
     (refused with ArtifactError otherwise, `check_gate`).
+    shard: one rank of a tensor-parallel model (`TensorShard`, runtime/distributed/loading.py)
+    or one pipeline stage (`StageShard`, runtime/distributed/pipeline.py): its shapes, only its
+    tensors or slices of them, its parallel layers; None: the whole model.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -100,16 +103,21 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     spec = model_spec(config)
     qc = read_quant_config(path)
-    tensors = read_safetensors(path)
+    tensors = read_safetensors(path) if shard is None else None
     with torch.device("meta"):
-        model = CausalLM(spec)
+        model = CausalLM(spec if shard is None else shard.local_spec(spec))
+    if shard is not None:  # may drop the modules the shard does not hold (pipeline stages)
+        tensors = shard.read(path, model)
     if qc:
         check_quant_method(qc, f"{path}/config.json", convert_hint=False)
         qc, tensors = import_checkpoint(qc, tensors, path)
         replace_linears(model, qc)
+        if shard is not None:
+            shard.after_replace(model)
     kv_scales = pop_kv_scales(model, qc, tensors, path) if qc else {}
     model = model.to(dtype).to_empty(device=device)
-    if spec.tie_word_embeddings:  # to_empty gives shared parameters separate storage: re-tie
+    if spec.tie_word_embeddings and model.lm_head is not None and model.model.embed_tokens is not None:
+        # to_empty gives shared parameters separate storage: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
         tensors.pop("lm_head.weight", None)
     load_state_strict(model, tensors, path)
@@ -124,8 +132,10 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         attn.k_scale.fill_(k)
         attn.v_scale.fill_(v)
     fuse_projections(model)
+    if shard is not None:
+        shard.parallelize(model)
     tokenizer = (AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-                 if has_tokenizer(path) else None)
+                 if has_tokenizer(path) and (shard is None or shard.rank == 0) else None)
     return BuiltModel(model.eval(), spec, tokenizer, bool(kv_scales), quantized,
                       _eos_ids(path, config, tokenizer), dtype)
 

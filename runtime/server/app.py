@@ -2,8 +2,11 @@
 "The engine interface the server uses").
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream over SSE), GET
-/v1/models[/{id}], GET /health, GET /metrics, GET /state (the load a router polls: JSON). Every error is an OpenAI-style JSON body
-{"error": {"message", "type", "param", "code"}}; nothing internal (tracebacks, paths) leaks.
+/v1/models[/{id}], GET /health, GET /metrics, GET /state (the load a router polls: JSON), POST
+/start_profile and /stop_profile (vLLM's names: a torch profiler trace of the engine steps in
+between, runtime/profiler.py; 400 unless the server was started with --profile-dir). Every
+error is an OpenAI-style JSON body {"error": {"message", "type", "param", "code"}}; nothing
+internal (tracebacks, paths) leaks.
 
 A request that loses its client is aborted in the engine: while waiting for the first token and
 for non-streamed answers a watcher awaits the ASGI `http.disconnect` message; a stream is
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -37,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
 from slimserve.runtime.errors import EngineDeadError, RequestError
+from slimserve.runtime.profiler import ProfileError, ProfileStateError, ProfilingDisabled
 from slimserve.runtime.sequence import OutputAccumulator, RequestOutput, SamplingParams
 from slimserve.runtime.server.http import (
     ClientGone,
@@ -142,6 +147,33 @@ class OpenAIServing:
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def start_profile(self, request: Request) -> Response:
+        """Start a torch profiler trace of the engine's steps. Optional JSON body:
+        {"record_shapes": bool (default false), "max_steps": int >= 1 (the cap, default
+        runtime/profiler.py PROFILE_MAX_STEPS)}."""
+        opts = _profile_options(await read_body(request, self.body_timeout_s))
+        cap = await self._profile_call(self.engine.start_profile(**opts))
+        return JSONResponse({"status": "profiling", "max_steps": cap})
+
+    async def stop_profile(self) -> Response:
+        """Stop the trace and write it; answers with the file's path."""
+        result = await self._profile_call(self.engine.stop_profile())
+        return JSONResponse({"status": "stopped", "path": result.path, "steps": result.steps,
+                             "capped": result.capped})
+
+    @staticmethod
+    async def _profile_call(call: Any) -> Any:
+        try:
+            return await call
+        except ProfilingDisabled as e:
+            raise APIError(400, str(e), code="profiling_disabled") from None
+        except ProfileStateError as e:
+            raise APIError(409, str(e), code="profile_state") from None
+        except ProfileError as e:
+            raise APIError(500, str(e), code="profile_write_failed") from None
+        except EngineDeadError as e:
+            raise APIError(503, f"engine is not running: {e}", code="engine_dead") from None
 
     def _card(self) -> dict[str, Any]:
         return {"id": self.engine.model_name, "object": "model", "created": self.created,
@@ -428,12 +460,41 @@ class OpenAIServing:
         yield DONE
 
 
+def _profile_options(body: bytes) -> dict[str, Any]:
+    """The optional JSON body of POST /start_profile, checked: one 400 line per bad field."""
+    if not body.strip():
+        return {}
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise APIError(400, "body: not valid JSON; send {} or {\"max_steps\": N, "
+                            "\"record_shapes\": true}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "body: must be a JSON object such as {\"max_steps\": 100}")
+    if unknown := sorted(set(data) - {"record_shapes", "max_steps"}):
+        raise APIError(400, f"{unknown[0]}: unknown field; the fields are record_shapes and "
+                            "max_steps", param=unknown[0])
+    opts: dict[str, Any] = {}
+    if "record_shapes" in data:
+        if not isinstance(data["record_shapes"], bool):
+            raise APIError(400, f"record_shapes: {data['record_shapes']!r} is not true or false",
+                           param="record_shapes")
+        opts["record_shapes"] = data["record_shapes"]
+    if data.get("max_steps") is not None:
+        n = data["max_steps"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise APIError(400, f"max_steps: {n!r} must be an integer >= 1", param="max_steps")
+        opts["max_steps"] = n
+    return opts
+
+
 def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S) -> FastAPI:
     """The FastAPI app serving `engine`; the lifespan starts it and shuts it down.
 
-    api_key: require `Authorization: Bearer <api_key>` on /v1/* (/health, /metrics stay open).
+    api_key: require `Authorization: Bearer <api_key>` on /v1/* and the profiler endpoints
+    (/health, /metrics, /state stay open).
     max_queue: answer 503 with Retry-After while this many admitted requests wait.
     body_timeout_s: answer 408 when a request body has not arrived within this.
     stream_timeout_s: end and abort a stream whose client has read nothing for this long.
@@ -455,6 +516,9 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics_text, methods=["GET"])
     app.add_api_route("/state", serving.state, methods=["GET"])
+    auth = [Depends(bearer_auth(api_key))]
+    app.add_api_route("/start_profile", serving.start_profile, methods=["POST"], dependencies=auth)
+    app.add_api_route("/stop_profile", serving.stop_profile, methods=["POST"], dependencies=auth)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
     v1.add_api_route("/models", serving.models, methods=["GET"])
     v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])

@@ -3,6 +3,13 @@
 Names follow vLLM's (`vllm:num_requests_running` -> `slimserve:num_requests_running`, same
 suffixes and histogram bucket edges), so a vLLM dashboard works after renaming the prefix. Each
 app owns its CollectorRegistry: several apps (tests, two models in one process) never collide.
+
+Engine step timing (runtime/step_timing.py) has no vLLM counterpart: `slimserve:step_phase_seconds`
+is one histogram labelled by `phase` (schedule, prepare, forward, sample, detokenize, output;
+seconds per step, buckets 10 us .. 10 s), beside `slimserve:step_prefill_tokens` and
+`slimserve:step_decode_rows` (per step). The engine thread only counts into its own buckets;
+they become metric families at scrape time from a copy taken under the engine's lock, so the
+step loop never touches a prometheus object.
 """
 
 from __future__ import annotations
@@ -11,11 +18,17 @@ import time
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from slimserve.runtime.errors import EngineDeadError
 from slimserve.runtime.sequence import RequestOutput
+from slimserve.runtime.step_timing import HistogramData, StepTimingSnapshot
 
 P = "slimserve:"
 # seconds; vLLM's edges for the same histograms
@@ -23,6 +36,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
+STEP_PHASE_SECONDS = P + "step_phase_seconds"  # label phase; runtime/bench/breakdown.py reads these
+STEP_PREFILL_TOKENS = P + "step_prefill_tokens"
+STEP_DECODE_ROWS = P + "step_decode_rows"
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -63,6 +79,38 @@ class _EngineCollector(Collector):
         yield from self._families(stats)
 
 
+class _StepTimingCollector(Collector):
+    """The engine's step histograms (engine.step_timing(): a copy), fresh at every scrape."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @staticmethod
+    def _families(snap: StepTimingSnapshot | None) -> list[Metric]:
+        phases = HistogramMetricFamily(STEP_PHASE_SECONDS, "Time of one engine step's phase "
+                                       "(runtime/step_timing.py), per step.", labels=["phase"])
+        prefill = HistogramMetricFamily(STEP_PREFILL_TOKENS, "Prompt (and recomputed) tokens "
+                                        "one engine step computes.")
+        rows = HistogramMetricFamily(STEP_DECODE_ROWS, "Sequences one engine step decodes a "
+                                     "token for.")
+        if snap is not None:
+            for phase, h in snap.phases.items():
+                _add(phases, h, [phase])
+            _add(prefill, snap.prefill_tokens)
+            _add(rows, snap.decode_rows)
+        return [phases, prefill, rows]
+
+    def describe(self) -> list[Metric]:
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.engine.step_timing())
+
+
+def _add(family: HistogramMetricFamily, h: HistogramData, labels: list[str] | None = None) -> None:
+    family.add_metric(labels or [], h.cumulative(), h.sum)
+
+
 class ServerMetrics:
     """Every metric of one app, in its own registry."""
 
@@ -70,6 +118,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_EngineCollector(engine))
+        r.register(_StepTimingCollector(engine))
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first "
                               "generated token.", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive "

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from slimserve.runtime.async_engine import EngineLoad
 from slimserve.runtime.errors import EngineDeadError, RequestError
+from slimserve.runtime.profiler import ProfilingDisabled
 from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams
+from slimserve.runtime.step_timing import StepTimings
 from slimserve.runtime.stops import StopHoldBack
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
@@ -91,6 +93,15 @@ class FakeEngine:
 
     def health_problem(self):
         return "fake engine died" if self.dead else self.unhealthy
+
+    def step_timing(self):
+        return StepTimings().snapshot()  # no steps: the step histograms render empty
+
+    async def start_profile(self, record_shapes=False, max_steps=None):
+        raise ProfilingDisabled("profiling is off: start the server with --profile-dir DIR")
+
+    async def stop_profile(self):
+        raise ProfilingDisabled("profiling is off: start the server with --profile-dir DIR")
 
     def abort(self, request_id):
         self.abort_calls.append(request_id)

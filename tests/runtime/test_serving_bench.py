@@ -31,6 +31,7 @@ from slimserve.runtime.bench.server_process import BenchError, free_port, launch
 from slimserve.runtime.bench.workload import (
     BenchRequest,
     LengthDist,
+    PromptMix,
     RequestResult,
     compute_metrics,
     corpus_requests,
@@ -133,6 +134,60 @@ def test_corpus_requests_have_exact_lengths_and_repeat_with_the_seed(tok):
     assert [r.prompt_ids for r in other] != [r.prompt_ids for r in reqs]
     with pytest.raises(ValueError, match="input-len-max"):
         corpus_requests(tok, 2, LengthDist(5000, 0.0, 5000, 5000), outputs, 0, texts=["a b c"])
+
+
+def test_prompt_mix_makes_long_prompts_and_a_shared_prefix(tok):
+    inputs, outputs = LengthDist(20, 0.5, 8, 60), LengthDist(5, 0.0, 5, 5)
+    plain = corpus_requests(tok, 60, inputs, outputs, seed=1, texts=TEXTS)
+    assert corpus_requests(tok, 60, inputs, outputs, seed=1, texts=TEXTS, mix=PromptMix()) == plain
+    mix = PromptMix(long_fraction=0.25, long_factor=8, shared_prefix_len=32,
+                    shared_prefix_fraction=0.5)
+    skewed = corpus_requests(tok, 60, inputs, outputs, seed=1, texts=TEXTS, mix=mix)
+    assert skewed == corpus_requests(tok, 60, inputs, outputs, seed=1, texts=TEXTS, mix=mix)
+    drawn = inputs.sample(60, np.random.default_rng([1, 0]))
+    prefix = None
+    n_long = n_shared = 0
+    for r, k in zip(skewed, drawn):
+        body = r.prompt_len - (32 if r.prompt_len - 32 in (k, 8 * k) and
+                               r.prompt_len not in (k, 8 * k) else 0)
+        assert body in (k, 8 * k)  # its draw, or 8x its draw, after the prefix if it has one
+        n_long += body == 8 * k
+        if body != r.prompt_len:
+            n_shared += 1
+            prefix = prefix or r.prompt_ids[:32]
+            assert r.prompt_ids[:32] == prefix  # one prefix for all
+    assert 5 <= n_long <= 25 and 15 <= n_shared <= 45  # ~15 and ~30 of 60 expected
+    assert [r.output_len for r in skewed] == [r.output_len for r in plain]
+    for bad, match in ((dict(long_fraction=1.5), "long-fraction"), (dict(long_factor=0), "long-factor"),
+                       (dict(shared_prefix_len=-1), "shared-prefix-len")):
+        with pytest.raises(ValueError, match=match):
+            PromptMix(**bad)
+
+
+def test_router_policy_comparison_is_checked_and_passed_to_serve():
+    args = BenchArgs(model="m", data_parallel_size=2, router_policies=["least-latency", "round-robin"])
+    args.validate()
+    cmd = serve_command(BenchArgs(model="m", data_parallel_size=2, router_policy="round-robin"), 1)
+    assert cmd[-4:] == ["--data-parallel-size", "2", "--router-policy", "round-robin"]
+    for kwargs, match in (
+            (dict(router_policies=["least-latency"]), "--data-parallel-size 2"),
+            (dict(router_policies=["fastest"], data_parallel_size=2), "'fastest' is unknown"),
+            (dict(router_policies=["random", "random"], data_parallel_size=2), "twice"),
+            (dict(router_policies=["random"], data_parallel_size=2, url="http://x", model=None,
+                  tokenizer="t"), "not --url"),
+            (dict(mix=PromptMix(long_fraction=0.2, long_factor=8), dataset=__file__), "JSONL")):
+        with pytest.raises(ValueError, match=match):
+            BenchArgs(**{"model": "m", **kwargs}).validate()
+    res = CliRunner().invoke(_bench_app(), ["bench", "m", "--router-policy", "least-latency,rr",
+                                            "--data-parallel-size", "2"])
+    assert res.exit_code == 2 and "'rr' is unknown" in res.output
+
+
+def _bench_app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("bench")(bench_main)
+    app.command("other")(lambda: None)
+    return app
 
 
 def test_jsonl_requests_cycle_cut_and_override(tok, tmp_path):

@@ -1,0 +1,115 @@
+"""The `ray` executor: ranks 1..N-1 as Ray actors, one per GPU (or per CPU share), on any node.
+
+`pip install -e ".[ray]"`. The driver joins the Ray cluster named by `RAY_ADDRESS` (or starts a
+local one), reserves one bundle per rank in a placement group (`{"GPU": 1}` on CUDA, `{"CPU":
+cores / N}` on CPU; rank 0's bundle is the driver's own share) and starts one actor per other
+rank in its bundle. Each actor runs the same worker code as the `mp` executor
+(`worker_main`, runtime/distributed/worker.py); what differs is the transport: rank 0's TCPStore
+listens on this node's address, the step headers and the workers' messages travel through it
+(`StoreChannel`) instead of pipes, and a worker's liveness is its actor's. Ray gives each actor
+its one GPU as cuda:0.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from slimserve.runtime.distributed.executor import MultiprocExecutor
+from slimserve.runtime.distributed.worker import worker_main
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("distributed_executor_backend: 'ray' needs Ray; pip install -e \".[ray]\" "
+                         "(or use the default 'mp' on one machine)") from None
+    return ray
+
+
+class RayWorker:
+    """One rank, as a Ray actor."""
+
+    def run(self, rank, world, host, port, config, threads, cuda):
+        worker_main(rank, world, port, config, None, threads, host=host, cuda_index=0 if cuda else None)
+
+
+class RayExecutor(MultiprocExecutor):
+    name = "ray"
+
+    def _start_workers(self, config, store) -> None:
+        ray = _ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        self._ray, self.store, self.steps = ray, store, 0
+        cuda = self.device.type == "cuda"
+        bundle = {"GPU": 1} if cuda else {"CPU": self.threads or 1}
+        self.pg = placement_group([bundle] * self.world, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+        host = ray.util.get_node_ip_address()
+        actor = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else (self.threads or 1))(RayWorker)
+        self.actors, self.runs, self._seen = [], [], {}
+        for rank in range(1, self.world):
+            a = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=rank)).remote()
+            self.actors.append(a)
+            self.runs.append(a.run.remote(rank, self.world, host, store.port, config, self.threads, cuda))
+
+    def _post(self, header: bytes) -> None:
+        self.store.set(f"step/{self.steps}", header)  # one write, read by every worker
+        if self.steps:
+            self.store.delete_key(f"step/{self.steps - 1}")  # every worker has read it: it ran that step
+        self.steps += 1
+
+    def _messages(self, rank: int, wait_s: float = 0.0) -> list[tuple[str, str]]:
+        import time
+
+        deadline, out = time.monotonic() + wait_s, []
+        while True:
+            i = self._seen.get(rank, 0)
+            key = f"msg/{rank}/{i}"
+            if self.store.check([key]):
+                kind, payload = json.loads(self.store.get(key))  # (kind, str or int): never pickle
+                out.append((kind, payload))
+                self._seen[rank] = i + 1
+                continue
+            if out or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.01)
+
+    def _exit_status(self, rank: int) -> tuple[bool, str]:
+        run = self.runs[rank - 1]
+        done, _ = self._ray.wait([run], timeout=0)
+        if not done:
+            return False, ""
+        try:
+            self._ray.get(run)
+            how = "its actor returned"
+        except Exception as e:  # noqa: BLE001 (an actor that died: Ray says how)
+            how = f"actor died: {type(e).__name__}"
+        return True, how
+
+    def _stop_workers(self, stop: bytes) -> None:
+        try:
+            self.store.set(f"step/{self.steps}", stop)
+        except RuntimeError:
+            pass
+        try:
+            self._ray.wait(self.runs, num_returns=len(self.runs), timeout=5)
+        finally:
+            for a in self.actors:
+                self._ray.kill(a)
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+
+
+def make_executor(config, device: torch.device) -> MultiprocExecutor:
+    """The executor `config.distributed_executor_backend` names."""
+    backend = getattr(config, "distributed_executor_backend", "mp")
+    return RayExecutor(config, device) if backend == "ray" else MultiprocExecutor(config, device)
