@@ -18,13 +18,19 @@ cannot take the others down; whatever a step saved comes back):
    same static buffers without capturing).
 3. **transformers**: `generate` with a static cache on the same shape in bf16 at the same batch
    sizes (decode rate = the 33-token run minus the 1-token run), the baseline of the bf16 rows.
-4. **sweeps**: the W4A16 / W8A8 tile sweeps of the kernel benchmark's full plan, if the budget
+4. **tensor parallel**: the 8B shape's decode rate through the engine at TP=2 (mp executor,
+   NCCL, bf16 weights and KV, eager, the same batches; rank 0's collective time per step from
+   `ModelRunner.comm_stats()`), from a random checkpoint written to a temporary folder (the
+   ranks load their slices from files). This needs two GPUs: on one GPU the entry is TP=1 only,
+   the bf16 eager rows of step 2, and the output says "one GPU: TP=1 only". The dry run runs
+   TP=2 over two CPU processes (gloo) at the tiny shape.
+5. **sweeps**: the W4A16 / W8A8 tile sweeps of the kernel benchmark's full plan, if the budget
    has at least 150 s left.
 
-It prints one table (hardware, model shape and workload in its header) and writes
-`gpu_check.json` (default: $OUT, else the current folder). `--dry-run` runs the same four steps
-on the CPU at tiny shapes, the kernels through the Triton interpreter, so CI keeps the script
-working (tests/eval/test_gpu_check.py); its numbers mean nothing.
+It prints one table (hardware, model shape and workload in its header) and the tensor-parallel
+one, and writes `gpu_check.json` (default: $OUT, else the current folder). `--dry-run` runs the
+same steps on the CPU at tiny shapes, the kernels through the Triton interpreter, so CI keeps
+the script working (tests/eval/test_gpu_check.py); its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -44,8 +50,11 @@ import torch
 
 from slimserve.eval.engine_bench import SHAPES, build_engine
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
+from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.cuda_graphs import DecodeGraphs
+from slimserve.runtime.engine import LLMEngine
 from slimserve.runtime.models.llama import ModelSpec
+from slimserve.runtime.models.load import random_model
 from slimserve.runtime.sequence import SamplingParams
 
 WEIGHTS = ("bf16", "W4A16", "W8A8")
@@ -61,12 +70,12 @@ def _plan(dry_run: bool) -> dict:
         return {"shape": "tiny", "spec": tiny, "device": "cpu", "dtype": torch.float16,
                 "batches": (2,), "prompt_len": 8, "steps": 2, "warmup": 0, "max_model_len": 64,
                 "kv_cache_memory": "16MiB", "limits": {"kernels": 300, "decode": 300, "hf": 120,
-                                                       "sweeps": 0}}
+                                                       "tp": 200, "sweeps": 0}}
     return {"shape": "llama3-8b", "spec": SHAPES["llama3-8b"], "device": "cuda",
             "dtype": torch.bfloat16, "batches": (1, 16, 64, 256), "prompt_len": 128, "steps": 32,
             "max_model_len": 512,
             "warmup": 4, "kv_cache_memory": "8GiB",
-            "limits": {"kernels": 200, "decode": 200, "hf": 90, "sweeps": 150}}
+            "limits": {"kernels": 200, "decode": 200, "hf": 90, "tp": 300, "sweeps": 150}}
 
 
 # -- step 2: the engine's decode rate --------------------------------------------------------------
@@ -213,12 +222,106 @@ def run_hf(plan: dict) -> list[dict]:
     return rows
 
 
+# -- step 4: tensor parallelism through the engine ------------------------------------------------
+
+TP_SIZE = 2
+
+
+def tp_gpus(dry_run: bool) -> int:
+    """Devices TP can use: the visible GPUs; the dry run's two CPU processes count as two."""
+    return TP_SIZE if dry_run else torch.cuda.device_count()
+
+
+def tp_note(gpus: int, dry_run: bool) -> str:
+    if dry_run:
+        return f"dry run: TP={TP_SIZE} over {TP_SIZE} CPU processes (gloo), tiny shape"
+    if gpus < TP_SIZE:
+        return ("one GPU: TP=1 only (the bf16 eager decode rows above; TP=2 needs two GPUs, "
+                "nothing was run for it)")
+    return f"{gpus} GPUs: TP=1 from the decode rows above, TP={TP_SIZE} through the engine (NCCL)"
+
+
+def tp1_rows(decode_rows: list[dict]) -> list[dict]:
+    """The TP=1 entry: step 2's bf16-weights, bf16-KV eager rows (the same engine, one rank)."""
+    return [{"tp": 1, "batch": r["batch"], "tok_s": r["tok_s"], "step_ms": r["step_ms"],
+             "comm_ms_per_step": None, "comm_calls_per_step": None}
+            for r in decode_rows if "tok_s" in r and r["weights"] == "bf16" and r["kv"] == "bf16"
+            and r["graphs"] == "off"]
+
+
+def save_random_checkpoint(spec: ModelSpec, dtype: torch.dtype, device: str, folder: Path) -> Path:
+    """config.json and model.safetensors of a random dense model of `spec`: what the ranks of a
+    tensor-parallel engine read their slices from (they load from files, not from a model)."""
+    from safetensors.torch import save_file
+
+    model = random_model(spec, dtype, torch.device(device))
+    config = _hf_config(spec)
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return folder
+
+
+def run_tp(plan: dict) -> list[dict]:
+    """TP=2 decode rows on the plan's shape (bf16 weights and KV, eager)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-tp-") as tmp:
+        engine = None
+        try:
+            folder = save_random_checkpoint(plan["spec"], plan["dtype"], plan["device"], Path(tmp))
+            config = EngineConfig(
+                model=str(folder), device=plan["device"], dtype=str(plan["dtype"]).removeprefix("torch."),
+                verify="none", tensor_parallel_size=TP_SIZE, max_num_seqs=max(plan["batches"]),
+                max_num_batched_tokens=8192, kv_cache_memory=plan["kv_cache_memory"],
+                max_model_len=plan["max_model_len"])
+            engine = LLMEngine(config)
+            if plan["device"].startswith("cuda"):  # compile every kernel before timing
+                decode_rate(engine, 1, plan["prompt_len"], 2, 1, plan["device"])
+            for batch in plan["batches"]:
+                before = engine.runner.comm_stats()
+                r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"], plan["warmup"],
+                                plan["device"])
+                after = engine.runner.comm_stats()
+                steps = after["steps"] - before["steps"]  # prefill and warm-up steps too
+                rows.append({"tp": TP_SIZE, "batch": batch, "tok_s": r["tok_s"], "step_ms": r["step_ms"],
+                             "comm_ms_per_step": 1e3 * (after["comm_s"] - before["comm_s"]) / steps,
+                             "comm_calls_per_step": (after["comm_calls"] - before["comm_calls"]) / steps})
+                print(f"tensor parallel TP={TP_SIZE} batch {batch:>3}: {r['tok_s']:9.1f} tok/s, "
+                      f"{r['step_ms']:7.2f} ms/step, collectives {rows[-1]['comm_ms_per_step']:.2f} "
+                      f"ms/step on rank 0", flush=True)
+        except Exception:
+            rows.append({"tp": TP_SIZE, "error": traceback.format_exc()[-2000:]})
+            print(f"tensor parallel TP={TP_SIZE}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+        finally:
+            if engine is not None:
+                engine.runner.shutdown()
+    return rows
+
+
+def _tp_table(tp: dict) -> str:
+    lines = [f"Tensor parallelism | {tp['note']}",
+             "| TP | batch | tok/s | ms/step | collectives ms/step (rank 0) | collectives/step |",
+             "|" + "---|" * 6]
+    for r in tp["rows"]:
+        if "tok_s" not in r:
+            lines.append(f"| {r['tp']} | - | FAILED | | | |")
+            continue
+        comm = "" if r["comm_ms_per_step"] is None else f"{r['comm_ms_per_step']:.2f}"
+        calls = "" if r["comm_calls_per_step"] is None else f"{r['comm_calls_per_step']:.0f}"
+        lines.append(f"| {r['tp']} | {r['batch']} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {comm} | {calls} |")
+    return "\n".join(lines)
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 def _child(step: str, dry_run: bool, hbm_tbps: float, result: str) -> int:
     plan = _plan(dry_run)
-    rows = run_decode(plan, hbm_tbps) if step == "decode" else run_hf(plan)
-    Path(result).write_text(json.dumps(rows))
+    run = {"decode": lambda: run_decode(plan, hbm_tbps), "hf": lambda: run_hf(plan),
+           "tp": lambda: run_tp(plan)}[step]
+    Path(result).write_text(json.dumps(run()))
     return 0
 
 
@@ -306,6 +409,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("decode", "hf"):
         report["steps"][name], report["decode" if name == "decode" else "transformers"] = \
             _step(name, args, plan, env)
+    gpus = tp_gpus(args.dry_run)
+    report["tensor_parallel"] = {"gpus": gpus, "note": tp_note(gpus, args.dry_run),
+                                 "rows": tp1_rows(report["decode"])}
+    if gpus < TP_SIZE:
+        report["steps"]["tp"] = "skipped (one GPU: TP=1 only)"
+    elif args.budget_s - (time.monotonic() - t0) < plan["limits"]["tp"]:
+        report["steps"]["tp"] = "skipped (budget)"
+    else:
+        report["steps"]["tp"], tp_rows = _step("tp", args, plan, env)
+        report["tensor_parallel"]["rows"] += tp_rows
     left = args.budget_s - (time.monotonic() - t0)
     if plan["limits"]["sweeps"] and left >= plan["limits"]["sweeps"]:
         report["steps"]["sweeps"] = _spawn(
@@ -317,12 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nEngine decode throughput | {report['hardware']} | random {plan['shape']} | batch x "
           f"{plan['prompt_len']}-token prompts, {plan['steps']} decode steps timed | roofline at "
           f"{args.hbm_tbps} TB/s\n" + _table(report))
+    print("\n" + _tp_table(report["tensor_parallel"]))
     print("steps: " + ", ".join(f"{k} {v}" for k, v in report["steps"].items())
           + f"; total {report['seconds']:.0f} s")
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     print(f"results: {out / 'gpu_check.json'}")
     ok = all(v.startswith(("ok ", "skipped")) for v in report["steps"].values())
-    ok = ok and all("error" not in r for r in report["decode"] + report["transformers"])
+    ok = ok and all("error" not in r for r in report["decode"] + report["transformers"]
+                    + report["tensor_parallel"]["rows"])
     return 0 if ok else 1
 
 

@@ -25,6 +25,9 @@ Step timing and profiling: `step_timing()` is a copy of the engine's per-phase h
 `stop_profile()` run a `StepProfiler` (runtime/profiler.py) on the engine thread: they travel
 over the command queue like adds and aborts, so the profiler starts and stops between steps
 and sees each step whole; writing the trace pauses the steps while it lasts.
+
+Ranks (`rank_stats()`, for /metrics): each rank's weight, KV-cache and process memory and its
+time in collectives (runtime/distributed/rank_stats.py), read without touching the engine thread.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from slimserve.runtime.config import DEFAULT_STEP_WATCHDOG_S, EngineConfig
+from slimserve.runtime.distributed.rank_stats import RankStats
 from slimserve.runtime.engine import EngineStats, LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.profiler import (
@@ -182,6 +186,18 @@ class AsyncEngine:
     def step_timing(self) -> StepTimingSnapshot:
         """The engine's per-phase and batch histograms so far (any thread; a consistent copy)."""
         return self.engine.step_timing.snapshot()
+
+    def rank_stats(self) -> list[RankStats]:
+        """Per rank (rank 0 only without tensor/pipeline parallelism): weight, KV-cache and
+        process memory, collective time. Any thread; cheap (no worker is asked, nothing waits
+        for a step); a worker that has died has no row."""
+        return self.engine.runner.rank_stats()
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (runtime/block_manager.py), between steps: what a
+        benchmark calls before each measured run so that prompts it sent before are not served
+        from the cache (vLLM's POST /reset_prefix_cache)."""
+        await self._on_engine_thread(self.engine.block_manager.reset_prefix_cache)
 
     async def start_profile(self, record_shapes: bool = False, max_steps: int | None = None) -> int:
         """Profile the steps from now on (runtime/profiler.py); returns the step cap in force.

@@ -257,14 +257,11 @@ def serve(
                   f"{s.block_size} tokens = {s.capacity_tokens} tokens; max_model_len "
                   f"{engine.max_model_len}; "
                   f"serving on http://{host}:{port}/v1", highlight=False, soft_wrap=True)
-    runner = getattr(getattr(engine, "engine", None), "runner", None)  # None: an engine without one
-    ranks = tensor_parallel_size * pipeline_parallel_size
-    if ranks > 1 and runner is not None:
-        mib = runner.kv_cache_bytes / 2**20
-        console.print(f"{ranks} ranks (tensor parallel {tensor_parallel_size} x pipeline parallel "
-                      f"{pipeline_parallel_size}): KV cache {mib:.1f} MiB per rank ({runner.kv_heads} of "
-                      f"{runner.spec.num_kv_heads} KV heads, {runner.model.spec.num_layers} of "
-                      f"{runner.spec.num_layers} layers each), {ranks * mib:.1f} MiB in total",
+    if tensor_parallel_size * pipeline_parallel_size > 1:
+        kv = [r.kv_cache_bytes / 2**20 for r in engine.rank_stats()]  # each rank's own numbers
+        console.print(f"{len(kv)} ranks (tensor parallel {tensor_parallel_size} x pipeline "
+                      f"parallel {pipeline_parallel_size}): KV cache per rank "
+                      f"{', '.join(f'{m:.1f}' for m in kv)} MiB, {sum(kv):.1f} MiB in total",
                       highlight=False, soft_wrap=True)
     api = build_app(engine, api_key=api_key, max_queue=max_queue, body_timeout_s=body_timeout,
                     stream_timeout_s=stream_timeout)

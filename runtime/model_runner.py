@@ -10,7 +10,8 @@ which builds a runner of its own (`group=` given), and gives rank 0's runner the
 the smallest block count, so the one block manager's block ids are valid everywhere. `execute`
 sends the step's batch to the workers first, then runs rank 0's part (runtime/distributed/
 pipeline.py for PP); the logits come back whole on rank 0. With N = M = 1 nothing of this runs:
-no process, no collective.
+no process, no collective. `rank_stats()` gives every rank's weight, KV and process memory
+and collective time for /metrics (runtime/distributed/rank_stats.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.group import TPGroup
 from slimserve.runtime.distributed.loading import TensorShard
 from slimserve.runtime.distributed.pipeline import StageShard, pipeline_step
+from slimserve.runtime.distributed.rank_stats import RankStats, model_bytes, process_memory_bytes
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.models.load import BuiltModel, build_model
@@ -80,6 +82,7 @@ class ModelRunner:
         self.built = built
         self.model, self.spec, self.dtype = built.model, built.spec, built.dtype
         self._prepare_weights()
+        self.weight_bytes = model_bytes(self.model)  # this rank's, in their run-time form
         self.kv_dtype = self._kv_dtype()
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
@@ -231,6 +234,17 @@ class ModelRunner:
         groups = [g for g in (self.group, self.tp_group) if g is not None]
         return {"steps": self.steps, "comm_s": sum(g.comm_seconds for g in groups),
                 "comm_calls": sum(g.comm_calls for g in groups)}
+
+    def rank_stats(self) -> list[RankStats]:
+        """Rank 0's row (this process) and every live worker's; one row without parallelism,
+        whose collective counters are then None (no collective runs). Cheap: no worker is asked."""
+        comm = self.comm_stats() if self.group is not None else None
+        rows = [RankStats(0 if self.group is None else self.group.rank, self.weight_bytes,
+                          self.kv_cache_bytes, process_memory_bytes(self.device),
+                          comm and comm["comm_s"], comm and comm["comm_calls"])]
+        if self.executor is not None:
+            rows += self.executor.worker_stats()
+        return rows
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do without them); idempotent."""

@@ -3,7 +3,11 @@ exported by runtime/server/metrics.py) scraped from /metrics before and after th
 and subtracted, so warm-up and earlier runs do not count (other clients of the same server do).
 
 `step_breakdown(before, after)` gives per phase the total seconds, milliseconds per step and
-share of the step time, plus the mean prefill tokens and decode rows per step; None when either
+share of the step time, plus the mean prefill tokens and decode rows per step, and, when the
+server is split over ranks (`-tp`/`-pp`) and exports `slimserve:tp_collective_seconds_total`,
+rank 0's time in collectives (all-reduces, the logits gather, pipeline transfers: part of the
+forward phase, including the wait for the slowest rank) per step and as a share of the step
+time; None when either
 scrape lacks the histograms (an older slimserve, a router, another product), and the benchmark
 then says so in one line instead of printing the table. Parsing uses prometheus_client's own
 text parser.
@@ -14,11 +18,19 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from slimserve.runtime.server.metrics import STEP_DECODE_ROWS, STEP_PHASE_SECONDS, STEP_PREFILL_TOKENS
+from slimserve.runtime.server.metrics import (
+    STEP_DECODE_ROWS,
+    STEP_PHASE_SECONDS,
+    STEP_PREFILL_TOKENS,
+    TP_COLLECTIVE_CALLS,
+    TP_COLLECTIVE_SECONDS,
+)
 from slimserve.runtime.step_timing import PHASES
 
-# (sum, count) of each histogram series: "phase:<name>" for the phases, else the metric name
+# (sum, count) of each histogram series: "phase:<name>" for the phases, else the metric name;
+# COLLECTIVES: rank 0's (collective seconds, collective calls) counters
 StepTotals = dict[str, tuple[float, float]]
+COLLECTIVES = "collectives:rank0"
 
 
 def parse_step_totals(text: str) -> StepTotals | None:
@@ -27,6 +39,13 @@ def parse_step_totals(text: str) -> StepTotals | None:
     totals: dict[str, list[float]] = {}
     try:
         for family in text_string_to_metric_families(text):
+            counter = family.name.removesuffix("_total")  # typed, or untyped (name_total)
+            if counter in (TP_COLLECTIVE_SECONDS, TP_COLLECTIVE_CALLS):
+                for sample in family.samples:
+                    if sample.name.endswith("_total") and sample.labels.get("rank") == "0":
+                        totals.setdefault(COLLECTIVES, [0.0, 0.0])[
+                            counter == TP_COLLECTIVE_CALLS] = float(sample.value)
+                continue
             if family.name not in (STEP_PHASE_SECONDS, STEP_PREFILL_TOKENS, STEP_DECODE_ROWS):
                 continue
             for sample in family.samples:
@@ -62,9 +81,16 @@ def step_breakdown(before: StepTotals | None, after: StepTotals | None) -> dict 
         s, c = diff(key)
         return s / c if c else None
 
+    collectives = None
+    if COLLECTIVES in after:
+        secs, calls = diff(COLLECTIVES)
+        collectives = {"rank": 0, "total_s": secs, "calls": int(calls),
+                       "ms_per_step": 1e3 * secs / steps if steps else None,
+                       "calls_per_step": calls / steps if steps else None,
+                       "share": secs / total if total > 0 else None}
     return {"steps": steps, "step_time_s": total, "phases": phases,
             "mean_prefill_tokens": mean(STEP_PREFILL_TOKENS),
-            "mean_decode_rows": mean(STEP_DECODE_ROWS)}
+            "mean_decode_rows": mean(STEP_DECODE_ROWS), "collectives": collectives}
 
 
 def scrape_step_totals(url: str, api_key: str | None = None,

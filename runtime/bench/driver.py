@@ -16,11 +16,15 @@ router, empty prefix caches) and sends the same requests at the same rates; the 
 column per policy and rate. --long-fraction/--long-factor and --shared-prefix-len/-fraction skew
 the workload the way routing is tested (a `PromptMix`, runtime/bench/workload.py).
 
+Before each measured run the server's prefix cache is reset (POST /reset_prefix_cache), so the
+same prompts sent by the warm-up or an earlier rate are prefilled again, not found cached.
 Around each measured run the server's /metrics is scraped and its engine step histograms
 subtracted (runtime/bench/breakdown.py): the step-phase breakdown and batch composition are
-printed beside the latency table. --profile also brackets each measured run (after the
-warm-up) with POST /start_profile and /stop_profile and reports the trace files the server
-wrote; a served MODEL gets `--profile-dir` (beside --json-out, else a temporary folder).
+printed beside the latency table (for a model split with -tp/-pp, also rank 0's time in
+collectives per step, a row of the latency table too). --profile also brackets each measured
+run (after the warm-up) with POST /start_profile and /stop_profile and reports the trace files
+the server wrote; a served MODEL gets `--profile-dir` (beside --json-out, else a temporary
+folder).
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ from slimserve.runtime.router.policy import POLICIES
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
-                "device", "verify", "tensor_parallel_size", "data_parallel_size",
+                "device", "verify", "tensor_parallel_size", "pipeline_parallel_size",
+                "distributed_executor_backend", "data_parallel_size",
                 "router_policy")  # BenchArgs fields passed to `runtime serve` as --flags when set
 
 
@@ -93,6 +98,8 @@ class BenchArgs:
     device: str | None = None
     verify: str | None = None  # engine flag (strict | none), also used by the HF baseline's loader
     tensor_parallel_size: int | None = None  # engine flag: ranks the served model is split over
+    pipeline_parallel_size: int | None = None  # engine flag: pipeline stages (x the TP ranks)
+    distributed_executor_backend: str | None = None  # engine flag: mp | ray (how ranks start)
     data_parallel_size: int | None = None  # engine flag: replicas behind serve's router
     router_policies: list[str] = field(default_factory=list)  # compared, one fresh server each
     router_policy: str | None = None  # engine flag of the run in progress (set by run_bench)
@@ -132,6 +139,12 @@ class BenchArgs:
         if self.mix.active and self.dataset != "stdlib":
             raise ValueError("--long-fraction and --shared-prefix-len shape the stdlib workload; "
                              "a JSONL dataset keeps its own prompts (drop them or use stdlib)")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if (n := getattr(self, name)) is not None and n < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {n} must be >= 1")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError(f"--distributed-executor-backend {self.distributed_executor_backend!r} "
+                             "is unknown; use mp or ray")
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size {self.data_parallel_size} must be >= 1")
         for policy in self.router_policies:
@@ -363,6 +376,7 @@ def measure_rate(url: str, model: str | None, requests: list[BenchRequest], rate
                  args: BenchArgs, desc: str | None) -> dict:
     """One measured run at `rate`: its metrics, step breakdown and (--profile) trace."""
     arrivals = poisson_arrivals(len(requests), rate, args.seed)
+    reset = reset_prefix_cache(url, args.api_key)  # the warm-up's and earlier runs' prompts
     before = scrape_step_totals(url, args.api_key)
     if args.profile:
         profile_request(url, "start", args)
@@ -374,9 +388,23 @@ def measure_rate(url: str, model: str | None, requests: list[BenchRequest], rate
     after = scrape_step_totals(url, args.api_key)
     metrics = compute_metrics(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     return {"request_rate": rate, "max_concurrency": args.max_concurrency, **metrics,
+            "prefix_cache_reset": reset,
             "step_breakdown": step_breakdown(before, after),
             "profile_trace": trace and trace["path"], "profile_steps": trace and trace["steps"],
             "requests": [asdict(r) for r in results]}
+
+
+def reset_prefix_cache(url: str, api_key: str | None) -> bool:
+    """POST /reset_prefix_cache (vLLM's endpoint; a router passes it to every replica) before a
+    measured run: every run sends the same prompts, and without it a run after the warm-up or an
+    earlier rate finds them cached and measures no prefill. False when the server cannot (an
+    older server, another product): the run goes on and the report says so."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        r = httpx.post(f"{url}/reset_prefix_cache", headers=headers, timeout=30, trust_env=False)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
 
 
 def parse_policies(value: str | None) -> list[str]:
@@ -443,6 +471,10 @@ def bench_main(
                                            "artifact whose perplexity gate failed")] = False,
     tensor_parallel_size: Annotated[Optional[int], Opt("--tensor-parallel-size", "-tp",
                                                        help="engine flag: ranks")] = None,
+    pipeline_parallel_size: Annotated[Optional[int], Opt("--pipeline-parallel-size", "-pp",
+                                                         help="engine flag: pipeline stages")] = None,
+    distributed_executor_backend: Annotated[Optional[str], Opt(
+        "--distributed-executor-backend", help="engine flag: mp | ray (how -tp/-pp ranks start)")] = None,
     data_parallel_size: Annotated[Optional[int], Opt("--data-parallel-size", help="engine flag: "
                                                      "replicas behind serve's router")] = None,
     router_policy: Annotated[Optional[str], Opt("--router-policy", help="compare routing policies, "
@@ -475,6 +507,8 @@ def bench_main(
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory, device=device, verify=verify,
             tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
             router_policies=parse_policies(router_policy),
             mix=PromptMix(long_fraction, long_factor, shared_prefix_len,
                           shared_prefix_fraction if shared_prefix_len else 0.0),

@@ -5,7 +5,8 @@ hardware, model, server flags and workload (sysinfo.py), as every benchmark tabl
 so that a number is never read without its conditions. The plot puts each run's output
 throughput against its P99 TTFT, TPOT and E2E latency, the HF baseline's throughput as a line.
 Beside it, per run, the engine's step breakdown (runtime/bench/breakdown.py): each phase's total
-seconds, milliseconds per step and share of the step time, and the batch composition.
+seconds, milliseconds per step and share of the step time, and the batch composition; for a
+model split over ranks also rank 0's time in collectives (a row of both tables).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ROWS = [("requests completed", "completed", "d"), ("requests failed", "failed", 
         ("goodput (req/s)", "goodput", ".2f"),
         *[(f"{stat} {name} (ms)", f"{key}.{stat}", ".1f")
           for key, name in LATENCIES for stat in ("mean", "median", "p99")],
+        ("collectives, rank 0 (ms/step)", "step_breakdown.collectives.ms_per_step", ".2f"),
         ("output throughput / HF (x)", "ratio_vs_hf", ".2f")]
 
 
@@ -122,8 +124,10 @@ def format_table(result: dict) -> Table:
         table.add_column("HF generate", justify="right")
     cols = runs + ([hf] if hf else [])
     has_slo = any(run["goodput"] is not None for run in runs)
+    has_comm = any(_get(run, "step_breakdown.collectives") for run in runs)  # a split model
     for label, key, spec in ROWS:
-        if (key == "goodput" and not has_slo) or (key == "ratio_vs_hf" and not hf):
+        if (key == "goodput" and not has_slo) or (key == "ratio_vs_hf" and not hf) or \
+                (key.startswith("step_breakdown.collectives") and not has_comm):
             continue
         table.add_row(label, *(_cell(_get(c, key), spec) for c in cols))
     return table
@@ -145,6 +149,10 @@ def format_breakdown(run: dict) -> Table | None:
     for ph in b["phases"]:
         table.add_row(ph["phase"], f"{ph['total_s']:.3f}", _cell(ph["ms_per_step"], ".3f"),
                       "-" if ph["share"] is None else f"{ph['share']:.1%}")
+    if c := b.get("collectives"):  # within forward, not a phase of its own
+        table.add_row(f"collectives, rank 0 ({_cell(c['calls_per_step'], '.0f')}/step; "
+                      "part of forward)", f"{c['total_s']:.3f}", _cell(c["ms_per_step"], ".3f"),
+                      "-" if c["share"] is None else f"{c['share']:.1%}")
     return table
 
 
@@ -212,6 +220,10 @@ def finish_result(result: dict, args, console: Console | None = None) -> dict:
         console.print("step breakdown omitted: the server's /metrics has no "
                       "slimserve:step_phase_seconds (an older server, a router or another "
                       "product)", highlight=False)
+    if any(run.get("prefix_cache_reset") is False for run in result["runs"]):
+        console.print("[yellow]prefix cache not reset before every run (the server has no POST "
+                      "/reset_prefix_cache): prompts sent before may have been served from "
+                      "the cache[/]", highlight=False)
     for run in result["runs"]:
         if run.get("profile_trace"):
             console.print(f"profile trace, {run_label(run)} "

@@ -6,5 +6,7 @@ refuse a size before anything loads) and reads each rank's slices from the safet
 `layers.py` holds the parallel layers that wrap a loaded model's Linears and embedding;
 `pipeline.py` holds the pipeline stages (layer ranges, micro-batches, point-to-point sends);
 `executor.py` starts the worker processes and sends each step's batch (`ray_executor.py`: the
-same with Ray actors, for several nodes); `worker.py` is their loop. The engine sees none of it: `ModelRunner` (runtime/model_runner.py) is rank 0.
+same with Ray actors, for several nodes); `worker.py` is their loop; `rank_stats.py` holds what
+each rank reports for /metrics (memory, collective time). The engine sees none of it:
+`ModelRunner` (runtime/model_runner.py) is rank 0.
 """

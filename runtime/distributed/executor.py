@@ -16,6 +16,12 @@ engine then dies the ordinary way (AsyncEngine fails every open request; /health
 
 CPU: every rank gets cores // N threads (torch.set_num_threads), the driver included. CUDA: rank r
 runs on cuda:r with NCCL.
+
+Per-rank numbers for /metrics (`worker_stats`, runtime/distributed/rank_stats.py): each
+worker's weight and KV bytes from its "ready" message, its collective counters (and, on CUDA,
+its allocated memory) from what it publishes in the store, its RSS on CPU read here from
+/proc/<pid>/statm. A worker that has exited has no row. Called from the server's thread at
+scrape time: it never talks to the workers and never waits.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.distributed.group import TPGroup, create_store, timeout_s
+from slimserve.runtime.distributed.rank_stats import RankStats, read_published, rss_bytes, worker_row
 from slimserve.runtime.distributed.worker import HEADER, STOP, pack_batch, worker_main
 
 log = logging.getLogger(__name__)
@@ -59,6 +66,7 @@ class MultiprocExecutor:
         self.threads = cpu_threads(world) if device.type == "cpu" else None
         store = create_store(world)
         self._closed = False
+        self.ready_info: dict[int, dict] = {}  # rank -> its "ready" message (weight/KV bytes, pid)
         self._start_workers(config, store)
         atexit.register(_shutdown_ref, weakref.ref(self))
         self._threads_before = torch.get_num_threads()
@@ -87,8 +95,9 @@ class MultiprocExecutor:
         for c in self.conns:
             c.send_bytes(header)
 
-    def _messages(self, rank: int, wait_s: float = 0.0) -> list[tuple[str, str]]:
-        """What rank `rank` reported since the last call: ("ready", blocks) or ("error", text)."""
+    def _messages(self, rank: int, wait_s: float = 0.0) -> list[tuple[str, object]]:
+        """What rank `rank` reported since the last call: ("ready", {blocks, weight_bytes,
+        kv_cache_bytes, pid}) or ("error", text)."""
         c, out = self.conns[rank - 1], []
         try:
             if c.poll(wait_s):
@@ -104,6 +113,13 @@ class MultiprocExecutor:
         """(exited, how: pid and exit code) of rank `rank`'s process."""
         p = self.procs[rank - 1]
         return (not p.is_alive(), f"pid {p.pid}, exit code {p.exitcode}")
+
+    def _worker_memory(self, rank: int, published: dict) -> int | None:
+        """A live worker's process memory: on CPU its RSS, read here (a local process), on
+        CUDA the allocated memory it published (only the worker can ask its GPU)."""
+        if self.device.type == "cpu":
+            return rss_bytes(self.procs[rank - 1].pid)
+        return None  # worker_row falls back to the published value
 
     def _stop_workers(self, stop: bytes) -> None:
         for c in self.conns:
@@ -170,6 +186,24 @@ class MultiprocExecutor:
             if kind != "ready":
                 self.shutdown()
                 raise RuntimeError(f"tensor-parallel worker rank {rank}: {msg}")
+            self.ready_info[rank] = msg if isinstance(msg, dict) else {}
+
+    def worker_stats(self) -> list[RankStats]:
+        """The rows of the workers that are alive (rank order); cheap, never raises."""
+        rows = []
+        for rank in range(1, self.world):
+            try:
+                if self._closed or self._exit_status(rank)[0]:
+                    continue  # a dead worker: no row
+                published = read_published(self.group.store, rank)
+                row = worker_row(rank, self.ready_info.get(rank, {}), published,
+                                 self._worker_memory(rank, published))
+            except Exception:  # noqa: BLE001 (a scrape must not fail: the row is left out)
+                log.debug("stats of tensor-parallel rank %d unavailable", rank, exc_info=True)
+                continue
+            if row is not None:
+                rows.append(row)
+        return rows
 
     # -- steps ----------------------------------------------------------------------------------
 

@@ -8,6 +8,10 @@ rank in its bundle. Each actor runs the same worker code as the `mp` executor
 listens on this node's address, the step headers and the workers' messages travel through it
 (`StoreChannel`) instead of pipes, and a worker's liveness is its actor's. Ray gives each actor
 its one GPU as cuda:0.
+
+/metrics: an actor may run on another node, so the driver reads no /proc of its own here: each
+worker's process memory (its RSS on CPU, its allocated CUDA memory on GPUs) is the value the
+worker publishes in the store (runtime/distributed/rank_stats.py), at most about a second old.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class RayExecutor(MultiprocExecutor):
             i = self._seen.get(rank, 0)
             key = f"msg/{rank}/{i}"
             if self.store.check([key]):
-                kind, payload = json.loads(self.store.get(key))  # (kind, str or int): never pickle
+                kind, payload = json.loads(self.store.get(key))  # (kind, str or dict): never pickle
                 out.append((kind, payload))
                 self._seen[rank] = i + 1
                 continue
@@ -93,6 +97,9 @@ class RayExecutor(MultiprocExecutor):
         except Exception as e:  # noqa: BLE001 (an actor that died: Ray says how)
             how = f"actor died: {type(e).__name__}"
         return True, how
+
+    def _worker_memory(self, rank: int, published: dict) -> int | None:
+        return None  # the actor's own published value (it may run on another node)
 
     def _stop_workers(self, stop: bytes) -> None:
         try:

@@ -5,6 +5,10 @@ receives the batch with one broadcast, runs the rank's forward (its share of the
 of the logits gather happen inside it, runtime/distributed/layers.py) and waits again. It ends on
 the driver's stop command, on the pipe's end-of-file (the driver died), or on a failed collective
 (another rank died); it never samples, schedules or detokenizes.
+
+For /metrics the worker reports its own numbers (runtime/distributed/rank_stats.py): the bytes
+of its weights and KV cache in its "ready" message, and its process memory and collective
+counters in the group's store, at most every second while it steps and once when it goes idle.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import struct
+import time
 
 import torch
 from torch.distributed import DistError, DistStoreError
@@ -20,6 +26,12 @@ from torch.distributed import DistError, DistStoreError
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.group import TPGroup
+from slimserve.runtime.distributed.rank_stats import (
+    IDLE_PUBLISH_S,
+    PUBLISH_EVERY_S,
+    process_memory_bytes,
+    publish_stats,
+)
 from slimserve.runtime.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -66,6 +78,16 @@ class StoreChannel:
         self.steps += 1
         return self.store.get(key)
 
+    def poll(self, timeout: float) -> bool:
+        """Whether the next step header is there (or the store is gone), waiting up to `timeout` s."""
+        try:
+            self.store.wait([f"step/{self.steps}"], datetime.timedelta(seconds=timeout))
+        except DistStoreError:  # not yet
+            return False
+        except DistError:  # gone: recv_bytes will say so
+            return True
+        return True
+
     def send(self, message: tuple[str, object]) -> None:
         # JSON, never pickle: the store's port is reachable from other hosts under Ray
         self.store.set(f"msg/{self.rank}/{self.sent}", json.dumps(list(message)))
@@ -88,17 +110,23 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
         if conn is None:
             conn = StoreChannel(group.store, rank)
         runner = ModelRunner(config, group=group)
-        conn.send(("ready", runner.num_blocks))
+        _publish(runner, rank)
+        conn.send(("ready", {"blocks": runner.num_blocks, "weight_bytes": runner.weight_bytes,
+                             "kv_cache_bytes": runner.kv_cache_bytes, "pid": os.getpid()}))
     except BaseException as e:  # noqa: BLE001 (any failure is reported to the driver, which names this rank)
         try:
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
         except OSError:
             pass
         return
+    published, unpublished = time.monotonic(), False  # steps run since the last publish
     while True:
         try:
+            if unpublished and not conn.poll(IDLE_PUBLISH_S):  # idle now: complete counters
+                _publish(runner, rank)
+                published, unpublished = time.monotonic(), False
             header = HEADER.unpack(conn.recv_bytes())
-        except (EOFError, OSError):
+        except (EOFError, OSError, RuntimeError):  # RuntimeError: the store (DistError)
             return  # the driver is gone
         if header[0] == STOP:
             return
@@ -106,6 +134,18 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
         try:
             group.broadcast(payload)
             runner.execute(unpack_batch(header, payload))
-        except RuntimeError as e:  # a peer died or hung: nothing left to do
+            unpublished = True
+            if time.monotonic() - published >= PUBLISH_EVERY_S:
+                _publish(runner, rank)
+                published, unpublished = time.monotonic(), False
+        except RuntimeError as e:  # a peer died or hung (or the store is gone): nothing left to do
             log.error("tensor-parallel rank %d: %s", rank, str(e).splitlines()[0] if str(e) else e)
             return
+
+
+def _publish(runner: ModelRunner, rank: int) -> None:
+    """This rank's process memory and collective counters into the store, for the driver's
+    /metrics (runtime/distributed/rank_stats.py)."""
+    comm = runner.comm_stats()
+    publish_stats(runner.group.store, rank, process_memory_bytes(runner.device), comm["comm_s"],
+                  comm["comm_calls"])

@@ -15,7 +15,8 @@ Failures, so that no client hangs:
 - a client that disconnects closes the upstream request, and the replica aborts it.
 
 GET /v1/models is answered by a replica that is up; /health is 200 while at least one is;
-/metrics is the router's own (Prometheus, `slimserve_router:` prefix). GET /router/replicas
+/metrics is the router's own (Prometheus, `slimserve_router:` prefix); POST /reset_prefix_cache
+goes to every replica (and clears the prefix affinity's memory). GET /router/replicas
 lists the replicas with their load; POST /router/replicas {"url": ...} adds one and DELETE
 /router/replicas?url=... removes one (its running requests finish there), both only with the
 router's admin key (`--admin-key`): without it the replica list cannot change at run time, so
@@ -41,7 +42,14 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
-from slimserve.runtime.router.policy import Policy, PromptInfo, make_policy, predicted_ttft, prompt_info
+from slimserve.runtime.router.policy import (
+    Policy,
+    PrefixIndex,
+    PromptInfo,
+    make_policy,
+    predicted_ttft,
+    prompt_info,
+)
 from slimserve.runtime.router.replicas import (
     POLL_INTERVAL_S,
     Replica,
@@ -335,6 +343,27 @@ class Router:
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """POST /reset_prefix_cache to every replica up, and forget what the prefix affinity
+        remembers of each; 200 when every replica up answered 200, else 502 with each answer."""
+        assert self.client is not None
+        headers = {k: v for k, v in request.headers.items() if k == "authorization"}
+        answers: dict[str, Any] = {}
+        for replica in self.replicas:
+            replica.state.prefixes = PrefixIndex()
+            if not replica.up:
+                answers[replica.url] = "down"
+                continue
+            try:
+                r = await self.client.post(replica.url + "/reset_prefix_cache", headers=headers,
+                                           timeout=10)
+                answers[replica.url] = r.status_code
+            except httpx.HTTPError as e:
+                answers[replica.url] = f"{type(e).__name__}: {e}"
+        ok = all(a in (200, "down") for a in answers.values())
+        return JSONResponse({"status": "ok" if ok else "failed", "replicas": answers},
+                            200 if ok else 502)
+
     def _describe(self) -> dict[str, Any]:
         probe = prompt_info({"prompt": "x" * 400}, chat=False)  # a 100-token request
         out = []
@@ -436,6 +465,8 @@ def build_router_app(replica_urls: list[str], *, policy: str = "least-latency",
     v1.add_api_route("/completions", router.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", router.chat, methods=["POST"])
     app.include_router(v1)
+    app.add_api_route("/reset_prefix_cache", router.reset_prefix_cache, methods=["POST"],
+                      dependencies=[Depends(bearer_auth(api_key))])
     app.add_api_route("/router/replicas", router.list_replicas, methods=["GET"],
                       dependencies=[Depends(bearer_auth(api_key))])
     app.add_api_route("/router/replicas", router.add_replica, methods=["POST"],

@@ -4,7 +4,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream over SSE), GET
 /v1/models[/{id}], GET /health, GET /metrics, GET /state (the load a router polls: JSON), POST
 /start_profile and /stop_profile (vLLM's names: a torch profiler trace of the engine steps in
-between, runtime/profiler.py; 400 unless the server was started with --profile-dir). Every
+between, runtime/profiler.py; 400 unless the server was started with --profile-dir), POST
+/reset_prefix_cache (vLLM's too: a benchmark's runs do not hit each other's prompts). Every
 error is an OpenAI-style JSON body {"error": {"message", "type", "param", "code"}}; nothing
 internal (tracebacks, paths) leaks.
 
@@ -147,6 +148,14 @@ class OpenAIServing:
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def reset_prefix_cache(self) -> Response:
+        """Forget the prefix cache (blocks held by running requests stay theirs)."""
+        try:
+            await self.engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise APIError(503, f"engine is not running: {e}", code="engine_dead") from None
+        return JSONResponse({"status": "ok"})
 
     async def start_profile(self, request: Request) -> Response:
         """Start a torch profiler trace of the engine's steps. Optional JSON body:
@@ -518,6 +527,8 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
     app.add_api_route("/state", serving.state, methods=["GET"])
     auth = [Depends(bearer_auth(api_key))]
     app.add_api_route("/start_profile", serving.start_profile, methods=["POST"], dependencies=auth)
+    app.add_api_route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"],
+                      dependencies=auth)
     app.add_api_route("/stop_profile", serving.stop_profile, methods=["POST"], dependencies=auth)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
     v1.add_api_route("/models", serving.models, methods=["GET"])

@@ -10,10 +10,19 @@ seconds per step, buckets 10 us .. 10 s), beside `slimserve:step_prefill_tokens`
 `slimserve:step_decode_rows` (per step). The engine thread only counts into its own buckets;
 they become metric families at scrape time from a copy taken under the engine's lock, so the
 step loop never touches a prometheus object.
+
+Ranks (engine.rank_stats(), runtime/distributed/rank_stats.py), labelled `rank` (rank 0 only in
+one process): gauges `slimserve:rank_weight_bytes`, `slimserve:rank_kv_cache_bytes` and
+`slimserve:rank_memory_bytes` (process RSS on CPU, `torch.cuda.memory_allocated` of the rank's
+GPU on CUDA), and with tensor/pipeline parallelism the counters
+`slimserve:tp_collective_seconds_total` and `slimserve:tp_collective_calls_total` (rank 0's
+fresh; a worker's as it last published them, at most about a second old). A worker that has died
+has no row, and a failure to read them leaves them out instead of failing the scrape.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Iterator
 
@@ -26,10 +35,12 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from slimserve.runtime.distributed.rank_stats import RankStats
 from slimserve.runtime.errors import EngineDeadError
 from slimserve.runtime.sequence import RequestOutput
 from slimserve.runtime.step_timing import HistogramData, StepTimingSnapshot
 
+log = logging.getLogger(__name__)
 P = "slimserve:"
 # seconds; vLLM's edges for the same histograms
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -39,6 +50,8 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 STEP_PHASE_SECONDS = P + "step_phase_seconds"  # label phase; runtime/bench/breakdown.py reads these
 STEP_PREFILL_TOKENS = P + "step_prefill_tokens"
 STEP_DECODE_ROWS = P + "step_decode_rows"
+TP_COLLECTIVE_SECONDS = P + "tp_collective_seconds"  # counters: rendered with _total; label rank
+TP_COLLECTIVE_CALLS = P + "tp_collective_calls"  # runtime/bench/breakdown.py reads both
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -107,6 +120,48 @@ class _StepTimingCollector(Collector):
         yield from self._families(self.engine.step_timing())
 
 
+class _RankCollector(Collector):
+    """Per-rank memory and collective counters (engine.rank_stats()), fresh at every scrape."""
+
+    GAUGES = (("rank_weight_bytes", "Bytes of the rank's weights (its shard or stage).", "weight_bytes"),
+              ("rank_kv_cache_bytes", "Bytes of the rank's KV cache.", "kv_cache_bytes"),
+              ("rank_memory_bytes", "The rank's process memory: RSS on CPU, "
+               "torch.cuda.memory_allocated of its GPU on CUDA.", "memory_bytes"))
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @classmethod
+    def _families(cls, rows: list[RankStats]) -> list[Metric]:
+        out: list[Metric] = []
+        for name, doc, attr in cls.GAUGES:
+            g = GaugeMetricFamily(P + name, doc, labels=["rank"])
+            for r in rows:
+                if (v := getattr(r, attr)) is not None:
+                    g.add_metric([str(r.rank)], float(v))
+            out.append(g)
+        secs = CounterMetricFamily(TP_COLLECTIVE_SECONDS, "Time the rank spent in collectives "
+                                   "(all-reduces, gathers, pipeline sends and receives; on CUDA the "
+                                   "host's enqueue time).", labels=["rank"])
+        calls = CounterMetricFamily(TP_COLLECTIVE_CALLS, "Collectives the rank ran.", labels=["rank"])
+        for r in rows:
+            if r.comm_seconds is not None and r.comm_calls is not None:
+                secs.add_metric([str(r.rank)], r.comm_seconds)
+                calls.add_metric([str(r.rank)], r.comm_calls)
+        return out + [secs, calls]
+
+    def describe(self) -> list[Metric]:
+        return self._families([])
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            rows = self.engine.rank_stats()
+        except Exception:  # noqa: BLE001 (the rest of the scrape must still render)
+            log.debug("per-rank stats unavailable", exc_info=True)
+            return
+        yield from self._families(rows)
+
+
 def _add(family: HistogramMetricFamily, h: HistogramData, labels: list[str] | None = None) -> None:
     family.add_metric(labels or [], h.cumulative(), h.sum)
 
@@ -119,6 +174,7 @@ class ServerMetrics:
         r = self.registry
         r.register(_EngineCollector(engine))
         r.register(_StepTimingCollector(engine))
+        r.register(_RankCollector(engine))
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first "
                               "generated token.", buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive "

@@ -154,6 +154,9 @@ def tune_main(
     bisect_steps: Annotated[int, Opt(help="rate probes per setting after the rate-inf run, in "
                                      "the last round and the re-measurement")] = 4,
     min_prompts: Annotated[int, Opt(help="requests per run in the first round at least")] = 8,
+    max_probe_seconds: Annotated[float, Opt(help="no probe runs at a rate whose arrivals take "
+                                            "longer (rate >= prompts / this); a setting missing "
+                                            "the SLO there has goodput 0")] = 120.0,
     compare_defaults: Annotated[bool, Opt(help="re-measure vLLM's defaults (256/2048) beside the "
                                           "tuned setting")] = True,
     out: Annotated[str, Opt(help="folder for tune.json, tune.png, serve.yaml and the servers' "
@@ -182,6 +185,8 @@ def tune_main(
     err = Console(stderr=True)
     try:
         check_slos(slo_ttft_ms, slo_tpot_ms, attainment)
+        if not max_probe_seconds > 0:
+            raise ValueError(f"--max-probe-seconds {max_probe_seconds:g}: must be > 0 (seconds)")
         for flag, v in (("--bisect-steps", bisect_steps), ("--min-prompts", min_prompts)):
             if v < 1:
                 raise ValueError(f"{flag} {v}: must be >= 1")
@@ -201,7 +206,8 @@ def tune_main(
         settings, prefix_note = grid.settings(requests)
         return run_tune(args, requests, settings, prefix_note, attainment=attainment,
                         steps=bisect_steps, min_prompts=min_prompts,
-                        compare_defaults=compare_defaults, out=Path(out))
+                        compare_defaults=compare_defaults, out=Path(out),
+                        max_probe_s=max_probe_seconds)
     except (ValueError, BenchError, ArtifactError, OSError) as e:
         err.print(f"[bold red]error:[/] {escape(str(e).splitlines()[0])}", highlight=False,
                   soft_wrap=True)
@@ -215,7 +221,8 @@ tune_main.__doc__ = "\n\n".join(" ".join(par.split()) for par in
 
 def run_tune(args: BenchArgs, requests: list[BenchRequest], settings: list[Setting],
              prefix_note: str, *, attainment: float, steps: int, min_prompts: int,
-             compare_defaults: bool, out: Path, measure=None) -> dict:
+             compare_defaults: bool, out: Path, measure=None,
+             max_probe_s: float | None = None) -> dict:
     """The search, the re-measurement and the report; `measure` defaults to real servers
     (runtime/tune/runner.py), tests pass a synthetic one."""
     from rich.console import Console
@@ -267,7 +274,8 @@ def run_tune(args: BenchArgs, requests: list[BenchRequest], settings: list[Setti
         t0 = time.perf_counter()
         result = successive_halving(measure, settings, target=attainment,
                                     num_prompts=args.num_prompts, steps=steps,
-                                    min_prompts=min_prompts, on_probe=on_probe, on_round=on_round)
+                                    min_prompts=min_prompts, on_probe=on_probe, on_round=on_round,
+                                    max_probe_s=max_probe_s)
         search_s = time.perf_counter() - t0
         search_starts = measure.server_starts if own else 0
         bar.total = result.runs + final_runs  # saturated settings skipped their bisection
@@ -279,7 +287,8 @@ def run_tune(args: BenchArgs, requests: list[BenchRequest], settings: list[Setti
             if own:
                 measure.close()  # a fresh server for each, as for the defaults
             return find_goodput(measure, s, num_prompts=args.num_prompts, target=attainment,
-                                steps=steps, round_=len(plan), on_probe=on_probe)
+                                steps=steps, round_=len(plan), on_probe=on_probe,
+                                max_probe_s=max_probe_s)
 
         tuned = remeasure(winner)
         defaults = None

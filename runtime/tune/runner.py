@@ -24,6 +24,7 @@ from typing import Any, Callable
 from slimserve.runtime.bench.driver import (
     WARMUP_TOKENS,
     BenchArgs,
+    reset_prefix_cache,
     run_requests,
     served_model_name,
     warm_up,
@@ -97,11 +98,9 @@ class BenchMeasure:
         self.server_start_s += time.perf_counter() - t0
 
     def _warm_batch(self) -> None:
-        """Untimed: the first WARM_BATCH requests of the workload at once, outputs cut short.
-        A fresh server's first busy seconds are much slower than later ones (on CPU, a first
-        timed run right after `runtime bench`'s single warm-up request misses the SLO where the
-        same run a moment later meets it, and a small batch does not cure it); every setting's
-        first run would fail, and the search would favour no setting but the server's age."""
+        """Untimed: the first WARM_BATCH requests of the workload at once, outputs cut short, so
+        that the server has run batches of the workload's shapes before its first timed run
+        (each timed run then starts from an empty prefix cache: `__call__`)."""
         reqs = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS))
                 for r in self.requests[:WARM_BATCH]]
         asyncio.run(run_requests(self.url, self.model_name, reqs, [0.0] * len(reqs),
@@ -113,6 +112,9 @@ class BenchMeasure:
             self._start(setting)
         reqs = self.requests[:num_prompts]
         arrivals = poisson_arrivals(len(reqs), rate, self.args.seed)
+        # every run sends the same prompts: without a reset, all but the first run of a server
+        # would find them cached and measure no prefill
+        reset_prefix_cache(self.url, self.args.api_key)
         results, duration = asyncio.run(run_requests(
             self.url, self.model_name, reqs, arrivals, max_concurrency=self.args.max_concurrency,
             text_prompts=self.args.text_prompts, timeout_s=self.args.request_timeout_s,

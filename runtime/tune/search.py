@@ -171,10 +171,13 @@ def _probe(measure: Measure, setting: Setting, rate: float, n: int, target: floa
 
 def find_goodput(measure: Measure, setting: Setting, *, num_prompts: int, target: float,
                  steps: int, prior: Evaluation | None = None, inherit: bool = False,
-                 round_: int = 0, on_probe: Callable[[Probe], None] | None = None) -> Evaluation:
+                 round_: int = 0, on_probe: Callable[[Probe], None] | None = None,
+                 max_probe_s: float | None = None) -> Evaluation:
     """The setting's goodput (module docstring): from scratch, a rate-inf run and `steps`
     bisection probes; after an earlier round's evaluation `prior`, `steps` probes that go on
-    bisecting its bracket (`inherit`) or bracket anew around it."""
+    bisecting its bracket (`inherit`) or bracket anew around it. `max_probe_s`: no probe runs
+    slower than num_prompts / max_probe_s req/s (its arrivals alone would take longer); a
+    setting that misses the SLO even there has goodput 0 (bracket (0, that rate))."""
     if not 0 < target <= 1:
         raise ValueError(f"attainment {target} must be in (0, 1]")
     probes: list[Probe] = []
@@ -195,9 +198,11 @@ def find_goodput(measure: Measure, setting: Setting, *, num_prompts: int, target
         guess = None if inherit else sum(prior.bracket) / 2
         spread = max((prior.bracket[1] - prior.bracket[0]) / 2, top / 2 ** (steps + 2))
     left = steps
+    floor = num_prompts / max_probe_s if max_probe_s else 0.0
 
     def run(rate: float) -> bool:
         nonlocal lo, hi, left
+        rate = max(rate, floor)
         p = _probe(measure, setting, rate, num_prompts, target, round_, on_probe)
         probes.append(p)
         left -= 1
@@ -211,11 +216,11 @@ def find_goodput(measure: Measure, setting: Setting, *, num_prompts: int, target
         up = run(guess)
         rate = guess
         while left > 0:  # walk away from the guess until the verdict flips: a bracket
-            rate = rate + spread if up else rate - spread
+            rate = max(rate + spread if up else rate - spread, floor)
             if not lo < rate < hi or run(rate) != up:
                 break
             spread *= 2
-    while left > 0:
+    while left > 0 and hi > floor:  # the floor failed: nothing slower is probed
         run((lo + hi) / 2)
     return Evaluation(setting, round_, num_prompts, sum(math.isfinite(p.rate) for p in probes),
                       top, lo, (lo, hi), False, probes)
@@ -229,7 +234,8 @@ def rank(evaluations: Sequence[Evaluation]) -> list[Evaluation]:
 def successive_halving(measure: Measure, settings: Sequence[Setting], *, target: float,
                        num_prompts: int, steps: int, min_prompts: int = 8, first_steps: int = 1,
                        on_probe: Callable[[Probe], None] | None = None,
-                       on_round: Callable[[int, Round, list[Setting]], None] | None = None
+                       on_round: Callable[[int, Round, list[Setting]], None] | None = None,
+                       max_probe_s: float | None = None
                        ) -> SearchResult:
     """Evaluate every setting cheaply, keep the better half with more prompts and a finer
     bracket, until the last round re-brackets two at full precision (module docstring)."""
@@ -246,7 +252,8 @@ def successive_halving(measure: Measure, settings: Sequence[Setting], *, target:
             on_round(i, rnd, alive)
         ranked = rank([find_goodput(measure, s, num_prompts=rnd.num_prompts, target=target,
                                     steps=rnd.steps, prior=previous.get(s),
-                                    inherit=i < len(plan) - 1, round_=i, on_probe=on_probe)
+                                    inherit=i < len(plan) - 1, round_=i, on_probe=on_probe,
+                                    max_probe_s=max_probe_s)
                        for s in alive])
         rounds.append(ranked)
         previous = {e.setting: e for e in ranked}

@@ -30,3 +30,25 @@ def test_dry_run_measures_every_configuration(tmp_path):
     assert [r["batch"] for r in report["transformers"]] == [2] and report["transformers"][0]["tok_s"] > 0
     assert "| weights | KV | batch | graphs |" in proc.stdout
     assert (tmp_path / "kernel_bench.json").exists()
+    tp = report["tensor_parallel"]  # TP=1 from the decode rows, TP=2 over two CPU processes
+    assert report["steps"]["tp"].startswith("ok") and "dry run: TP=2" in tp["note"]
+    assert [(r["tp"], r["batch"]) for r in tp["rows"]] == [(1, 2), (2, 2)], tp
+    two = tp["rows"][1]
+    assert two["tok_s"] > 0 and two["comm_calls_per_step"] > 0 and two["comm_ms_per_step"] > 0
+    assert "Tensor parallelism | dry run: TP=2" in proc.stdout
+
+
+def test_one_gpu_tensor_parallel_entry_is_tp1_only_and_says_so():
+    from slimserve.eval.gpu_check import _tp_table, tp1_rows, tp_note
+
+    decode = [{"weights": w, "kv": kv, "graphs": g, "batch": 16, "tok_s": t, "step_ms": 1.0}
+              for w, kv, g, t in (("bf16", "bf16", "off", 100.0), ("bf16", "bf16", "on", 150.0),
+                                  ("W4A16", "bf16", "off", 200.0), ("bf16", "fp8", "off", 120.0))]
+    decode.append({"weights": "bf16", "kv": "bf16", "graphs": "off", "error": "boom"})
+    rows = tp1_rows(decode)
+    assert [(r["tp"], r["tok_s"]) for r in rows] == [(1, 100.0)]  # bf16 weights and KV, eager
+    note = tp_note(1, dry_run=False)
+    assert note.startswith("one GPU: TP=1 only")
+    table = _tp_table({"note": note, "rows": rows})
+    assert "one GPU: TP=1 only" in table and "| 1 | 16 | 100.0 | 1.00 |  |  |" in table
+    assert tp_note(2, dry_run=False).startswith("2 GPUs: TP=1")

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from slimserve.runtime.async_engine import EngineLoad
+from slimserve.runtime.distributed.rank_stats import RankStats
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.profiler import ProfilingDisabled
 from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams
@@ -72,6 +73,7 @@ class FakeEngine:
         self.fail_with: Exception | None = None  # generate raises this (an engine bug)
         self.requests: list[tuple[str, list[int], SamplingParams]] = []
         self.abort_calls: list[str] = []  # engine.abort(request_id) calls
+        self.prefix_cache_resets = 0  # reset_prefix_cache() calls
         self.closed_early: list[str] = []  # generators the consumer left before the end
         self.waiting = 0
         self._aborts: dict[str, asyncio.Event] = {}
@@ -96,6 +98,16 @@ class FakeEngine:
 
     def step_timing(self):
         return StepTimings().snapshot()  # no steps: the step histograms render empty
+
+    def rank_stats(self):
+        """One process: rank 0's memory, no collectives."""
+        return [RankStats(0, weight_bytes=2**20, kv_cache_bytes=2**19, memory_bytes=2**26,
+                          comm_seconds=None, comm_calls=None)]
+
+    async def reset_prefix_cache(self):
+        if self.dead:
+            raise EngineDeadError("fake engine died")
+        self.prefix_cache_resets += 1
 
     async def start_profile(self, record_shapes=False, max_steps=None):
         raise ProfilingDisabled("profiling is off: start the server with --profile-dir DIR")

@@ -314,3 +314,22 @@ def test_bench_serves_model_with_a_profile_dir(tmp_path):
     args = BenchArgs(model="m", profile_dir=str(tmp_path / "p"))
     assert serve_command(args, 1)[-2:] == ["--profile-dir", str(tmp_path / "p")]
     assert "--profile-dir" not in serve_command(BenchArgs(model="m"), 1)
+
+
+# -- POST /reset_prefix_cache (what runtime bench and runtime tune call before each run) -----------
+
+def test_reset_prefix_cache_makes_a_repeated_prompt_prefill_again(served):
+    client, _ = served
+    prompt = fresh_prompt(48)  # three full 16-token blocks
+
+    def prefilled() -> int:
+        before = parse_step_totals(client.get("/metrics").text)
+        complete(client, prompt, 2)
+        after = parse_step_totals(client.get("/metrics").text)
+        return int(after["slimserve:step_prefill_tokens"][0] - before["slimserve:step_prefill_tokens"][0])
+
+    assert prefilled() == 48
+    assert prefilled() < 48  # its full blocks come from the prefix cache
+    r = client.post("/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert prefilled() == 48

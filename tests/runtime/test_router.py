@@ -367,3 +367,18 @@ def test_killing_a_replica_mid_load_loses_no_unstarted_request_and_hangs_no_clie
             assert len(survivor.requests) == 3 + 4
             state = app.state.router.replicas.get(spec.url)
             assert not state.up and state.state.inflight == 0
+
+
+def test_reset_prefix_cache_reaches_every_replica_and_clears_the_affinity():
+    with _cluster(policy="least-latency") as (engines, _, url, router):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=20)
+        c.completions.create(model="fake-model", prompt="x" * 600, max_tokens=2)
+        assert sum(len(r.state.prefixes) for r in router.replicas) > 0
+        r = httpx.post(url + "/reset_prefix_cache", trust_env=False)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert [e.prefix_cache_resets for e in engines] == [1, 1]
+        assert sum(len(r.state.prefixes) for r in router.replicas) == 0
+        engines[1].dead = True  # answers 503: the reset did not happen everywhere
+        r = httpx.post(url + "/reset_prefix_cache", trust_env=False)
+        assert r.status_code == 502 and r.json()["status"] == "failed"
+        assert engines[0].prefix_cache_resets == 2

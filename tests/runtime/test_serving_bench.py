@@ -48,10 +48,16 @@ TOKEN_DELAY_S = 0.002  # the fake's time per token
 def fake_app() -> tuple[FastAPI, list[dict]]:
     """/v1/completions streaming one "x" per requested token, then a usage chunk and [DONE]."""
     app, seen = FastAPI(), []
+    app.state.prefix_cache_resets = 0
 
     @app.get("/health")
     async def health():
         return {}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        app.state.prefix_cache_resets += 1
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
@@ -276,6 +282,7 @@ def test_run_bench_sweep_writes_table_json_and_plot(fake_server, tmp_path, capsy
                      progress=False)
     result = run_bench(args)
     assert [r["completed"] for r in result["runs"]] == [6, 6]
+    assert [r["prefix_cache_reset"] for r in result["runs"]] == [True, True]  # before each run
     assert result["served_model"] == "fake" and result["plot"] == str(tmp_path / "b.png")
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((tmp_path / "b.json").read_text())
@@ -307,6 +314,28 @@ def test_serve_command_passes_only_given_engine_flags():
     assert cmd[1:] == ["-m", "slimserve.runtime.cli", "serve", "m", "--host", "127.0.0.1",
                        "--port", "1234", "--max-num-seqs", "16", "--kv-cache-memory", "256MiB"]
     assert serve_command(BenchArgs(model="m", allow_failed_gate=True), 1)[-1] == "--allow-failed-gate"
+
+
+def test_bench_passes_pipeline_and_executor_flags_to_serve(monkeypatch):
+    from slimserve.runtime.bench import driver
+
+    args = BenchArgs(model="m", tensor_parallel_size=2, pipeline_parallel_size=2,
+                     distributed_executor_backend="ray")
+    args.validate()
+    assert serve_command(args, 1)[-6:] == ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
+                                           "--distributed-executor-backend", "ray"]
+    seen = []
+    monkeypatch.setattr(driver, "run_bench", lambda a: seen.append(a) or {})
+    res = CliRunner().invoke(_bench_app(), ["bench", "m", "-tp", "2", "-pp", "2",
+                                            "--distributed-executor-backend", "mp"])
+    assert res.exit_code == 0, res.output
+    assert (seen[0].tensor_parallel_size, seen[0].pipeline_parallel_size,
+            seen[0].distributed_executor_backend) == (2, 2, "mp")
+    monkeypatch.undo()
+    for argv, words in ((["-pp", "0"], "--pipeline-parallel-size 0 must be >= 1"),
+                        (["--distributed-executor-backend", "slurm"], "'slurm' is unknown; use mp or ray")):
+        res = CliRunner().invoke(_bench_app(), ["bench", "m", *argv])
+        assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, res.output
 
 
 def test_launched_server_waits_for_health_and_stops_it(tmp_path):

@@ -96,6 +96,10 @@ def test_two_pipeline_stages_generate_the_tokens_of_one_process(demo_reference):
         before = runner.comm_stats()
         two = _tokens(pp, prompts)
         after = runner.comm_stats()
+        rows = runner.rank_stats()  # stage 1 reports its own weights: the lm_head, no embedding
+        assert [r.rank for r in rows] == [0, 1] and rows[0].weight_bytes == runner.weight_bytes
+        assert rows[1].weight_bytes > 0 and rows[1].weight_bytes != rows[0].weight_bytes
+        assert rows[1].kv_cache_bytes == runner.kv_cache_bytes and rows[1].memory_bytes > 0
     finally:
         pp.shutdown()
     steps = after["steps"] - before["steps"]
@@ -296,6 +300,116 @@ def test_cli_refuses_a_bad_size_with_one_line_and_exit_2():
         EngineConfig(model=str(DEMO_MODEL), tensor_parallel_size=2, distributed_executor_backend="slurm")
 
 
+# -- per-rank memory and collective time: /metrics and runtime bench ---------------------------
+
+def _rank_samples(text: str) -> dict[tuple[str, str], float]:
+    """(sample name, rank) -> value of every series labelled `rank` in a /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, s.labels["rank"]): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if "rank" in s.labels}
+
+
+GAUGES = ("slimserve:rank_weight_bytes", "slimserve:rank_kv_cache_bytes", "slimserve:rank_memory_bytes")
+CALLS, SECONDS = "slimserve:tp_collective_calls_total", "slimserve:tp_collective_seconds_total"
+
+
+def test_metrics_of_a_tp2_server_report_each_rank_and_the_collectives(demo_tp2):
+    """Rank 1's numbers come from the worker itself: weight and KV bytes from its ready message,
+    its RSS from /proc/<pid>/statm, its collective counters from what it publishes."""
+    from fastapi.testclient import TestClient
+
+    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.distributed.rank_stats import rss_bytes
+    from slimserve.runtime.server.app import build_app
+
+    from tests.helpers.live_server import wait_for
+
+    runner = demo_tp2.engine.runner
+    with TestClient(build_app(AsyncEngine(demo_tp2.engine))) as c:
+        before = _rank_samples(c.get("/metrics").text)
+        assert {rank for _, rank in before} == {"0", "1"}
+        for name in GAUGES:
+            assert before[(name, "0")] > 0 and before[(name, "1")] > 0, name
+        assert before[("slimserve:rank_weight_bytes", "0")] == runner.weight_bytes
+        assert before[("slimserve:rank_kv_cache_bytes", "0")] == runner.kv_cache_bytes
+        # equal shards: the worker's own weight and KV bytes are rank 0's
+        assert before[("slimserve:rank_weight_bytes", "1")] == runner.weight_bytes
+        assert before[("slimserve:rank_kv_cache_bytes", "1")] == runner.kv_cache_bytes
+        worker_rss = rss_bytes(runner.executor.procs[0].pid)
+        assert 0.5 < before[("slimserve:rank_memory_bytes", "1")] / worker_rss < 2
+        body = {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        after = _rank_samples(c.get("/metrics").text)
+        # rank 0: at least 8 steps of 10 collectives each (2 per layer, embedding, logits gather)
+        assert after[(CALLS, "0")] - before[(CALLS, "0")] >= 8 * 10
+        assert after[(SECONDS, "0")] > before[(SECONDS, "0")]
+        wait_for(lambda: _rank_samples(c.get("/metrics").text)[(CALLS, "1")] - before[(CALLS, "1")] >= 8 * 10,
+                 timeout=15, what="rank 1's published collective counters")
+        assert _rank_samples(c.get("/metrics").text)[(SECONDS, "1")] > before[(SECONDS, "1")]
+
+
+def test_one_process_reports_rank_0_only_without_collectives():
+    from slimserve.runtime.server.metrics import ServerMetrics
+
+    from tests.helpers.server_fakes import FakeEngine
+
+    samples = _rank_samples(ServerMetrics(FakeEngine()).render().decode())
+    assert samples == {("slimserve:rank_weight_bytes", "0"): 2**20, ("slimserve:rank_kv_cache_bytes", "0"): 2**19,
+                       ("slimserve:rank_memory_bytes", "0"): 2**26}
+
+    class Broken(FakeEngine):
+        def rank_stats(self):
+            raise RuntimeError("store closed")
+
+    text = ServerMetrics(Broken()).render().decode()  # the scrape still renders, without them
+    assert "slimserve:num_requests_running" in text and not _rank_samples(text)
+
+
+BREAKDOWN_BEFORE = """\
+# TYPE slimserve:step_phase_seconds histogram
+slimserve:step_phase_seconds_bucket{le="+Inf",phase="forward"} 10.0
+slimserve:step_phase_seconds_sum{phase="forward"} 0.5
+slimserve:step_phase_seconds_count{phase="forward"} 10.0
+slimserve:step_phase_seconds_bucket{le="+Inf",phase="sample"} 10.0
+slimserve:step_phase_seconds_sum{phase="sample"} 0.1
+slimserve:step_phase_seconds_count{phase="sample"} 10.0
+# HELP slimserve:tp_collective_seconds_total Time the rank spent in collectives.
+# TYPE slimserve:tp_collective_seconds_total counter
+slimserve:tp_collective_seconds_total{rank="0"} 0.2
+slimserve:tp_collective_seconds_total{rank="1"} 7.0
+# HELP slimserve:tp_collective_calls_total Collectives the rank ran.
+# TYPE slimserve:tp_collective_calls_total counter
+slimserve:tp_collective_calls_total{rank="0"} 100.0
+slimserve:tp_collective_calls_total{rank="1"} 900.0
+"""
+BREAKDOWN_AFTER = (BREAKDOWN_BEFORE.replace("} 10.0", "} 30.0")
+                   .replace('sum{phase="forward"} 0.5', 'sum{phase="forward"} 1.3')
+                   .replace('sum{phase="sample"} 0.1', 'sum{phase="sample"} 0.3')
+                   .replace('{rank="0"} 0.2', '{rank="0"} 0.6').replace('{rank="0"} 100.0', '{rank="0"} 300.0')
+                   .replace('{rank="1"} 7.0', '{rank="1"} 9.0').replace('{rank="1"} 900.0', '{rank="1"} 5000.0'))
+
+
+def test_bench_breakdown_reports_rank_0s_collective_time_per_step():
+    from rich.console import Console
+
+    from slimserve.runtime.bench.breakdown import parse_step_totals, step_breakdown
+    from slimserve.runtime.bench.report import format_breakdown
+
+    b = step_breakdown(parse_step_totals(BREAKDOWN_BEFORE), parse_step_totals(BREAKDOWN_AFTER))
+    assert b["steps"] == 20 and b["step_time_s"] == pytest.approx(1.0)
+    c = b["collectives"]  # rank 0's counters only: rank 1's moved differently
+    assert c["calls"] == 200 and c["calls_per_step"] == 10
+    assert c["total_s"] == pytest.approx(0.4) and c["ms_per_step"] == pytest.approx(20.0)
+    assert c["share"] == pytest.approx(0.4)
+    console = Console(record=True, width=120)
+    console.print(format_breakdown({"request_rate": 1.0, "step_breakdown": b}))
+    out = console.export_text()
+    assert "collectives, rank 0 (10/step; part of forward)" in out and "40.0%" in out
+    one_process = BREAKDOWN_AFTER.split("# HELP slimserve:tp_collective_seconds")[0]
+    assert step_breakdown(parse_step_totals(one_process), parse_step_totals(one_process))["collectives"] is None
+
+
 # -- a worker that dies ------------------------------------------------------------------------
 
 def test_a_killed_worker_fails_the_engine_with_its_rank_and_health_turns_503(demo_tp2):
@@ -318,6 +432,8 @@ def test_a_killed_worker_fails_the_engine_with_its_rank_and_health_turns_503(dem
         assert r.status_code >= 500 and time.monotonic() - t0 < 30  # an error, not a hang
         h = c.get("/health")
         assert h.status_code == 503 and "rank 1" in h.json()["error"]["message"]
+        m = c.get("/metrics")  # the dead worker's rows are gone; the scrape still answers
+        assert m.status_code == 200 and {rank for _, rank in _rank_samples(m.text)} == {"0"}
     demo_tp2.engine.output_deltas = False
     with pytest.raises(WorkerDiedError, match="rank 1"):  # the offline API: the same error
         demo_tp2.generate("x = [", SamplingParams(max_tokens=4), use_tqdm=False)

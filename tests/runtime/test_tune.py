@@ -299,3 +299,21 @@ def test_live_tune_on_the_demo_model(tmp_path):
     cfg = load_serve_config(tmp_path / "serve.yaml", options_of(cli.serve))
     assert cfg["max_num_batched_tokens"] in (256, 2048) and cfg["device"] == "cpu"
     assert len(list((tmp_path / "servers").glob("server-*.yaml"))) >= 3
+
+
+def test_no_probe_runs_slower_than_max_probe_s():
+    """A setting that misses the SLO at every rate is not chased towards rate 0 (a run at 0.01
+    req/s of 48 prompts would take over an hour): the floor num_prompts / max_probe_s bounds
+    every probe, and failing there is goodput 0."""
+    rates = []
+
+    def measure(setting, rate, num_prompts):
+        rates.append(rate)
+        return {"request_throughput": 4.0 if math.isinf(rate) else min(rate, 4.0),
+                "attainment": 0.0, "completed": num_prompts, "failed": 0}
+
+    ev = find_goodput(measure, Setting(8, 512), num_prompts=48, target=0.9, steps=6,
+                      max_probe_s=60.0)
+    finite = [r for r in rates if math.isfinite(r)]
+    assert finite and min(finite) >= 48 / 60.0
+    assert ev.goodput == 0.0 and len(finite) < 6  # stopped once the floor failed
