@@ -424,6 +424,11 @@ def parse_rates(sweep: str | list[float] | None) -> list[float]:
 
 
 Opt = typer.Option
+# The workload's length options, shared with `runtime tune` (runtime/tune/command.py).
+InputLenMedian = Annotated[int, Opt(help="prompt tokens: log-normal median")]
+InputLenSigma = Annotated[float, Opt(help="prompt tokens: sigma of log(length)")]
+OutputLenMedian = Annotated[int, Opt(help="output tokens: log-normal median")]
+OutputLenSigma = Annotated[float, Opt(help="output tokens: sigma of log(length)")]
 
 
 def bench_main(
@@ -436,11 +441,9 @@ def bench_main(
     num_prompts: Annotated[int, Opt(help="requests per run")] = 200,
     request_rate: Annotated[float, Opt(help="Poisson arrivals, req/s; inf: all at once")] = math.inf,
     max_concurrency: Annotated[Optional[int], Opt(help="requests in flight at most")] = None,
-    input_len_median: Annotated[int, Opt(help="prompt tokens: log-normal median")] = 128,
-    input_len_sigma: Annotated[float, Opt(help="prompt tokens: sigma of log(length)")] = 0.8,
+    input_len_median: InputLenMedian = 128, input_len_sigma: InputLenSigma = 0.8,
     input_len_min: int = 32, input_len_max: int = 512,
-    output_len_median: Annotated[int, Opt(help="output tokens: log-normal median")] = 64,
-    output_len_sigma: Annotated[float, Opt(help="output tokens: sigma of log(length)")] = 1.0,
+    output_len_median: OutputLenMedian = 64, output_len_sigma: OutputLenSigma = 1.0,
     output_len_min: int = 16, output_len_max: int = 512,
     long_fraction: Annotated[float, Opt(help="of the prompts, those made --long-factor times "
                                         "their drawn length")] = 0.0,

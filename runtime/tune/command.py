@@ -21,7 +21,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from slimserve.runtime.bench.driver import BenchArgs, build_requests
+from slimserve.runtime.bench.driver import (
+    BenchArgs,
+    InputLenMedian,
+    InputLenSigma,
+    OutputLenMedian,
+    OutputLenSigma,
+    build_requests,
+)
 from slimserve.runtime.bench.server_process import BenchError
 from slimserve.runtime.bench.workload import BenchRequest, LengthDist, length_stats
 from slimserve.runtime.config import KV_CACHE_DTYPES, EngineConfig
@@ -134,11 +141,9 @@ def tune_main(
                                 "\"output_len\") per line")] = "stdlib",
     num_prompts: Annotated[int, Opt(help="requests per run in the last round and the "
                                     "re-measurement (earlier rounds halve it)")] = 48,
-    input_len_median: Annotated[int, Opt(help="prompt tokens: log-normal median")] = 128,
-    input_len_sigma: Annotated[float, Opt(help="prompt tokens: sigma of log(length)")] = 0.8,
+    input_len_median: InputLenMedian = 128, input_len_sigma: InputLenSigma = 0.8,
     input_len_min: int = 32, input_len_max: int = 512,
-    output_len_median: Annotated[int, Opt(help="output tokens: log-normal median")] = 64,
-    output_len_sigma: Annotated[float, Opt(help="output tokens: sigma of log(length)")] = 1.0,
+    output_len_median: OutputLenMedian = 64, output_len_sigma: OutputLenSigma = 1.0,
     output_len_min: int = 16, output_len_max: int = 512,
     seed: Annotated[int, Opt(help="seeds lengths, prompt offsets and arrivals")] = 0,
     max_num_seqs: Annotated[str, Opt(help="values to search, comma-separated")] = "8,16,32,64,128,256",
