@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from slimserve.runtime.bench.server_process import ServerSpec, free_port, launched_servers
+from slimserve.runtime.errors import EngineDeadError
 from slimserve.runtime.router.app import build_router_app
 from slimserve.runtime.router.policy import (
     CHUNK_CHARS,
@@ -378,7 +379,10 @@ def test_reset_prefix_cache_reaches_every_replica_and_clears_the_affinity():
         assert r.status_code == 200 and r.json()["status"] == "ok"
         assert [e.prefix_cache_resets for e in engines] == [1, 1]
         assert sum(len(r.state.prefixes) for r in router.replicas) == 0
-        engines[1].dead = True  # answers 503: the reset did not happen everywhere
+        async def refuse():  # up and polled healthy, but its reset answers 503
+            raise EngineDeadError("the engine stopped")
+
+        engines[1].reset_prefix_cache = refuse
         r = httpx.post(url + "/reset_prefix_cache", trust_env=False)
         assert r.status_code == 502 and r.json()["status"] == "failed"
         assert engines[0].prefix_cache_resets == 2
