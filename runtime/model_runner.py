@@ -55,8 +55,8 @@ class ModelRunner:
         self.executor = executor
         self.group = group
         self.steps = 0
-        self.tp = tp = getattr(config, "tensor_parallel_size", 1)
-        self.pp = getattr(config, "pipeline_parallel_size", 1)
+        self.tp = tp = config.tensor_parallel_size
+        self.pp = config.pipeline_parallel_size
         self.tp_group: TPGroup | None = None  # a stage's own tensor-parallel group (tp and pp > 1)
         if tp * self.pp > 1:
             if built is not None:

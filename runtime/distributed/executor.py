@@ -61,7 +61,7 @@ class MultiprocExecutor:
     name = "mp"
 
     def __init__(self, config, device: torch.device):
-        world = config.tensor_parallel_size * getattr(config, "pipeline_parallel_size", 1)
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.world, self.device = world, device
         self.threads = cpu_threads(world) if device.type == "cpu" else None
         store = create_store(world)

@@ -118,5 +118,4 @@ class RayExecutor(MultiprocExecutor):
 
 def make_executor(config, device: torch.device) -> MultiprocExecutor:
     """The executor `config.distributed_executor_backend` names."""
-    backend = getattr(config, "distributed_executor_backend", "mp")
-    return RayExecutor(config, device) if backend == "ray" else MultiprocExecutor(config, device)
+    return RayExecutor(config, device) if config.distributed_executor_backend == "ray" else MultiprocExecutor(config, device)

@@ -29,6 +29,7 @@ from slimserve.runtime.step_timing import PHASES, StepTimings, split_gpu_forward
 
 from tests.helpers import DEMO_MODEL
 from tests.helpers.live_server import serve_in_thread
+from tests.helpers.metrics_text import step_metrics
 from tests.helpers.server_fakes import FakeEngine
 
 pytestmark = pytest.mark.timeout(120)
@@ -218,30 +219,8 @@ def test_serve_profile_dir_is_created_or_refused_in_one_line(tmp_path):
 
 # -- runtime bench ---------------------------------------------------------------------------------
 
-BEFORE = """\
-# TYPE slimserve:step_phase_seconds histogram
-slimserve:step_phase_seconds_bucket{le="+Inf",phase="schedule"} 10.0
-slimserve:step_phase_seconds_sum{phase="schedule"} 0.01
-slimserve:step_phase_seconds_count{phase="schedule"} 10.0
-slimserve:step_phase_seconds_bucket{le="+Inf",phase="forward"} 10.0
-slimserve:step_phase_seconds_sum{phase="forward"} 0.5
-slimserve:step_phase_seconds_count{phase="forward"} 10.0
-# TYPE slimserve:step_prefill_tokens histogram
-slimserve:step_prefill_tokens_bucket{le="+Inf"} 10.0
-slimserve:step_prefill_tokens_sum 300.0
-slimserve:step_prefill_tokens_count 10.0
-# TYPE slimserve:step_decode_rows histogram
-slimserve:step_decode_rows_bucket{le="+Inf"} 10.0
-slimserve:step_decode_rows_sum 20.0
-slimserve:step_decode_rows_count 10.0
-# TYPE slimserve:num_requests_running gauge
-slimserve:num_requests_running 0.0
-"""
-AFTER = (BEFORE.replace("} 10.0", "} 30.0").replace("10.0\n", "30.0\n")
-         .replace('sum{phase="schedule"} 0.01', 'sum{phase="schedule"} 0.03')
-         .replace('sum{phase="forward"} 0.5', 'sum{phase="forward"} 1.29')
-         .replace("prefill_tokens_sum 300.0", "prefill_tokens_sum 500.0")
-         .replace("decode_rows_sum 20.0", "decode_rows_sum 100.0"))
+BEFORE = step_metrics(10, {"schedule": 0.01, "forward": 0.5}, prefill_tokens=300.0, decode_rows=20.0)
+AFTER = step_metrics(30, {"schedule": 0.03, "forward": 1.29}, prefill_tokens=500.0, decode_rows=100.0)
 
 
 def test_breakdown_from_a_metrics_pair():

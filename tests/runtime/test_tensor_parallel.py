@@ -24,6 +24,7 @@ from slimserve.runtime.models.llama import model_spec
 from slimserve.runtime.sequence import SamplingParams
 
 from tests.helpers import DEMO_MODEL
+from tests.helpers.metrics_text import step_metrics
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 ENGINE = {"device": "cpu", "dtype": "float32", "kv_cache_memory": 16 * 2**20}
@@ -366,28 +367,8 @@ def test_one_process_reports_rank_0_only_without_collectives():
     assert "slimserve:num_requests_running" in text and not _rank_samples(text)
 
 
-BREAKDOWN_BEFORE = """\
-# TYPE slimserve:step_phase_seconds histogram
-slimserve:step_phase_seconds_bucket{le="+Inf",phase="forward"} 10.0
-slimserve:step_phase_seconds_sum{phase="forward"} 0.5
-slimserve:step_phase_seconds_count{phase="forward"} 10.0
-slimserve:step_phase_seconds_bucket{le="+Inf",phase="sample"} 10.0
-slimserve:step_phase_seconds_sum{phase="sample"} 0.1
-slimserve:step_phase_seconds_count{phase="sample"} 10.0
-# HELP slimserve:tp_collective_seconds_total Time the rank spent in collectives.
-# TYPE slimserve:tp_collective_seconds_total counter
-slimserve:tp_collective_seconds_total{rank="0"} 0.2
-slimserve:tp_collective_seconds_total{rank="1"} 7.0
-# HELP slimserve:tp_collective_calls_total Collectives the rank ran.
-# TYPE slimserve:tp_collective_calls_total counter
-slimserve:tp_collective_calls_total{rank="0"} 100.0
-slimserve:tp_collective_calls_total{rank="1"} 900.0
-"""
-BREAKDOWN_AFTER = (BREAKDOWN_BEFORE.replace("} 10.0", "} 30.0")
-                   .replace('sum{phase="forward"} 0.5', 'sum{phase="forward"} 1.3')
-                   .replace('sum{phase="sample"} 0.1', 'sum{phase="sample"} 0.3')
-                   .replace('{rank="0"} 0.2', '{rank="0"} 0.6').replace('{rank="0"} 100.0', '{rank="0"} 300.0')
-                   .replace('{rank="1"} 7.0', '{rank="1"} 9.0').replace('{rank="1"} 900.0', '{rank="1"} 5000.0'))
+BREAKDOWN_BEFORE = step_metrics(10, {"forward": 0.5, "sample": 0.1}, collectives={"0": (0.2, 100.0), "1": (7.0, 900.0)})
+BREAKDOWN_AFTER = step_metrics(30, {"forward": 1.3, "sample": 0.3}, collectives={"0": (0.6, 300.0), "1": (9.0, 5000.0)})
 
 
 def test_bench_breakdown_reports_rank_0s_collective_time_per_step():
