@@ -15,18 +15,41 @@ from typing import Callable
 
 import torch
 
-from slimserve.compress.quant.primitives import quantize_weight
+from slimserve.compress.quant.primitives import qparams_from_range, quantize_weight
 from slimserve.runtime.artifact.scheme import QuantArgs
 
 # Floor of a candidate scale and the term that keeps 1 / w_mean finite (AutoAWQ's constants).
 _MIN_SCALE = 1e-4
-# Elements of the [rows, tokens, groups] product the clip search holds at once (256 MiB in fp32).
-_CLIP_CHUNK_ELEMS = 2**26
+# Elements of the [steps, rows, K] tensors the clip search holds at once (64 MiB each in fp32).
+_CLIP_CHUNK_ELEMS = 2**24
 
 
 def fake_quantize(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """fp32 [N, K]: `w` quantized with the scheme's min/max round-to-nearest and dequantized."""
-    return quantize_weight(w.float(), args, scale_dtype or torch.float32).dequantize(torch.float32)
+    """fp32 [..., N, K]: `w` quantized with the scheme's min/max round-to-nearest and dequantized.
+
+    Whole groups (every search here: the stage refuses partial ones) take a batched path over
+    any leading dimensions that does exactly `primitives.quantize_weight`'s arithmetic (qparams
+    from the same `qparams_from_range`, the same divide / add / clamp / round, then (q - zp) * s),
+    so it is bit-identical to it; anything else goes through `quantize_weight` itself.
+    """
+    w = w.float()
+    k = w.shape[-1]
+    g = args.group_size if args.strategy == "group" else k
+    sdt = scale_dtype or torch.float32
+    if w.dim() < 2 or not g or k % g:
+        flat = w.reshape(-1, k)
+        return quantize_weight(flat, args, sdt).dequantize(torch.float32).reshape(w.shape)
+    wg = w.reshape(*w.shape[:-1], k // g, g)  # [..., N, G, g]
+    scale, zp = qparams_from_range(wg.amin(dim=-1), wg.amax(dim=-1), args, sdt)
+    s = scale.float().unsqueeze(-1)
+    x = wg / s
+    if zp is not None:
+        z = zp.float().unsqueeze(-1)
+        x = x + z
+    q = torch.round(torch.clamp(x, args.qmin, args.qmax))
+    if zp is not None:
+        q = q - z
+    return (q * s).reshape(w.shape)
 
 
 def weight_group_absmean(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
@@ -105,6 +128,11 @@ def awq_clip_search(
     i < n_grid * max_shrink, W is clamped to +-absmax * (1 - i / n_grid), fake-quantized with
     `args`, and the error mean_t (sum_{k in g} x_tk (w_nk - q_nk))^2 is measured per (n, g);
     the threshold with the smallest error wins (i = 0, no clipping, on ties).
+
+    Vectorised: every shrink step is quantized in one batched call, and the error is taken
+    through a per-group factor F_g of the inputs (F_g^T F_g = X_g^T X_g, from a QR of X_g when
+    there are more tokens than group columns), so each step costs N * K * min(T, g) instead of
+    N * T * K multiply-adds: mean_t (X_g d)_t^2 = |F_g d|^2 / T for d = w - q of one (row, group).
     """
     n, k = w.shape
     g = args.group_size if args.strategy == "group" else k
@@ -113,32 +141,64 @@ def awq_clip_search(
                          "choose a group_size that divides every Linear's input size")
     if not 0.0 <= max_shrink < 1.0:
         raise ValueError(f"max_shrink={max_shrink} must be in [0, 1); 0.5 is the reference value")
+    if x_sample.dim() != 2 or x_sample.shape[1] != k or x_sample.shape[0] == 0:
+        raise ValueError(f"x_sample {tuple(x_sample.shape)} does not match w {tuple(w.shape)}; pass [T, K] tokens")
     groups = k // g
-    xg = x_sample.float().reshape(-1, groups, g)  # [T, G, g]
-    org_max = w.float().abs().reshape(n, groups, g).amax(dim=-1)  # [N, G]
+    factor = group_input_factor(x_sample, g)  # [G, r, g]
+    steps = max(1, int(max_shrink * n_grid))
+    shrink = torch.tensor([1.0 - i / n_grid for i in range(steps)], dtype=torch.float32, device=w.device)
+    wg = w.float().reshape(n, groups, g)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, G]
+    org_max = torch.maximum(lo.abs(), hi.abs())
     best_max = org_max.clone()
-    rows = max(1, _CLIP_CHUNK_ELEMS // max(1, xg.shape[0] * groups))
+    rows = max(1, _CLIP_CHUNK_ELEMS // (steps * max(k, groups * factor.shape[1])))
     for r0 in range(0, n, rows):
         sl = slice(r0, min(n, r0 + rows))
-        best_max[sl] = _clip_rows(w[sl].float(), xg, org_max[sl], args, n_grid, max_shrink, scale_dtype)
+        best_max[sl] = _clip_rows(wg[sl], factor, lo[sl], hi[sl], org_max[sl], shrink, args, scale_dtype)
     return best_max
 
 
-def _clip_rows(w: torch.Tensor, xg: torch.Tensor, org_max: torch.Tensor, args: QuantArgs,
-               n_grid: int, max_shrink: float, scale_dtype: torch.dtype | None) -> torch.Tensor:
-    """Clip search for a block of rows: w [n, K], xg [T, G, g], org_max [n, G] -> max_val [n, G]."""
-    n, k = w.shape
-    groups, g = xg.shape[1], xg.shape[2]
-    ref = torch.einsum("tgc,ngc->ntg", xg, w.reshape(n, groups, g))  # [n, T, G] exact group outputs
-    best_err = torch.full_like(org_max, math.inf)
-    best_max = org_max.clone()
-    for i in range(max(1, int(max_shrink * n_grid))):
-        max_val = org_max * (1.0 - i / n_grid)  # [n, G]
-        lim = max_val.repeat_interleave(g, dim=1)  # [n, K]
-        q = fake_quantize(torch.clamp(w, -lim, lim), args, scale_dtype)
-        out = torch.einsum("tgc,ngc->ntg", xg, q.reshape(n, groups, g))
-        err = (out - ref).pow(2).mean(dim=1)  # [n, G]
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_max = torch.where(better, max_val, best_max)
-    return best_max
+def group_input_factor(x: torch.Tensor, g: int) -> torch.Tensor:
+    """[G, r, g] per group of `g` input columns of x [T, K], with F^T F = X_g^T X_g and r = min(T, g).
+
+    |F_g d|^2 = |X_g d|^2 for any d [g]: the squared outputs of a group summed over tokens,
+    from r <= g rows instead of T. A QR's R (sums of squares, no cancellation) when T > g.
+    """
+    t, k = x.shape
+    xg = x.float().reshape(t, k // g, g).transpose(0, 1)  # [G, T, g]
+    if t <= g:
+        return xg.contiguous()
+    return torch.linalg.qr(xg, mode="r").R
+
+
+def _clip_rows(wg: torch.Tensor, factor: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, org_max: torch.Tensor,
+               shrink: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None) -> torch.Tensor:
+    """Clip search for a block of rows: wg [n, G, g], factor [G, r, g], lo/hi/org_max [n, G] -> max_val [n, G].
+
+    Every step at once, laid out [G, S, n, g] so the error is one batched matmul per group. The
+    quantizer is `fake_quantize`'s arithmetic on the clamped weights, done in place; the clamped
+    groups' min/max are the clamped min/max (clamping is monotone), so no step reduces over them.
+    """
+    n, groups, g = wg.shape
+    sdt = scale_dtype or torch.float32
+    w_t = wg.transpose(0, 1).contiguous().unsqueeze(1)  # [G, 1, n, g]
+    max_val = org_max.t().unsqueeze(1) * shrink.view(1, -1, 1)  # [G, S, n]
+    scale, zp = qparams_from_range(torch.clamp(lo.t().unsqueeze(1), -max_val, max_val),
+                                   torch.clamp(hi.t().unsqueeze(1), -max_val, max_val), args, sdt)
+    s = scale.float().unsqueeze(-1)  # [G, S, n, 1]
+    lim = max_val.unsqueeze(-1)
+    d = torch.empty(groups, max_val.shape[1], n, g, dtype=torch.float32, device=wg.device)  # [G, S, n, g]
+    torch.clamp(w_t, -lim, lim, out=d).div_(s)
+    if zp is not None:
+        z = zp.float().unsqueeze(-1)
+        d.add_(z)
+    d.clamp_(args.qmin, args.qmax).round_()
+    if zp is not None:
+        d.sub_(z)
+    d.mul_(s).sub_(w_t)  # dequantized minus original: the error of each weight
+    steps = max_val.shape[1]
+    out = torch.bmm(d.view(groups, steps * n, g), factor.transpose(1, 2))  # [G, S * n, r]
+    err = out.square_().sum(dim=-1).view(groups, steps, n)  # |F_g d|^2 = tokens * mean squared error
+    err = torch.nan_to_num(err, nan=math.inf)
+    best = err.argmin(dim=1, keepdim=True)  # the first (least clipping) of equal errors
+    return max_val.gather(1, best).squeeze(1).t()

@@ -18,11 +18,19 @@ replays it to make the next layer's inputs, so layer i+1 is searched on what the
 will feed it (as GPTQ is), and its weights are restored before the next layer is searched (and
 at the end), so the quantizer that follows still sees the unquantized weights. The demo model's
 drift with each option on and off is in the README ("Quantization quality (measured)").
+
+Cost: a scale candidate replays the inspected submodule (self_attn, mlp) on every calibration
+token, except where that submodule is the mapping's one Linear (up_proj -> down_proj): there the
+error |X (W_q - W)^T|^2 comes from a once-computed factor of X (`_linear_output_loss`), so no
+candidate replays it. The clip searches (awq.py) quantize all shrink steps in one batched call
+and measure them through a per-group factor of the sampled inputs. Both choose what the plain
+loops choose (tests/compress/test_awq_vectorised.py).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -146,10 +154,8 @@ class AwqStage(Stage):
         finally:
             for h in handles:
                 h.remove()
-        ref = [ctx.run_call(m.inspect, c) for c in calls]  # outputs of the unquantized submodule
         orig = [lin.weight.detach().clone() for lin in lins]
         args, sdt = self.scheme.weights, ctx.state.storage_dtype
-        numel = sum(r.numel() for r in ref)
         x_clip = torch.cat(samples)[:self.options.clip_tokens] if samples else None  # [T, K]
 
         def quantized(w: torch.Tensor, clip: bool, s: torch.Tensor) -> torch.Tensor:
@@ -159,17 +165,11 @@ class AwqStage(Stage):
                 ws = _clamp(ws, awq_clip_search(ws, x_clip / s, args, _CLIP_GRID, _CLIP_MAX_SHRINK, sdt))
             return fake_quantize(ws, args, sdt) / s
 
-        def loss(s: torch.Tensor) -> float:
-            """Mean squared error of the inspected output with weights Q(W * s) / s."""
-            try:
-                for lin, w, clip in zip(lins, orig, clipped):
-                    lin.weight.copy_(quantized(w, clip, s).to(w.dtype))
-                err = sum((ctx.run_call(m.inspect, c).float() - r.float()).pow(2).sum().item()
-                          for c, r in zip(calls, ref))
-            finally:
-                for lin, w in zip(lins, orig):
-                    lin.weight.copy_(w)
-            return err / numel
+        if m.linears == (m.inspect,) and all(c[0] and isinstance(c[0][0], torch.Tensor) for c in calls):
+            loss = _linear_output_loss(calls, orig[0], lambda s: quantized(orig[0], clipped[0], s))
+        else:
+            loss = _module_output_loss(ctx, m.inspect, calls, lins, orig,
+                                       lambda s: [quantized(w, c, s) for w, c in zip(orig, clipped)])
 
         x_mean = absmean.value()
         loss_before = loss(torch.ones_like(x_mean))
@@ -232,6 +232,46 @@ class AwqStage(Stage):
         """Token stride that leaves about `clip_tokens` of the layer's calibration tokens."""
         total = sum(h.shape[0] * h.shape[1] for h in ctx.inputs.hidden)
         return max(1, total // self.options.clip_tokens)
+
+
+def _module_output_loss(ctx: LayerContext, inspect: str, calls: list, lins: list[nn.Linear],
+                        orig: list[torch.Tensor], weights: Callable[[torch.Tensor], list[torch.Tensor]]):
+    """loss(s): mean squared error of submodule `inspect`'s output on the captured calls when
+    the Linears hold weights(s) instead of `orig` (restored afterwards)."""
+    ref = [ctx.run_call(inspect, c) for c in calls]  # outputs of the unquantized submodule, once
+    numel = sum(r.numel() for r in ref)
+
+    def loss(s: torch.Tensor) -> float:
+        try:
+            for lin, w, q in zip(lins, orig, weights(s)):
+                lin.weight.copy_(q.to(w.dtype))
+            err = sum((ctx.run_call(inspect, c).float() - r.float()).pow(2).sum().item() for c, r in zip(calls, ref))
+        finally:
+            for lin, w in zip(lins, orig):
+                lin.weight.copy_(w)
+        return err / numel
+
+    return loss
+
+
+def _linear_output_loss(calls: list, w: torch.Tensor, weight: Callable[[torch.Tensor], torch.Tensor]):
+    """loss(s) of a mapping whose inspected module is its one Linear (v_proj -> o_proj, up -> down).
+
+    The output error of x W^T when W becomes W_q = weight(s) is |X (W_q - W)^T|^2 over the
+    captured inputs X [T, K]: with F^T F = X^T X (F = R of a QR of X when T > K, else X itself),
+    it is |F (W_q - W)^T|^2, so no candidate replays the module: N * K * min(T, K) multiply-adds
+    per candidate instead of N * K * T (plus the reference output). The bias cancels.
+    """
+    x = torch.cat([c[0][0].reshape(-1, w.shape[1]) for c in calls]).float()  # [T, K]
+    tokens, k = x.shape
+    factor = x if tokens <= k else torch.linalg.qr(x, mode="r").R  # [min(T, K), K]
+    numel = tokens * w.shape[0]
+
+    def loss(s: torch.Tensor) -> float:
+        d = weight(s).to(w.dtype).float() - w.float()  # [N, K], as the weight the module would hold
+        return (d @ factor.T).pow(2).sum().item() / numel
+
+    return loss
 
 
 def _clamp(w: torch.Tensor, max_val: torch.Tensor) -> torch.Tensor:

@@ -150,6 +150,37 @@ def test_removing_dead_heads_keeps_the_function(mode):
     torch.testing.assert_close(logits(new), logits(model), atol=1e-5, rtol=1e-5)
 
 
+def test_smollm2_attention_shape_loses_a_whole_kv_group_and_a_layer(tmp_path):
+    """SmolLM2's shape: 9 query heads over 3 KV heads (3 per group) and tied embeddings. heads 0.34
+    in kv_groups mode keeps 2 of the 3 groups (6 / 2); with group 1 (query heads 3-5) and layer 1
+    adding nothing, the pruned model computes the same logits, and transformers reloads it."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=144, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=16, max_position_embeddings=64,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[:, 3 * 16:6 * 16] = 0  # group 1's query heads write nothing
+        model.model.layers[1].self_attn.o_proj.weight.zero_()
+        model.model.layers[1].mlp.down_proj.weight.zero_()
+    scores = torch.ones(3, 9)
+    scores[:, 3:6] = 0
+    after = resolve_dims(Dims.from_config(model.config), Targets(heads=0.34, heads_mode="kv_groups", layers=1))
+    assert (after.num_attention_heads, after.num_key_value_heads, after.num_layers) == (6, 2, 2)
+    plan = plan_from(model, after, heads=scores, layers=torch.tensor([1.0, 0.0, 1.0]))
+    assert [(lp.source, lp.q_heads, lp.kv_heads) for lp in plan.layers] == [
+        (0, (0, 1, 2, 6, 7, 8), (0, 2)), (2, (0, 1, 2, 6, 7, 8), (0, 2))]
+    new = apply_plan(model, plan)
+    assert new.model.layers[0].self_attn.k_proj.weight.shape == (2 * 16, 144)
+    assert new.model.layers[0].self_attn.o_proj.weight.shape == (144, 6 * 16)
+    torch.testing.assert_close(logits(new), logits(model), atol=1e-5, rtol=1e-5)
+    new.save_pretrained(tmp_path)
+    again = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()  # still tied
+    torch.testing.assert_close(logits(again), logits(model), atol=1e-5, rtol=1e-5)
+
+
 def test_removing_an_identity_layer_keeps_the_function_and_renumbers():
     model = tiny(layers=3)
     with torch.no_grad():  # layer 1 adds nothing to the residual stream

@@ -16,7 +16,8 @@ def test_there_are_recipes():
             "demo-w8a8-smoothquant.yaml", "demo-w4a16-gptq-kvfp8.yaml", "demo-prune-mlp30-distill.yaml",
             "demo-prune-heads-layers-distill.yaml", "demo-prune-distill-w4a16.yaml"} <= names
     assert {"smollm2-w4a16-rtn.yaml", "smollm2-w4a16-gptq.yaml", "smollm2-w4a16-awq.yaml",
-            "smollm2-w8a8-smoothquant.yaml", "smollm2-w4a16-gptq-kvfp8.yaml"} <= names
+            "smollm2-w8a8-smoothquant.yaml", "smollm2-w4a16-gptq-kvfp8.yaml",
+            "smollm2-prune-distill-w4a16.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
