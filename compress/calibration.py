@@ -9,14 +9,16 @@
    next layer's inputs, and move the layer back.
 
 Peak memory is one layer plus the cached activations of one layer, whatever the depth, so a
-model larger than device memory still compresses.
+model larger than device memory still compresses. With a `LayerSource` (compress/layer_store.py)
+the same holds for host memory: the model is a skeleton and each layer is read from disk for its
+turn and handed back after it.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -131,8 +133,13 @@ def _to(obj: Any, device: torch.device | None = None, dtype: torch.dtype | None 
 
 
 def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: list[torch.Tensor],
-                               device: torch.device) -> LayerInputs:
-    """Inputs of decoder layer 0 for each batch of token ids [b, seq_len]."""
+                               device: torch.device, dtype: torch.dtype | None = None) -> LayerInputs:
+    """Inputs of decoder layer 0 for each batch of token ids [b, seq_len].
+
+    dtype: the dtype the input embeddings' output is cast to before anything reads it (so the
+    hidden states, rotary tables and masks are built in it), e.g. float32 for a model whose
+    embeddings are held in bf16 (compress/layer_store.py); None leaves the model's own.
+    """
     layers = decoder_layers(model, mapping)
     cached = LayerInputs([], [])
 
@@ -145,6 +152,10 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
 
     move_trunk(model, mapping.layers, device)
     handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    handles = [handle]
+    if dtype is not None:
+        handles.append(model.get_input_embeddings().register_forward_hook(
+            lambda _m, _args, out: out.to(dtype) if out.is_floating_point() else out))
     try:
         with torch.no_grad():
             for ids in batches:
@@ -153,7 +164,8 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
                 except _StopForward:
                     pass
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     return cached
 
 
@@ -218,33 +230,49 @@ def move_trunk(model: nn.Module, layers_path: str, device: torch.device) -> None
             mod._buffers[key] = b.to(device)
 
 
+class LayerSource(Protocol):
+    """Where decoder layers come from when the model does not hold them (compress/layer_store.py)."""
+
+    def load(self, i: int) -> nn.Module: ...  # layer i with real tensors in the compute dtype
+
+    def done(self, i: int) -> None: ...  # the stage finished layer i
+
+
 def run_layerwise(state: CompressionState, stage: Stage, batch_size: int = 8,
                   device: torch.device | str | None = None,
-                  on_layer: Callable[[int, int], None] | None = None) -> None:
+                  on_layer: Callable[[int, int], None] | None = None,
+                  source: LayerSource | None = None) -> None:
     """Apply a layerwise stage to every decoder layer, feeding each the compressed previous one.
 
     The one runner of layerwise stages (`Stage.compress_layer`): the pipeline calls it between the
     stage's prepare and finalize.
 
     Layers run on `device` (default: the recipe's, `state.device`) one at a time; the cached
-    activations stay on the CPU and the whole model is back on the CPU afterwards.
+    activations stay on the CPU and the whole model is back on the CPU afterwards. With `source`
+    the model's decoder layers are skeletons: each is loaded from it just before its turn and
+    handed back (`done`) after, and the embeddings' output is cast to float32 (the compute dtype)
+    whatever dtype the embeddings are held in.
     """
     if state.calibration is None:
         raise RuntimeError("layerwise stages need calibration data; the pipeline builds it first")
     model, device = state.model, torch.device(device) if device is not None else state.device
     mapping = mapping_for(model)
     batches = list(state.calibration.split(batch_size))
-    inputs = capture_first_layer_inputs(model, mapping, batches, device)
+    inputs = capture_first_layer_inputs(model, mapping, batches, device,
+                                        torch.float32 if source is not None else None)
     dtype = replay_dtype(state, stage, device)
     if dtype is not None:
         inputs = LayerInputs([h.to(dtype) for h in inputs.hidden], [_to(kw, dtype=dtype) for kw in inputs.kwargs])
     layers = decoder_layers(model, mapping)
     try:
-        for i, layer in enumerate(layers):
+        for i in range(len(layers)):
+            layer = source.load(i) if source is not None else layers[i]
             with layer_on_device(layer, device, dtype):
                 ctx = LayerContext(i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device)
                 stage.compress_layer(ctx)
                 inputs = LayerInputs(ctx.forward(), inputs.kwargs)
+            if source is not None:
+                source.done(i)
             if on_layer:
                 on_layer(i + 1, len(layers))
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,27 +29,44 @@ from slimserve.compress.perplexity import (
 from slimserve.compress.progress import counting_bar
 
 
+class LayerReader(Protocol):
+    """Decoder layers held outside the model (compress/layer_store.py `LayerStore`)."""
+
+    def load(self, i: int) -> nn.Module: ...  # layer i with real tensors in float32
+
+    def drop(self, i: int) -> None: ...  # release layer i unchanged
+
+
 @torch.no_grad()
 def layerwise_perplexity(model: nn.Module, token_ids: torch.Tensor, seq_len: int, max_windows: int | None,
                          batch_size: int, device: torch.device, progress: bool = False,
-                         dtype: torch.dtype = torch.float32, dataset: str = "") -> PerplexityResult:
+                         dtype: torch.dtype = torch.float32, dataset: str = "",
+                         layers: LayerReader | None = None) -> PerplexityResult:
+    """Perplexity with one decoder layer at a time on `device`; with `layers`, each decoder layer
+    is read from it just before its turn and released after (the model holds skeletons), and the
+    trunk (embeddings, final norm, lm_head) computes in float32 whatever dtype it is held in."""
     start = time.perf_counter()
     windows = eval_windows(token_ids, seq_len, max_windows, batch_size)
     batches = list(windows.split(batch_size))
     mapping, was_training = mapping_for(model), model.training
     model.eval()
-    layers = decoder_layers(model, mapping)
+    stack = decoder_layers(model, mapping)
+    compute = torch.float32 if layers is not None else None
     try:
         with counting_bar("perplexity layers", progress) as bar:
-            task = bar.add_task("layers", total=len(layers) + 1)
-            inputs = capture_first_layer_inputs(model, mapping, batches, device)
-            for layer in layers:
+            task = bar.add_task("layers", total=len(stack) + 1)
+            inputs = capture_first_layer_inputs(model, mapping, batches, device, compute)
+            for i in range(len(stack)):
+                layer = layers.load(i) if layers is not None else stack[i]
                 with layer_on_device(layer, device, None):
                     inputs = LayerInputs(replay(layer, inputs, device), inputs.kwargs)
+                if layers is not None:
+                    layers.drop(i)
                 bar.advance(task)
             head = nn.ModuleList([model.get_submodule(mapping.final_norm), model.get_output_embeddings()])
+            held = next(head.parameters()).dtype
             nll_sum = 0.0
-            with layer_on_device(head, device, None):
+            with layer_on_device(head, device, compute if held != compute else None):
                 for h, batch in zip(inputs.hidden, batches):
                     logits = head[1](head[0](h.to(device)))
                     nll_sum += window_nll(logits, batch.to(device), dtype)
@@ -85,9 +103,14 @@ def model_on(model: nn.Module, device: torch.device):
 
 def perplexity_on_device(model: nn.Module, token_ids: torch.Tensor, seq_len: int, max_windows: int | None,
                          batch_size: int, device: torch.device, progress: bool = False,
-                         note: Callable[[str], None] = lambda m: None) -> PerplexityResult:
+                         note: Callable[[str], None] = lambda m: None,
+                         layers: LayerReader | None = None) -> PerplexityResult:
     """evaluate_perplexity with the whole model on `device` when it fits there, else layer by
-    layer (the same number); the model is back on the CPU afterwards."""
+    layer (the same number); the model is back on the CPU afterwards. With `layers` (the model
+    holds no decoder layer: compress/layer_store.py) always layer by layer, reading each from it."""
+    if layers is not None:
+        return layerwise_perplexity(model, token_ids, seq_len, max_windows, batch_size, device, progress,
+                                    layers=layers)
     short = whole_model_shortfall(model, device, batch_size * seq_len)
     if short:
         note(f"the whole model does not fit on {device} ({short}): evaluating layer by layer")

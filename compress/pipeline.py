@@ -3,11 +3,20 @@
 The model is compressed in float32 (the compute dtype on CPU) while quantization scales and the
 exported tensors use the storage dtype (the checkpoint's, unless the recipe says otherwise), so
 the perplexity measured here is the perplexity of exactly what a loader reads back.
+
+Which weights are in memory (`memory_plan`): when every stage is layerwise (gptq, awq,
+smoothquant, kv_cache) and the model is a local safetensors checkpoint, only the trunk is held,
+in the checkpoint's dtype, and each decoder layer is read, upcast to float32, worked on, spilled
+and dropped in turn (compress/layer_store.py); perplexity then goes layer by layer and the
+artifact is written layer by layer. A recipe with a whole-model stage (rtn, prune, distill) holds
+the whole model in float32, as before. Both paths write the same tensors
+(tests/compress/test_lazy_layers.py).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +32,9 @@ from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import LIMITS, check_exportable, export_artifact
 from slimserve.compress.export.io import failed_output, replace_problem, size_bytes
+from slimserve.compress.layer_store import LayerStore
 from slimserve.compress.layerwise_eval import perplexity_on_device
+from slimserve.compress.mappings import ARCHITECTURES
 from slimserve.compress.model_size import count_parameters, weight_bytes
 from slimserve.compress.progress import counting_bar
 from slimserve.compress.quant.group_sizes import partial_group_modules, partial_groups, shape_model
@@ -32,10 +43,14 @@ from slimserve.compress.report import write_report
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.runtime.artifact.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.runtime.dtypes import DTYPES, checkpoint_dtype
+from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.gguf import gguf_file, resolve_model
-from slimserve.runtime.loader import load_config, load_model
+from slimserve.runtime.lazy_weights import available_memory
+from slimserve.runtime.loader import load_config, load_model, load_skeleton
 
 COMPUTE_DTYPE = torch.float32
+MEMORY_MODES = ("auto", "layers", "whole")  # run_recipe(memory=): see its docstring
+SPILL_ENV = "SLIMSERVE_SPILL_DIR"  # where layer-by-layer runs keep their per-layer files (default: the temp dir)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,24 +61,50 @@ class RunResult:
     passed: bool  # whether the perplexity gate passed
 
 
-def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: bool = True) -> RunResult:
+def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: bool = True,
+               memory: str = "auto") -> RunResult:
     """Run every stage of `recipe`, gate on perplexity drift, export and report.
 
     The artifact goes to `recipe.output` when the gate passes (replacing an earlier artifact
     there), else to `<output>.failed`, so a failed run never replaces a passing artifact.
+
+    memory: "auto" holds one decoder layer at a time when every stage is layerwise and the model
+    is a local safetensors checkpoint (`memory_plan`), else the whole model in float32; "layers"
+    requires the first (RecipeError naming why not), "whole" forces the second. Both write the
+    same artifact.
     """
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"memory={memory!r}; use one of {', '.join(MEMORY_MODES)}")
     t_start = time.perf_counter()
     torch.manual_seed(0)
     device = resolve_device(recipe.device, "device")  # before any work: an absent GPU is a recipe error
     check_output(recipe)  # before any work: never export over what is not an earlier artifact
     source = resolve_model(recipe.model, log)  # a GGUF checkpoint: its cached HF conversion
-    stages = build_stages(recipe, load_config(source), log)  # shapes only: before any weight is read
-    loaded = load_model(source, dtype=COMPUTE_DTYPE)
-    if loaded.quantized:
-        raise UnsupportedModelError(
-            f"model {recipe.model} is already quantized; compress its unquantized base model instead"
-        )
-    model, tok = loaded.model, loaded.tokenizer
+    config = load_config(source)
+    stages = build_stages(recipe, config, log)  # shapes only: before any weight is read
+    why_whole = memory_plan(recipe, stages, source, config) if memory != "whole" else "memory='whole' was asked for"
+    if why_whole and memory == "layers":
+        raise RecipeError(f"the model cannot be compressed layer by layer: {why_whole}")
+    skeleton = None
+    if not why_whole:
+        try:
+            skeleton = load_skeleton(source, ARCHITECTURES[config.model_type].layers)
+        except ArtifactError as e:  # e.g. quantized, or tensor names only transformers renames
+            if memory == "layers":
+                raise
+            why_whole = str(e)
+    if skeleton is not None:
+        model, tok = skeleton.model, skeleton.tokenizer
+        log(f"memory: decoder layers are read from {source} one at a time (weights held in "
+            f"{str(skeleton.dtype).removeprefix('torch.')}, each layer upcast to float32 while it is worked on)")
+    else:
+        _warn_whole(source, config, why_whole, log)
+        loaded = load_model(source, dtype=COMPUTE_DTYPE)
+        if loaded.quantized:
+            raise UnsupportedModelError(
+                f"model {recipe.model} is already quantized; compress its unquantized base model instead"
+            )
+        model, tok = loaded.model, loaded.tokenizer
     model.eval()
     storage = _storage_dtype(recipe, source)
     ev = recipe.eval
@@ -71,7 +112,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
 
     def measure(label: str):
         res = perplexity_on_device(state.model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size,
-                                   state.device, progress, note=lambda m: log(f"{label}: {m}"))
+                                   state.device, progress, note=lambda m: log(f"{label}: {m}"), layers=store)
         log(f"{label}: ppl {res.ppl:.4f} over {res.tokens} tokens ({res.seconds:.1f}s)")
         return res
 
@@ -79,8 +120,21 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
                              calibration_dataset=recipe.calibration.dataset, base_dir=recipe.base_dir,
                              calibration_dtype=recipe.calibration.dtype,
                              device=device, progress=progress)
+    store = (LayerStore(model, ARCHITECTURES[config.model_type], skeleton.checkpoint, state.quantized,
+                        spill_dir=os.environ.get(SPILL_ENV) or None) if skeleton is not None else None)
+    try:
+        return _run(recipe, stages, state, store, measure, storage, source, t_start, log)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _run(recipe: Recipe, stages: list[Stage], state: CompressionState, store: LayerStore | None, measure,
+         storage: torch.dtype, source: str, t_start: float, log: Callable[[str], None]) -> RunResult:
+    model, tok, ev = state.model, state.tokenizer, recipe.eval
     if state.device.type != "cpu":
-        log(f"device: {state.device} (calibration replays layer by layer; evaluation holds the whole model)")
+        log(f"device: {state.device} (calibration replays layer by layer; evaluation holds the "
+            f"{'whole model when it fits' if store is None else 'trunk and one layer'})")
     baseline = measure("baseline")
     base_size, base_params = weight_bytes(model, {}, storage), count_parameters(model)
     if recipe.needs_calibration:
@@ -88,7 +142,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
         state.calibration = calibration_batches(
             tok, parse_dataset(cal.dataset, recipe.base_dir), cal.num_samples, cal.seq_len, cal.seed
         )
-    reports = _run_stages(recipe.stages, stages, state, measure, storage)
+    reports = _run_stages(recipe.stages, stages, state, measure, storage, store)
     model = state.model  # stages may have replaced it (prune rebuilds a smaller model)
 
     final_ppl = reports[-1].ppl
@@ -127,7 +181,7 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
         write_report(folder, summary)
 
     artifact = export_artifact(recipe.export.format, model, tok, state.quantized, dest, manifest,
-                               state.schemes, kv_scales=state.kv_scales, before_move=report)
+                               state.schemes, kv_scales=state.kv_scales, before_move=report, layers=store)
     return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
 
 
@@ -207,24 +261,28 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return teacher.requires_grad_(False)
 
 
-def _run_stages(specs, stages: list[Stage], state: CompressionState, measure, storage: torch.dtype) -> list[StageReport]:
+def _run_stages(specs, stages: list[Stage], state: CompressionState, measure, storage: torch.dtype,
+                store: LayerStore | None = None) -> list[StageReport]:
     reports = []
     for i, (spec, stage) in enumerate(zip(specs, stages)):
         if _keeps_teacher(stages, i) and state.teacher is None:
             state.teacher = frozen_copy(state.model)
-        reports.append(_run_stage(spec, stage, state, measure, storage))
+        reports.append(_run_stage(spec, stage, state, measure, storage, store))
     state.teacher = None  # free the copy before export
     return reports
 
 
-def _run_stage(spec, stage: Stage, state: CompressionState, measure, storage: torch.dtype) -> StageReport:
+def _run_stage(spec, stage: Stage, state: CompressionState, measure, storage: torch.dtype,
+               store: LayerStore | None = None) -> StageReport:
     stage.prepare(state)
     if stage.layerwise:
         with _layer_bar(spec.name, state.model.config.num_hidden_layers, state.progress) as on_layer:
-            run_layerwise(state, stage, on_layer=on_layer)
+            run_layerwise(state, stage, on_layer=on_layer, source=store)
     else:
         stage.apply(state)
     report = stage.finalize(state)
+    if store is not None:
+        store.finish()  # the layers the stage still holds (finalize may have changed them)
     report.ppl = measure(f"after {spec.name}").ppl
     report.size_bytes = weight_bytes(state.model, state.quantized, storage)
     return report
@@ -236,6 +294,40 @@ def _layer_bar(name: str, layers: int | None, enabled: bool):
     with counting_bar(f"{name} layers", enabled) as bar:
         task = bar.add_task(name, total=layers)
         yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def memory_plan(recipe: Recipe, stages: list[Stage], source: str, config) -> str:
+    """Why the pipeline must hold the whole model in float32 ('' when it can hold one decoder layer
+    at a time, compress/layer_store.py): a stage that works on the whole model (prune, distill,
+    rtn), a model that is not a local folder, or an architecture compress/mappings.py lacks."""
+    whole = [spec.name for spec, stage in zip(recipe.stages, stages) if not stage.layerwise]
+    if whole:
+        return f"stage {whole[0]} works on the whole model"
+    if not Path(source).is_dir():
+        return f"{source} is not a local checkpoint folder"
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        return f"architecture {getattr(config, 'model_type', None)!r} has no layer mapping (compress/mappings.py)"
+    return ""
+
+
+def _warn_whole(source: str, config, why: str, log: Callable[[str], None]) -> None:
+    """Say which path the run takes, loudly when the float32 model is larger than free memory."""
+    params = _config_params(config)
+    need, free = params * 4, available_memory()
+    if free is not None and need > 0.9 * free:
+        log(f"warning: the whole model is held in float32 ({why}): ~{need / 2**30:.1f} GiB against "
+            f"{free / 2**30:.1f} GiB available; recipes whose stages are all layerwise (gptq, awq, "
+            "smoothquant, kv_cache) hold one decoder layer at a time instead")
+    else:
+        log(f"memory: the whole model is held in float32 ({why})")
+
+
+def _config_params(config) -> int:
+    """Parameters of the model `config` describes (counted on the meta device)."""
+    try:
+        return count_parameters(shape_model(config))
+    except Exception:  # an architecture the shape model cannot build: no estimate, no warning
+        return 0
 
 
 def _storage_dtype(recipe: Recipe, source: str) -> torch.dtype:

@@ -6,6 +6,10 @@ Artifacts are built without transformers' own quantizer: the HF architecture is 
 config.json with the quantization block removed, GPTQ/AWQ tensors are converted to CT buffers
 (importers.py), every targeted Linear becomes a QuantLinear holding the CT buffers, and the
 safetensors are loaded strictly (no pickle, ever).
+
+`load_skeleton` is the other way in, for compressing models larger than memory: the module tree
+with every decoder layer's parameters on the meta device and only the rest loaded; the layers are
+read one at a time later (runtime/lazy_weights.py, compress/layer_store.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.gguf import resolve_model
 from slimserve.runtime.hf_fp8kv import install_kv_scales
 from slimserve.runtime.layers.quant_linear import QuantLinear
+from slimserve.runtime.lazy_weights import CheckpointTensors, assign, empty_model, state_names
 
 SUPPORTED_QUANT_METHODS = (QUANT_METHOD, *IMPORTERS)  # gptq/awq are converted to CT on load
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
@@ -122,6 +127,52 @@ def load_model(
     except OSError as e:
         raise _missing(str(path_or_id), e) from e
     return _finish(model, str(path_or_id), None, False, device, trust_remote_code)
+
+
+@dataclass(slots=True)
+class SkeletonModel:
+    """A model whose decoder layers stay on disk until asked for (runtime/lazy_weights.py)."""
+
+    model: nn.Module  # HF causal LM, eval mode: tensors outside `layers` loaded, the layers' on meta
+    tokenizer: object | None  # HF tokenizer, or None when the folder has none
+    checkpoint: CheckpointTensors  # every tensor of the folder, read on demand
+    dtype: torch.dtype  # the checkpoint's dtype: the loaded tensors are in it
+
+
+def load_skeleton(path: str | Path, layers: str, verify: str = "strict",
+                  trust_remote_code: bool = False) -> SkeletonModel:
+    """A local unquantized safetensors checkpoint as a model skeleton (`empty_model`) holding only
+    the tensors outside the module list at `layers` (e.g. 'model.layers'), in the checkpoint's
+    dtype; decoder layers are read later, one at a time (compress/layer_store.py).
+
+    The folder gets the checks `load_model` makes (confinement, manifest, config bounds). Raises
+    ArtifactError for a folder that is not such a checkpoint (no folder, quantized, or tensor
+    names that are not the model's own, as in a checkpoint only transformers' key renaming reads).
+    """
+    path = Path(resolve_model(path)).expanduser()
+    if not path.is_dir() or not os.path.lexists(path / "config.json"):
+        raise _missing(str(path))
+    check_folder(path, verify)
+    if read_quant_config(path):
+        raise ArtifactError(f"{path} is quantized; layer-by-layer loading reads unquantized checkpoints")
+    checkpoint = CheckpointTensors(path)
+    dtype = checkpoint.dtype() or torch.float32
+    config = load_config(path, trust_remote_code)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = empty_model(config, dtype, trust_remote_code)
+    names = state_names(model)
+    missing = sorted(k for k in names if k not in checkpoint)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ArtifactError(f"{path}: the weight files have no tensor {missing[0]}{more} under the model's "
+                            "own names; load it whole (load_model) instead")
+    inside = layers + "."
+    assign(model, checkpoint.read([k for k in names if not k.startswith(inside)]))
+    model.tie_weights()  # assign replaced the tied parameter: tie its aliases to the loaded one again
+    if hasattr(model.config, MARKER_KEY):
+        delattr(model.config, MARKER_KEY)
+    return SkeletonModel(model, _tokenizer(path, trust_remote_code), checkpoint, dtype)
 
 
 def load_config(path_or_id: str | Path, trust_remote_code: bool = False):

@@ -35,10 +35,13 @@ import torch
 from slimserve.compress.export.io import (
     BeforeMoveFn,
     artifact_tensors,
+    compressed_tensors_plan,
     export_compressed_tensors,
     linear_classes,
     write_artifact,
 )
+from slimserve.compress.export.shards import all_quantized, layer_by_layer_weights
+from slimserve.compress.layer_store import LayerStore
 from slimserve.runtime.artifact import awq_format, gptq_format
 from slimserve.runtime.artifact.compressed_tensors import SUPPORTED_FORMATS
 from slimserve.runtime.artifact.manifest import ArtifactManifest
@@ -99,17 +102,30 @@ def export_artifact(
     schemes: dict[str, QuantScheme] | None = None,
     kv_scales: dict[str, tuple[float, float]] | None = None,
     before_move: BeforeMoveFn | None = None,
+    layers: LayerStore | None = None,
 ) -> Path:
     """Export `model` in format `fmt` at `out_dir` (atomically) and return that path.
 
     Arguments as for `export_compressed_tensors`; `out_dir` must be free, empty or an earlier
     artifact (ArtifactError otherwise, before anything is written). gptq and awq need at least one quantized
     Linear and one weight scheme shared by all of them, and have no place for fp8 KV-cache
-    scales; SchemeError says what to change.
+    scales; SchemeError says what to change. With `layers` (compress/layer_store.py) the model
+    holds no decoder layer and `quantized` holds the committed layers' weights as shapes only:
+    the weights are written layer by layer (compress/export/shards.py), the same tensors.
     """
+
+    def weights(linear_fn, extra=None):
+        if layers is not None:
+            return layer_by_layer_weights(model, layers, quantized, linear_fn, extra)
+        return {**artifact_tensors(model, quantized, linear_fn), **(extra or {})}
+
     if fmt == COMPRESSED_TENSORS:
-        return export_compressed_tensors(model, tokenizer, quantized, out_dir, manifest, schemes,
-                                         kv_scales=kv_scales, before_move=before_move)
+        if layers is None:
+            return export_compressed_tensors(model, tokenizer, quantized, out_dir, manifest, schemes,
+                                             kv_scales=kv_scales, before_move=before_move)
+        linear_fn, extra, qc = compressed_tensors_plan(model, quantized, schemes, kv_scales)
+        return write_artifact(model, tokenizer, weights(linear_fn, extra), out_dir, manifest, qc,
+                              before_move=before_move)
     if fmt not in FORMATS:
         raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     if kv_scales and not LIMITS[fmt].kv_cache_scales:
@@ -122,17 +138,19 @@ def export_artifact(
             raise SchemeError(f"{name}: {e}") from None
     unquantized = _check_modules(fmt, model, quantized)
     if fmt == GPTQ:
-        version = gptq_format.V2 if any(map(gptq_format.needs_v2, quantized.values())) else gptq_format.V1
-        desc_act = any(not gptq_format.is_monotonic(qw.group_index()) for qw in quantized.values())
+        v2 = desc_act = False
+        for _, qw in all_quantized(quantized, layers):  # layer by layer when the layers are on disk
+            v2 = v2 or gptq_format.needs_v2(qw)
+            desc_act = desc_act or not gptq_format.is_monotonic(qw.group_index())
+        version = gptq_format.V2 if v2 else gptq_format.V1
         qc = gptq_format.gptq_config(next(iter(quantized.values())).args, desc_act=desc_act,
                                      checkpoint_format=version)
-        tensors = artifact_tensors(
-            model, quantized, lambda n, qw: gptq_format.gptq_tensors(n, qw, checkpoint_format=version))
+        tensors = weights(lambda n, qw: gptq_format.gptq_tensors(n, qw, checkpoint_format=version))
         return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, {GPTQ_CONFIG_FILE: qc},
                               before_move=before_move)
     qc = awq_format.awq_config(next(iter(quantized.values())).args, unquantized)
-    tensors = artifact_tensors(model, quantized, awq_format.awq_tensors)
-    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, before_move=before_move)
+    return write_artifact(model, tokenizer, weights(awq_format.awq_tensors), out_dir, manifest, qc,
+                          before_move=before_move)
 
 
 def _output_embedding_name(model: torch.nn.Module) -> str | None:

@@ -43,6 +43,8 @@ WEIGHTS_NAME = "model.safetensors"
 LinearTensorsFn = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
 # called with the finished temporary folder just before it is fsynced and moved into place
 BeforeMoveFn = Callable[[Path], None]
+# writes an artifact's weight files into the (temporary) folder it is given
+WeightsWriter = Callable[[Path], None]
 FAILED_SUFFIX = ".failed"  # where a run whose gate failed writes its artifact: `<output>.failed`
 
 
@@ -72,21 +74,36 @@ def export_compressed_tensors(
     tokenizer: saved with `save_pretrained`; may be None.
     before_move: see `write_artifact`.
     """
+    linear_fn, extra, qc = compressed_tensors_plan(model, quantized, schemes, kv_scales)
+    tensors = artifact_tensors(model, quantized, linear_fn)
+    tensors.update(extra)
+    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, before_move=before_move)
+
+
+def compressed_tensors_plan(
+    model: torch.nn.Module,
+    quantized: dict[str, QuantizedWeight],
+    schemes: dict[str, QuantScheme] | None = None,
+    kv_scales: dict[str, tuple[float, float]] | None = None,
+) -> tuple[LinearTensorsFn, dict[str, torch.Tensor], dict | None]:
+    """What a compressed-tensors export writes besides the state dict: the per-Linear tensor
+    function, the extra tensors (fp8 KV scales) and the `quantization_config` block (None when
+    nothing is quantized). Needs only the names, shapes and arguments of `quantized`."""
     schemes = {n: (schemes or {}).get(n) or QuantScheme(qw.args) for n, qw in quantized.items()}
-    tensors = artifact_tensors(model, quantized, lambda n, qw: linear_tensors(n, qw, schemes[n]))
+    extra: dict[str, torch.Tensor] = {}
     qc = None
     if schemes or kv_scales:
         linears = linear_classes(model)
-        tensors.update(kv_tensors(kv_scales or {}, model.get_input_embeddings().weight.dtype))
+        extra = kv_tensors(kv_scales or {}, model.get_input_embeddings().weight.dtype)
         qc = quantization_config({n: schemes[n] for n in linears if n in schemes}, linears,
                                  kv_cache_scheme() if kv_scales else None)
-    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, before_move=before_move)
+    return (lambda n, qw: linear_tensors(n, qw, schemes[n])), extra, qc
 
 
 def write_artifact(
     model: torch.nn.Module,
     tokenizer,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor] | WeightsWriter,
     out_dir: Path,
     manifest: ArtifactManifest,
     quant_config: dict | None,
@@ -96,7 +113,10 @@ def write_artifact(
     """Write tensors, config.json (+ `quant_config` as its quantization_config), generation
     config, tokenizer, `extra_json` files (name -> dict) and the manifest, atomically.
 
-    `before_move(folder)` may add files (the run report) to the finished temporary folder. An
+    `tensors` is the weights as one dict (written as model.safetensors) or a function that
+    writes the weight files into the temporary folder (compress/export/shards.py, for a model
+    whose layers are on disk). `before_move(folder)` may add files (the run report) to the
+    finished temporary folder. An
     existing `out_dir` that is neither an earlier artifact nor empty raises ArtifactError before
     anything is written; it is never deleted.
     """
@@ -107,7 +127,10 @@ def write_artifact(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if callable(tensors):
+            tensors(tmp)
+        else:
+            save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         _write_config(model, tmp, quant_config)
         for name, content in (extra_json or {}).items():
             (tmp / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
@@ -229,10 +252,12 @@ def _write_config(model: torch.nn.Module, folder: Path, quant_config: dict | Non
 
 
 def artifact_tensors(
-    model: torch.nn.Module, quantized: dict[str, QuantizedWeight], linear_fn: LinearTensorsFn
+    model: torch.nn.Module, quantized: dict[str, QuantizedWeight], linear_fn: LinearTensorsFn,
+    keys: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor to save: the model's state dict with each quantized `<name>.weight` swapped
-    for `linear_fn(name, qw)`.
+    for `linear_fn(name, qw)`; with `keys`, only the state-dict entries it accepts (one decoder
+    layer's, compress/export/shards.py), and `quantized` must hold only theirs.
 
     Tied weights (model.all_tied_weights_keys, e.g. lm_head -> embed_tokens) are written once, as
     save_pretrained does; any other tensors sharing memory are cloned so safetensors accepts them.
@@ -255,7 +280,7 @@ def artifact_tensors(
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}  # storage address -> first name written
     for key, t in state.items():
-        if key in skip:
+        if key in skip or (keys is not None and not keys(key)):
             continue
         if tied.get(key) in state and _same_view(t, state[tied[key]]):
             continue
