@@ -4,9 +4,13 @@ Registered with transformers' `AttentionInterface`, it fake-quantizes `key_state
 `value_states` with the attention module's `k_scale` / `v_scale` buffers and then runs the sdpa
 implementation, so perplexity measured in the compression pipeline and after `load_model` (HF
 path) both see fp8 KV. `install_kv_scales` sets those buffers and selects that implementation.
+`observing_attention` lets the calibrating stage see each call's query, K (after RoPE) and V.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -14,6 +18,8 @@ from torch import nn
 from slimserve.runtime.artifact.kv_scales import fp8_e4m3_roundtrip
 
 KV_ATTENTION = "slimserve_fp8kv"  # name registered with transformers' AttentionInterface
+_OBSERVER = "_slimserve_kv_observer"  # instance attribute `observing_attention` sets
+AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], None]
 
 
 def fp8kv_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -21,9 +27,13 @@ def fp8kv_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     """sdpa attention on fp8-round-tripped K and V ([batch, kv_heads, seq, head_dim]).
 
     A module without `k_scale`/`v_scale` buffers (a layer not calibrated yet) gets plain sdpa.
+    An observer set by `observing_attention` sees the call first, before any fp8 round trip.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    observer = module.__dict__.get(_OBSERVER)
+    if observer is not None:
+        observer(query, key, value, attention_mask, kwargs)
     k_scale, v_scale = getattr(module, "k_scale", None), getattr(module, "v_scale", None)
     if k_scale is not None and v_scale is not None:
         key, value = fp8_e4m3_roundtrip(key, k_scale), fp8_e4m3_roundtrip(value, v_scale)
@@ -48,6 +58,22 @@ def use_fp8kv_attention(model: nn.Module) -> None:
         model.set_attn_implementation(KV_ATTENTION)
     else:
         model.config._attn_implementation = KV_ATTENTION
+
+
+@contextmanager
+def observing_attention(attn: nn.Module, observer: AttentionObserver) -> Iterator[None]:
+    """While inside, every `slimserve_fp8kv` call of `attn` first calls
+    observer(query, key, value, attention_mask, kwargs): query [b, heads, s, d], key (after RoPE,
+    and k_norm where the model has one) and value [b, kv_heads, s, d], not yet fp8-round-tripped;
+    `sdpa_attention_forward(attn, query, key, value, attention_mask, **kwargs)` redoes the call.
+    The model must attend through `slimserve_fp8kv` (`use_fp8kv_attention`)."""
+    if attn.__dict__.get(_OBSERVER) is not None:
+        raise RuntimeError("this attention module is already observed")
+    attn.__dict__[_OBSERVER] = observer
+    try:
+        yield
+    finally:
+        del attn.__dict__[_OBSERVER]
 
 
 def set_kv_scale_buffers(attn: nn.Module, k_scale: float, v_scale: float) -> None:

@@ -3,8 +3,10 @@
 The KV cache stores `k_fp8 = k / k_scale` in float8_e4m3fn, one static per-tensor scale for K and
 one for V per attention layer, where K is the key *as cached*: after Qwen3's `k_norm` and after
 RoPE (docs/architecture.md, "The artifact contract"). `scale = absmax / 448` puts the largest
-calibration value at the top of e4m3's range. On disk the scales are the attention module's
-`k_scale` / `v_scale` tensors (runtime/artifact/compressed_tensors.py writes them).
+calibration value at the top of e4m3's range; the `kv_cache` stage (compress/quant/kv_cache.py)
+stores a scale between 2x and 4x that by default (headroom against clipping, and the rounding
+grid's position searched), which every reader applies the same way. On disk the scales are the
+attention module's `k_scale` / `v_scale` tensors (runtime/artifact/compressed_tensors.py writes them).
 """
 
 from __future__ import annotations

@@ -6,13 +6,18 @@ from pydantic import ValidationError
 
 from slimserve.compress.calibration import run_layerwise
 from slimserve.compress.errors import RecipeError
-from slimserve.compress.quant.kv_cache import KvCacheOptions, KvCacheStage
+from slimserve.compress.quant.kv_cache import KvCacheOptions, KvCacheStage, candidate_scales
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.stage import CompressionState
 from slimserve.runtime.artifact.compressed_tensors import kv_cache_scheme, kv_tensors, quantization_config
 from slimserve.runtime.artifact.kv_scales import FP8_E4M3_MAX, fp8_e4m3_roundtrip, kv_scale_from_absmax
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.hf_fp8kv import fp8kv_attention_forward, register_fp8kv_attention
+from slimserve.runtime.hf_fp8kv import (
+    fp8kv_attention_forward,
+    observing_attention,
+    register_fp8kv_attention,
+    use_fp8kv_attention,
+)
 from slimserve.runtime.loader import pop_kv_scales
 
 
@@ -68,6 +73,28 @@ def test_options_refuse_other_dtypes_listing_supported():
         KvCacheOptions(dtype="int8")
     with pytest.raises(RecipeError, match=r"stages\[0\].kv_cache.dtype: dtype 'fp8_e5m2'.*fp8_e4m3"):
         parse_recipe("model: x\noutput: y\nstages:\n  - kv_cache: {dtype: fp8_e5m2}\n")
+
+
+def test_options_headroom_and_search_bounds():
+    opts = KvCacheOptions()
+    assert (opts.headroom, opts.scale_search) == (2.0, 8)
+    with pytest.raises(ValidationError, match="headroom 0.5 is out of range; use 1 to 64"):
+        KvCacheOptions(headroom=0.5)
+    with pytest.raises(ValidationError, match="scale_search 0 is out of range; use 1 .no search. to 32"):
+        KvCacheOptions(scale_search=0)
+    with pytest.raises(RecipeError, match=r"stages\[0\].kv_cache.headroom"):
+        parse_recipe("model: x\noutput: y\nstages:\n  - kv_cache: {headroom: 100}\n")
+
+
+def test_candidate_scales_span_one_binade_above_the_headroom():
+    grid = candidate_scales(10.0, 2.0, 8, torch.float32)
+    assert len(grid) == 8 and grid == sorted(grid)
+    assert grid[0] == pytest.approx(2 * 10.0 / 448) and grid[-1] == pytest.approx(2 * 10.0 / 448 * 2 ** (7 / 8))
+    assert grid[-1] < 2 * grid[0]  # 2 x the first scale gives the first one's grid again
+    # Rounded to the storage dtype: the scale tried is the scale stored.
+    assert all(s == torch.tensor(s, dtype=torch.bfloat16).item() for s in candidate_scales(10.0, 2.0, 8, torch.bfloat16))
+    # headroom 1, no search: the plain absmax / 448 scale
+    assert candidate_scales(10.0, 1.0, 1, torch.float16) == [torch.tensor(10.0 / 448, dtype=torch.float16).item()]
 
 
 def _attn_inputs(seed=0, b=2, heads=4, kv_heads=2, s=37, d=32):
@@ -143,7 +170,7 @@ def test_stage_measures_k_after_norm_and_rope(arch):
     k_ref, v_ref = _SEEN[0]  # layer 0 sees the same inputs with and without fp8 KV upstream
 
     state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
-    stage = KvCacheStage(KvCacheOptions())
+    stage = KvCacheStage(KvCacheOptions(headroom=1.0, scale_search=1))
     stage.prepare(state)
     run_layerwise(state, stage, batch_size=2)
     report = stage.finalize(state)
@@ -186,3 +213,76 @@ def test_loader_kv_scale_errors(tmp_path):
         pop_kv_scales(model, qc, partial, tmp_path)
     with pytest.raises(ArtifactError, match="kv_cache_scheme .* not supported; supported: static fp8"):
         pop_kv_scales(model, {"kv_cache_scheme": kv_cache_scheme() | {"type": "int"}}, {}, tmp_path)
+
+
+_QKV: list[tuple[torch.Tensor, ...]] = []  # layer 0's (query, key, value) per call
+
+
+def _record_layer0(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if module.layer_idx == 0:
+        _QKV.append((query.clone(), key.clone(), value.clone()))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_stage_search_keeps_the_scale_with_least_attention_error():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model = _tiny("llama")
+    ids = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(2))
+    AttentionInterface.register("test_record_qkv", _record_layer0)
+    model.set_attn_implementation("test_record_qkv")
+    _QKV.clear()
+    with torch.no_grad():
+        model(input_ids=ids[:2], use_cache=False)
+        model(input_ids=ids[2:], use_cache=False)
+    attn = model.model.layers[0].self_attn
+
+    def error(k_scale=None, v_scale=None) -> float:  # independent of the stage's code path
+        total = 0.0
+        for q, k, v in _QKV:
+            ref = sdpa_attention_forward(attn, q, k, v, None, scaling=attn.scaling, is_causal=True)[0]
+            kq = fp8_e4m3_roundtrip(k, k_scale) if k_scale else k
+            vq = fp8_e4m3_roundtrip(v, v_scale) if v_scale else v
+            out = sdpa_attention_forward(attn, q, kq, vq, None, scaling=attn.scaling, is_causal=True)[0]
+            total += (out - ref).square().sum().item()
+        return total
+
+    k_absmax = max(k.abs().max().item() for _, k, _ in _QKV)
+    v_absmax = max(v.abs().max().item() for _, _, v in _QKV)
+    k_grid = candidate_scales(k_absmax, 2.0, 8, torch.float32)
+    v_grid = candidate_scales(v_absmax, 2.0, 8, torch.float32)
+    k_errs, v_errs = [error(k_scale=s) for s in k_grid], [error(v_scale=s) for s in v_grid]
+
+    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.float32, calibration=ids)
+    stage = KvCacheStage(KvCacheOptions())
+    stage.prepare(state)
+    run_layerwise(state, stage, batch_size=2)
+    layer0 = stage.finalize(state).details["layers"]["model.layers.0.self_attn"]
+    k_scale, v_scale = state.kv_scales["model.layers.0.self_attn"]
+    assert k_scale == pytest.approx(k_grid[k_errs.index(min(k_errs))], rel=1e-6)
+    assert v_scale == pytest.approx(v_grid[v_errs.index(min(v_errs))], rel=1e-6)
+    assert layer0["k_error_vs_first"] == pytest.approx(min(k_errs) / k_errs[0], rel=1e-3)
+    assert layer0["k_absmax"] == pytest.approx(k_absmax, rel=1e-6)
+    assert max(k_errs) > min(k_errs)  # the grid's position matters, so the search can fail
+
+
+def test_observing_attention_sees_the_call_before_fp8_and_detaches():
+    module, q, k, v = _attn_inputs()
+    module.register_buffer("k_scale", torch.tensor([0.5]))
+    module.register_buffer("v_scale", torch.tensor([0.5]))
+    seen = []
+    with observing_attention(module, lambda *a: seen.append(a)):
+        with pytest.raises(RuntimeError, match="already observed"):
+            with observing_attention(module, lambda *a: None):
+                pass
+        fp8kv_attention_forward(module, q, k, v, None, scaling=0.1)
+    fp8kv_attention_forward(module, q, k, v, None, scaling=0.1)
+    assert len(seen) == 1
+    query, key, value, mask, kwargs = seen[0]
+    assert key is k and value is v and query is q and mask is None and kwargs == {"scaling": 0.1}
+    model = _tiny("llama")
+    use_fp8kv_attention(model)  # the model-level switch is untouched by observing
+    assert model.config._attn_implementation == register_fp8kv_attention()
