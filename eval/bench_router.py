@@ -1,15 +1,31 @@
-"""Routing policies compared on one skewed workload: the same requests, at the same Poisson rate,
-through `runtime router` in front of fresh replicas of one model, once per policy.
+"""Many replicas behind one router, two comparisons in one run (issue 16), each on fresh
+replicas of one model, the same seeded requests at the same Poisson rates:
 
-    python -m slimserve.eval.bench_router --model recipes/demo-model --replicas 2 \
-        --threads-per-replica 1 --num-requests 120 --rate 4 --json-out router.json
+    python -m slimserve.eval.bench_router --model recipes/demo-model --threads-per-replica 1 \
+        --json-out router.json
 
-Workload (seeded): prompts are windows of Python's own source text; a fifth are `--long-factor`
-(8) times longer than the rest; half start with the same system prompt (a shared prefix the
-replicas' prefix caches can reuse). Every request streams `--max-tokens` tokens (greedy,
-ignore_eos). Each policy gets fresh replicas (empty prefix caches), started before and stopped
-after its run; the router runs as its own process (`runtime router`). Reported per policy:
-TTFT p50/p99, end-to-end p99, output tokens/s, and how many requests each replica served.
+1. `skewed` (routing policies): `--policies` (least-latency, round-robin) over `--replicas` (2)
+   colocated replicas. Prompts are windows of Python's own source text; a fifth are
+   `--long-factor` (8) times longer; half start with the same system prompt (a shared prefix
+   the replicas' prefix caches can reuse). Every request streams `--max-tokens` tokens. Measured
+   near saturation: below it every policy finishes the same work in the same time, and only
+   latency can differ. `--rate auto` (the default) first measures the replica set's capacity
+   (`--probe-requests` of the workload sent at once to fresh round-robin replicas: completed
+   requests/s) and runs every policy at `--load` (1.0) times it, so the comparison sits near
+   saturation on any machine; a number fixes the rate instead.
+2. `interference` (prefill/decode disaggregation): a stream of short, decode-heavy requests
+   (`--short-chars` prompts, `--short-tokens` outputs, `--short-rate`) while long prompts
+   (`--long-chars`, `--long-tokens`, `--long-rate`) arrive, served by `colocated` (two colocated
+   replicas, least-latency) and by `disaggregated` (one `--role prefill` and one `--role decode`
+   replica): the same total cores. A long prompt's prefill chunks stall every decode on its
+   engine; disaggregated, the decode replica never prefills.
+
+Each configuration gets fresh replicas (`runtime serve` processes, `--threads-per-replica` threads
+each) and the router (`runtime router`, its own process). After an untimed warm-up the prefix
+caches are reset (POST /reset_prefix_cache through the router), then the run is measured.
+Reported per configuration: TTFT and TPOT (mean, median, P99; vLLM's definition: (E2E - TTFT) /
+(output tokens - 1)), end-to-end P99, request and output-token throughput, requests per replica;
+for `interference` also TPOT and TTFT of the short requests alone.
 """
 
 from __future__ import annotations
@@ -27,9 +43,13 @@ from pathlib import Path
 import httpx
 
 from slimserve.runtime.bench.server_process import ServerSpec, free_port, launched_servers
+from slimserve.runtime.bench.workload import latency_stats
 
 SYSTEM = ("You are a meticulous senior Python reviewer. Read the code below, explain what it "
           "does, point out every bug, and suggest a minimal fix. Answer in plain text. ") * 6
+# configuration -> (role of each replica, router policy)
+INTERFERENCE = {"colocated": (["colocated", "colocated"], "least-latency"),
+                "disaggregated": (["prefill", "decode"], "least-latency")}
 
 
 def _source_text() -> str:
@@ -41,32 +61,49 @@ def _source_text() -> str:
     return "".join(inspect.getsource(m) for m in (a, j, logging))
 
 
-def build_workload(n: int, short_chars: int, long_factor: int, seed: int) -> list[str]:
+def skewed_workload(n: int, short_chars: int, long_factor: int, max_tokens: int, rate: float,
+                    seed: int) -> list[dict]:
+    """Requests {prompt, max_tokens, at, kind}: a fifth long, half with the system prompt."""
     rng = random.Random(seed)
     text = _source_text()
-    prompts = []
-    for i in range(n):
-        size = short_chars * (long_factor if rng.random() < 0.2 else 1)
+    out, at = [], 0.0
+    for _ in range(n):
+        long = rng.random() < 0.2
+        size = short_chars * (long_factor if long else 1)
         start = rng.randrange(0, len(text) - size)
         body = text[start: start + size]
-        prompts.append(SYSTEM + body if rng.random() < 0.5 else body)
-    return prompts
+        prompt = SYSTEM + body if rng.random() < 0.5 else body
+        out.append({"prompt": prompt, "max_tokens": max_tokens, "at": at,
+                    "kind": "long" if long else "short"})
+        at += rng.expovariate(rate)
+    return out
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, int(round(q / 100 * (len(v) - 1)))))]
+def interference_workload(args: argparse.Namespace) -> list[dict]:
+    """Short decode-heavy requests at --short-rate and long prompts at --long-rate, merged by
+    arrival time (two seeded Poisson streams over the same span)."""
+    rng = random.Random(args.seed + 7)
+    text = _source_text()
+    reqs = []
+    for kind, n, rate, chars, tokens in (
+            ("short", args.num_short, args.short_rate, args.short_chars, args.short_tokens),
+            ("long", args.num_long, args.long_rate, args.long_chars, args.long_tokens)):
+        at = rng.expovariate(rate) if kind == "long" else 0.0  # a long one never leads
+        for _ in range(n):
+            start = rng.randrange(0, len(text) - chars)
+            reqs.append({"prompt": text[start: start + chars], "max_tokens": tokens, "at": at,
+                         "kind": kind})
+            at += rng.expovariate(rate)
+    return sorted(reqs, key=lambda r: r["at"])
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-               at: float, t0: float) -> dict:
-    await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
+async def _one(client: httpx.AsyncClient, url: str, model: str, req: dict, t0: float) -> dict:
+    await asyncio.sleep(max(0.0, t0 + req["at"] - time.monotonic()))
     sent = time.monotonic()
-    ttft, tokens, error = None, 0, None
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    ttft, tokens, chunks, error = None, 0, 0, None
+    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"],
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -79,100 +116,197 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
                     if "error" in event:
                         error = event["error"]["message"]
                         break
-                    if event["choices"] and event["choices"][0].get("text"):
+                    if event.get("usage"):
+                        tokens = int(event["usage"]["completion_tokens"])
+                    if event.get("choices") and event["choices"][0].get("text"):
                         ttft = ttft if ttft is not None else time.monotonic() - sent
-                        tokens += 1
+                        chunks += 1
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
-    return {"ttft_s": ttft, "e2e_s": time.monotonic() - sent, "tokens": tokens, "error": error}
+    e2e = time.monotonic() - sent
+    tokens = tokens or chunks
+    tpot = (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
+    return {"kind": req["kind"], "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e, "tokens": tokens,
+            "error": error or (None if ttft is not None else "no token")}
 
 
-async def run_load(url: str, model: str, prompts: list[str], max_tokens: int, rate: float,
-                   seed: int) -> dict:
-    rng = random.Random(seed + 1)
-    arrivals, t = [], 0.0
-    for _ in prompts:
-        arrivals.append(t)
-        t += rng.expovariate(rate)
+def _ms(values: list[float]) -> dict | None:
+    return latency_stats(values)  # mean, median, p99 in ms (numpy percentiles, as vLLM)
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if r["error"] is None]
+    out = {"requests": len(results), "completed": len(ok),
+           "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+           "duration_s": duration, "request_throughput": len(ok) / duration,
+           "output_tokens_per_s": sum(r["tokens"] for r in ok) / duration,
+           "ttft_ms": _ms([r["ttft_s"] for r in ok]),
+           "tpot_ms": _ms([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+           "e2e_ms": _ms([r["e2e_s"] for r in ok])}
+    for kind in ("short", "long"):
+        mine = [r for r in ok if r["kind"] == kind]
+        out[kind] = {"completed": len(mine), "ttft_ms": _ms([r["ttft_s"] for r in mine]),
+                     "tpot_ms": _ms([r["tpot_s"] for r in mine if r["tpot_s"] is not None])}
+    return out
+
+
+async def run_load(url: str, model: str, requests: list[dict]) -> dict:
     limits = httpx.Limits(max_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
                                  trust_env=False) as client:
         t0 = time.monotonic()
-        results = await asyncio.gather(*(_one(client, url, model, p, max_tokens, at, t0)
-                                         for p, at in zip(prompts, arrivals)))
+        results = await asyncio.gather(*(_one(client, url, model, r, t0) for r in requests))
         duration = time.monotonic() - t0
-    ok = [r for r in results if r["error"] is None and r["ttft_s"] is not None]
-    ttft = [r["ttft_s"] for r in ok]
-    return {"requests": len(results), "completed": len(ok),
-            "errors": sorted({r["error"] for r in results if r["error"]})[:5],
-            "duration_s": duration, "output_tokens_per_s": sum(r["tokens"] for r in ok) / duration,
-            "ttft_ms": {"p50": 1e3 * (_pct(ttft, 50) or 0), "p99": 1e3 * (_pct(ttft, 99) or 0),
-                        "mean": 1e3 * sum(ttft) / max(1, len(ttft))},
-            "e2e_ms_p99": 1e3 * (_pct([r["e2e_s"] for r in ok], 99) or 0)}
+    return summarize(list(results), duration)
 
 
-def run_policy(policy: str, args: argparse.Namespace, prompts: list[str], logs: Path) -> dict:
+def probe_capacity(args: argparse.Namespace, logs: Path) -> float:
+    """Requests/s the colocated set completes with the skewed workload sent all at once."""
+    reqs = skewed_workload(args.probe_requests, args.skew_short_chars, args.long_factor,
+                           args.max_tokens, 1.0, args.seed + 1)
+    for r in reqs:
+        r["at"] = 0.0
+    r = run_config("probe", ["colocated"] * args.replicas, "round-robin", reqs, args, logs)
+    return r["request_throughput"]
+
+
+def run_config(name: str, roles: list[str], policy: str, requests: list[dict],
+               args: argparse.Namespace, logs: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_replica),
            "MKL_NUM_THREADS": str(args.threads_per_replica)}
     replicas = []
-    for i in range(args.replicas):
+    for i, role in enumerate(roles):
         port = free_port()
         cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", args.model, "--port",
                str(port), "--device", "cpu", "--kv-cache-memory", args.kv_cache_memory,
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--role", role]
         replicas.append(ServerSpec(cmd, f"http://127.0.0.1:{port}", env,
-                                   logs / f"{policy}-replica{i}.log"))
+                                   logs / f"{name}-replica{i}-{role}.log"))
     port = free_port()
     router_cmd = [sys.executable, "-m", "slimserve.runtime.cli", "router", "--policy", policy,
                   "--port", str(port), *[a for r in replicas for a in ("--replica", r.url)]]
     router = ServerSpec(router_cmd, f"http://127.0.0.1:{port}", {**os.environ,
                                                                  "OMP_NUM_THREADS": "1"},
-                        logs / f"{policy}-router.log")
-    with launched_servers(replicas, 600), launched_servers([router], 60):
+                        logs / f"{name}-router.log")
+    with launched_servers(replicas, 600), launched_servers([router], 300):
         model = httpx.get(router.url + "/v1/models", trust_env=False).json()["data"][0]["id"]
-        for p in prompts[:2]:  # warm-up, untimed
-            httpx.post(router.url + "/v1/completions", json={"model": model, "prompt": p,
-                       "max_tokens": 2}, timeout=120, trust_env=False)
-        result = asyncio.run(run_load(router.url, model, prompts, args.max_tokens, args.rate,
-                                      args.seed))
+        deadline = time.monotonic() + 30  # the router knows every replica's role
+        while time.monotonic() < deadline:
+            listed = httpx.get(router.url + "/router/replicas", trust_env=False).json()["replicas"]
+            if sorted(r["role"] for r in listed if r["up"]) == sorted(roles):
+                break
+            time.sleep(0.2)
+        for r in requests[:2 * len(roles)]:  # warm-up, untimed
+            httpx.post(router.url + "/v1/completions", json={"model": model, "prompt": r["prompt"],
+                       "max_tokens": 4}, timeout=300, trust_env=False)
+        reset = httpx.post(router.url + "/reset_prefix_cache", timeout=60, trust_env=False)
+        result = asyncio.run(run_load(router.url, model, requests))
         state = httpx.get(router.url + "/router/replicas", trust_env=False).json()
-        result["served_per_replica"] = [r["dispatched"] for r in state["replicas"]]
-    result["policy"] = policy
+        result["served_per_replica"] = {f"{r['role']}@{r['url'].rsplit(':', 1)[1]}": r["dispatched"]
+                                        for r in state["replicas"]}
+        result["prefix_cache_reset"] = reset.status_code == 200
+    result["config"], result["policy"], result["roles"] = name, policy, roles
     return result
+
+
+def _line(r: dict) -> str:
+    def p(d, key):
+        return f"{d[key]:8.1f}" if d else "     n/a"
+
+    return (f"{r['config']:>14}: TTFT p50 {p(r['ttft_ms'], 'median')} p99 {p(r['ttft_ms'], 'p99')} ms"
+            f" | TPOT p50 {p(r['tpot_ms'], 'median')} p99 {p(r['tpot_ms'], 'p99')} ms"
+            f" | {r['request_throughput']:5.2f} req/s {r['output_tokens_per_s']:7.1f} tok/s"
+            f" | done {r['completed']}/{r['requests']} | per replica {r['served_per_replica']}")
+
+
+def verdicts(results: dict[str, dict]) -> list[str]:
+    """One line per comparison the issue asks for, with who wins."""
+    lines = []
+    ll, rr = results.get("least-latency"), results.get("round-robin")
+    if ll and rr and ll["ttft_ms"] and rr["ttft_ms"]:
+        a, b = ll["ttft_ms"]["p99"], rr["ttft_ms"]["p99"]
+        lines.append(f"skewed: P99 TTFT least-latency {a:.0f} ms vs round-robin {b:.0f} ms -> "
+                     f"{'least-latency' if a < b else 'round-robin'} wins; throughput "
+                     f"{ll['output_tokens_per_s']:.1f} vs {rr['output_tokens_per_s']:.1f} tok/s -> "
+                     f"{'least-latency' if ll['output_tokens_per_s'] > rr['output_tokens_per_s'] else 'round-robin'}"
+                     " wins")
+    co, dis = results.get("colocated"), results.get("disaggregated")
+    if co and dis and co["tpot_ms"] and dis["tpot_ms"]:
+        a, b = dis["tpot_ms"]["p99"], co["tpot_ms"]["p99"]
+        sa, sb = (dis["short"]["tpot_ms"] or {}).get("p99"), (co["short"]["tpot_ms"] or {}).get("p99")
+        lines.append(f"interference: P99 TPOT disaggregated {a:.1f} ms vs colocated {b:.1f} ms -> "
+                     f"{'disaggregated' if a < b else 'colocated'} wins (short requests: "
+                     f"{sa or float('nan'):.1f} vs {sb or float('nan'):.1f} ms)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="recipes/demo-model")
-    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--workload", choices=("all", "skewed", "interference"), default="all")
+    ap.add_argument("--replicas", type=int, default=2, help="skewed: colocated replicas")
     ap.add_argument("--threads-per-replica", type=int, default=1)
-    ap.add_argument("--policies", default="least-latency,round-robin")
-    ap.add_argument("--num-requests", type=int, default=120)
-    ap.add_argument("--rate", type=float, default=4.0, help="requests/s (Poisson)")
-    ap.add_argument("--short-chars", type=int, default=250, help="characters of a short prompt "
-                    "(x the long factor stays inside the demo model's 1,024-token context)")
-    ap.add_argument("--long-factor", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--kv-cache-memory", default="128MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None)
+    g = ap.add_argument_group("skewed")
+    g.add_argument("--policies", default="least-latency,round-robin")
+    g.add_argument("--num-requests", type=int, default=400)
+    g.add_argument("--rate", default="auto", help="requests/s (Poisson), or auto: --load x the "
+                   "capacity measured first")
+    g.add_argument("--load", type=float, default=1.0, help="with --rate auto: the fraction of "
+                   "the measured capacity to send")
+    g.add_argument("--probe-requests", type=int, default=48)
+    g.add_argument("--skew-short-chars", type=int, default=220, help="characters of a short "
+                   "prompt (x the long factor, plus the system prompt, stays inside the demo "
+                   "model's 1,024-token context)")
+    g.add_argument("--long-factor", type=int, default=8)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g = ap.add_argument_group("interference")
+    g.add_argument("--configs", default="colocated,disaggregated")
+    g.add_argument("--num-short", type=int, default=160)
+    g.add_argument("--short-rate", type=float, default=4.0)
+    g.add_argument("--short-chars", type=int, default=200)
+    g.add_argument("--short-tokens", type=int, default=32)
+    g.add_argument("--num-long", type=int, default=40)
+    g.add_argument("--long-rate", type=float, default=1.0)
+    g.add_argument("--long-chars", type=int, default=2800, help="characters of a long prompt (code tokenizes to up to ~2.7 characters a token: inside the demo model's 1,024-token context)")
+    g.add_argument("--long-tokens", type=int, default=4)
     args = ap.parse_args(argv)
-    prompts = build_workload(args.num_requests, args.short_chars, args.long_factor, args.seed)
-    results = []
+    runs: dict[str, dict] = {}
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench_router_") as tmp:
-        for policy in args.policies.split(","):
-            r = run_policy(policy, args, prompts, Path(tmp))
-            results.append(r)
-            print(f"{policy:>14}: TTFT p50 {r['ttft_ms']['p50']:8.1f} ms  p99 "
-                  f"{r['ttft_ms']['p99']:8.1f} ms  e2e p99 {r['e2e_ms_p99']:8.1f} ms  "
-                  f"{r['output_tokens_per_s']:7.1f} tok/s  completed {r['completed']}/"
-                  f"{r['requests']}  per replica {r['served_per_replica']}", flush=True)
-            if r["errors"]:
-                print(f"{'':>14}  errors: {r['errors']}", flush=True)
-    out = {"config": vars(args), "results": results}
+        if args.workload in ("all", "skewed"):
+            if args.rate == "auto":
+                capacity = probe_capacity(args, Path(tmp))
+                args.rate = round(args.load * capacity, 2)
+                print(f"capacity {capacity:.2f} req/s all at once; measuring at {args.rate} req/s",
+                      flush=True)
+            args.rate = float(args.rate)
+            reqs = skewed_workload(args.num_requests, args.skew_short_chars, args.long_factor,
+                                   args.max_tokens, args.rate, args.seed)
+            for policy in args.policies.split(","):
+                r = run_config(policy, ["colocated"] * args.replicas, policy, reqs, args, Path(tmp))
+                r["workload"] = "skewed"
+                runs[policy] = r
+                print(_line(r), flush=True)
+        if args.workload in ("all", "interference"):
+            reqs = interference_workload(args)
+            for name in args.configs.split(","):
+                roles, policy = INTERFERENCE[name]
+                r = run_config(name, roles, policy, reqs, args, Path(tmp))
+                r["workload"] = "interference"
+                runs[name] = r
+                print(_line(r), flush=True)
+    load.append(os.getloadavg()[0])
+    lines = verdicts(runs)
+    for line in lines:
+        print(line)
+    print(f"load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(out, indent=2))
+        Path(args.json_out).write_text(json.dumps({"config": vars(args), "load_avg_1m": load,
+                                                   "verdicts": lines, "results": runs}, indent=2))
     return 0
 
 

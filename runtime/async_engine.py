@@ -17,14 +17,23 @@ once with EngineDeadError and `health_problem()` says so (the server's /health a
 step running longer than `step_watchdog_s` also makes `health_problem()` report the engine stuck.
 
 Load (`load()`, for the router's least-latency policy through the server's GET /state): the prompt
-tokens of requests that have no first output yet (queued prefill work), and moving averages of
-the engine's step time and of its prefill cost per token, measured on the engine thread.
+tokens that requests without a first output still have to compute (queued prefill work: less
+what chunked prefill has computed already and what the prefix cache serves, so a replica
+holding a shared prefix does not look busier than it is), and moving averages of the engine's
+step time and of its prefill cost per token, measured on the engine thread.
 
 Step timing and profiling: `step_timing()` is a copy of the engine's per-phase histograms
 (runtime/step_timing.py) for /metrics. With a `profile_dir`, `start_profile()` and
 `stop_profile()` run a `StepProfiler` (runtime/profiler.py) on the engine thread: they travel
 over the command queue like adds and aborts, so the profiler starts and stops between steps
 and sees each step whole; writing the trace pauses the steps while it lasts.
+
+Prefill/decode disaggregation (runtime/disagg/): `generate(..., kv_export=NAME)` runs a
+prefill-only request (validated with the request's own parameters, then one token, no stops)
+whose prompt KV and first token end up in shared-memory segment NAME; `generate(...,
+kv_import=NAME)` reads and checks that segment in a worker thread (a `KVTransferError` before
+the first output for a bad one) and continues the request from its first token. The engine
+thread unlinks segments nobody imported after their TTL, and all of its own at shutdown.
 
 Ranks (`rank_stats()`, for /metrics): each rank's weight, KV-cache and process memory and its
 time in collectives (runtime/distributed/rank_stats.py), read without touching the engine thread.
@@ -43,6 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from slimserve.runtime.config import DEFAULT_STEP_WATCHDOG_S, EngineConfig
+from slimserve.runtime.disagg.segment import sweep_orphans
+from slimserve.runtime.disagg.transfer import load_import
 from slimserve.runtime.distributed.rank_stats import RankStats
 from slimserve.runtime.engine import EngineStats, LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
@@ -66,13 +77,14 @@ log = logging.getLogger(__name__)
 _STOP = object()
 LOAD_EWMA_ALPHA = 0.1  # weight of the newest step in the moving averages of load()
 PREFILL_STEP_TOKENS = 32  # a step computing at least this many tokens counts as a prefill step
+SEGMENT_EXPIRY_EVERY_S = 1.0  # how often the engine thread unlinks expired KV segments
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineLoad:
     """What a router needs to predict this engine's time to first token (runtime/router/)."""
 
-    queued_prefill_tokens: int  # prompt tokens of admitted requests without a first output yet
+    queued_prefill_tokens: int  # prompt tokens requests without a first output still compute
     step_time_s: float | None  # moving average of a decode-dominated step; None before the first
     prefill_s_per_token: float | None  # moving average of a prefill step's time per token, beyond
     # a decode step's; None before the first prefill step
@@ -134,6 +146,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._queued = 0  # adds handed to the engine thread and not yet applied (for num_waiting)
         self._prefill: dict[str, int] = {}  # request id -> prompt tokens, until its first output
+        self._left: dict[str, int] = {}  # engine thread's snapshot: of those, tokens still to compute
         self._step_s: float | None = None  # load(): moving averages, written by the engine thread
         self._prefill_s_per_token: float | None = None
         self._steps = 0
@@ -148,6 +161,10 @@ class AsyncEngine:
 
     async def start(self) -> None:
         if self._thread is None:
+            try:
+                sweep_orphans()  # KV segments of prefill servers that died before expiring them
+            except OSError:
+                log.warning("could not sweep orphaned KV segments", exc_info=True)
             self._thread = threading.Thread(target=self._loop, name="slimserve-engine", daemon=True)
             self._thread.start()
 
@@ -167,7 +184,9 @@ class AsyncEngine:
 
     def load(self) -> EngineLoad:
         """Queued prefill tokens and step-time averages (see EngineLoad); cheap, event loop only."""
-        return EngineLoad(sum(self._prefill.values()), self._step_s, self._prefill_s_per_token,
+        left = self._left  # replaced whole by the engine thread, never changed in place
+        queued = sum(left.get(rid, n) for rid, n in self._prefill.items())
+        return EngineLoad(queued, self._step_s, self._prefill_s_per_token,
                           self.config.max_num_batched_tokens, self._steps)
 
     def health_problem(self) -> str | None:
@@ -226,23 +245,36 @@ class AsyncEngine:
         return await fut
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request; RequestError before the first one for a bad request."""
+                       request_id: str, *, kv_export: str | None = None,
+                       kv_import: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Delta outputs of one request; RequestError before the first one for a bad request.
+        kv_export / kv_import: a prefill-only request whose KV goes to this segment / a request
+        continuing from the KV in this segment (KVTransferError before the first output)."""
         if self._dead is not None:
             raise EngineDeadError(f"the engine stopped: {self._dead}")
+        loop = asyncio.get_running_loop()
         if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
             seq = self.engine.make_sequence(request_id, prompt, params)  # raises, no tokenizing
         else:
-            seq = await asyncio.get_running_loop().run_in_executor(
-                None, self.engine.make_sequence, request_id, prompt, params)
+            seq = await loop.run_in_executor(None, self.engine.make_sequence, request_id, prompt,
+                                             params)
+        imported = None
+        if kv_export is not None:  # validated with the real parameters; now prefill only
+            seq.params = dataclasses.replace(params, max_tokens=1, stop=[],
+                                             stop_token_ids=frozenset(), ignore_eos=True)
+            seq.eos_token_id = None
+        elif kv_import is not None:
+            layout = self.engine.kv_layout
+            imported = await loop.run_in_executor(None, load_import, kv_import, layout,
+                                                  seq.prompt_token_ids)
         box = _Mailbox()
         with self._lock:
             if self._dead is not None:  # died while we tokenized: nobody would answer
                 raise EngineDeadError(f"the engine stopped: {self._dead}")
             self._streams[request_id] = (asyncio.get_running_loop(), box)
             self._queued += 1
-        self._prefill[request_id] = len(seq.prompt_token_ids)
-        self._commands.put(("add", seq))
+        self._prefill[request_id] = 1 if imported is not None else len(seq.prompt_token_ids)
+        self._commands.put(("add", (seq, kv_export, imported)))
         finished = False
         try:
             while True:
@@ -300,13 +332,14 @@ class AsyncEngine:
             return False
         kind, arg = cmd
         if kind == "add":
+            seq, kv_export, imported = arg
             with self._lock:
                 self._queued -= 1
             try:
-                self.engine.add_sequence(arg)
+                self.engine.add_sequence(seq, kv_export=kv_export, kv_import=imported)
             except (RequestError, ValueError) as e:  # fails this request only, not the loop
                 err = e if isinstance(e, RequestError) else RequestError("prompt", str(e))
-                self._deliver(err, arg.request_id)
+                self._deliver(err, seq.request_id)
         elif kind == "call":
             fn, loop, fut = arg
             try:
@@ -342,6 +375,23 @@ class AsyncEngine:
             self._prefill_s_per_token = _ewma(self._prefill_s_per_token,
                                               max(extra, 0.1 * seconds) / tokens)
 
+    def _prefill_left(self) -> dict[str, int]:
+        """Engine thread: per request without a first token, the prompt tokens it still has to
+        compute (less those computed and, while it waits, those its prefix-cache hit serves)."""
+        bm, left = self.engine.block_manager, {}
+        for rid, req in self.engine.requests.items():
+            seq = req.seq
+            if seq.output_token_ids:
+                continue
+            if self.engine.is_importing(rid):  # copied in, never computed here
+                left[rid] = 0
+                continue
+            done = seq.num_computed_tokens
+            if seq.status is SequenceStatus.WAITING and not seq.block_table:
+                done = bm.lookup_prefix(seq)
+            left[rid] = max(0, seq.num_prompt_tokens - done)
+        return left
+
     def _after_profiled_step(self) -> None:
         try:
             self._profiler.after_step()  # type: ignore[union-attr]
@@ -360,9 +410,13 @@ class AsyncEngine:
                 self._settle(loop, fut, None, EngineDeadError(f"the engine stopped: {self._dead}"))
 
     def _loop(self) -> None:
+        expired_at = time.monotonic()
         try:
             running = True
             while running:
+                if time.monotonic() - expired_at > SEGMENT_EXPIRY_EVERY_S:
+                    expired_at = time.monotonic()
+                    self.engine.kv_segments.expire()
                 block = not self.engine.has_unfinished()
                 try:
                     cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
@@ -373,7 +427,8 @@ class AsyncEngine:
                     pass
                 if running and self.engine.has_unfinished():
                     seqs = [(r.seq, r.seq.num_computed_tokens)
-                            for r in self.engine.requests.values()]
+                            for rid, r in self.engine.requests.items()
+                            if not self.engine.is_importing(rid)]  # copied in, not computed
                     self._step_started = started = time.monotonic()
                     outputs = self.engine.step()
                     self._step_started = None
@@ -382,6 +437,7 @@ class AsyncEngine:
                         self._after_profiled_step()
                     for out in outputs:
                         self._deliver(out, out.request_id)
+                    self._left = self._prefill_left()
                 self._stats = self.engine.stats()
         except BaseException as e:  # a bug or device failure: fail every open request loudly
             log.exception("engine loop died")
@@ -389,6 +445,7 @@ class AsyncEngine:
                 self._dead = e
         finally:
             self._step_started = None
+            self.engine.kv_segments.close()  # exported segments nobody imported: gone with us
             if self._profiler is not None:
                 try:
                     self._profiler.close()  # a running profile's trace is written

@@ -226,6 +226,23 @@ class BlockManager:
 
     # ---- allocation -------------------------------------------------------------------------
 
+    def can_allocate_blocks(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks could be taken now (free or evictable)."""
+        return num_blocks <= self.num_free_blocks
+
+    def allocate_imported(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Give a `seq` without blocks fresh blocks for `num_tokens` tokens whose K/V are about to
+        be copied in (received from a prefill replica, runtime/disagg/); they count as computed.
+        Returns the block ids, in order. Nothing is looked up in or counted toward the prefix
+        cache; `commit` registers the full blocks after the next step as for any sequence."""
+        assert not seq.block_table and seq.num_computed_tokens == 0, seq.request_id
+        needed = self._blocks_for(num_tokens)
+        assert needed <= self.num_free_blocks, (seq.request_id, needed, self.num_free_blocks)
+        seq.block_table = [self._take_block() for _ in range(needed)]
+        seq.num_computed_tokens = num_tokens
+        self._state(seq).num_committed = 0
+        return list(seq.block_table)
+
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
 

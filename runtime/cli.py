@@ -194,6 +194,13 @@ def serve(
     router_policy: str = typer.Option("least-latency", "--router-policy",
                                       help="with --data-parallel-size > 1: least-latency | "
                                            "round-robin | random"),
+    role: str = typer.Option("colocated", "--role", help="colocated (prefill and decode here) | "
+                             "prefill (a router sends this replica prompts to prefill and hands "
+                             "their KV to a decode replica on the same host) | decode"),
+    prefill_replicas: int = typer.Option(0, "--prefill-replicas", min=0, help="with "
+                                         "--data-parallel-size N: this many replicas prefill "
+                                         "(--role prefill), the other N - K decode (0: all "
+                                         "colocated)"),
     profile_dir: Optional[str] = typer.Option(None, "--profile-dir", help="enable POST "
                                               "/start_profile and /stop_profile, which write torch "
                                               "profiler traces of the engine steps here (created "
@@ -213,6 +220,20 @@ def serve(
     if data_parallel_size > 1 and tensor_parallel_size * pipeline_parallel_size > 1:
         _fail(ValueError("--data-parallel-size cannot be combined with --tensor-parallel-size or "
                          "--pipeline-parallel-size yet; use one of them"))
+    from slimserve.runtime.disagg.protocol import ROLES
+
+    if role not in ROLES:
+        _fail(ValueError(f"--role {role!r}: choose one of {', '.join(ROLES)}"))
+    if role != "colocated" and tensor_parallel_size * pipeline_parallel_size > 1:
+        _fail(ValueError(f"--role {role} cannot be combined with --tensor-parallel-size or "
+                         "--pipeline-parallel-size yet (KV hand-over is from one rank); drop one"))
+    if role != "colocated" and data_parallel_size > 1:
+        _fail(ValueError(f"--role {role} with --data-parallel-size {data_parallel_size}: use "
+                         "--prefill-replicas K to make K of the replicas prefill and the rest "
+                         "decode"))
+    if prefill_replicas and not 0 < prefill_replicas < data_parallel_size:
+        _fail(ValueError(f"--prefill-replicas {prefill_replicas} needs --data-parallel-size of at "
+                         f"least {prefill_replicas + 1} (at least one decode replica)"))
     if data_parallel_size > 1:
         flags = {"--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
                  "--max-model-len": max_model_len, "--block-size": block_size,
@@ -227,7 +248,8 @@ def serve(
         args.append("--cuda-graphs" if cuda_graphs else "--enforce-eager")
         args += ["--trust-remote-code"] * trust_remote_code + ["--allow-failed-gate"] * allow_failed_gate
         _serve_data_parallel(artifact, args, data_parallel_size, device, host, port, api_key,
-                             router_policy, max_connections, body_timeout, stream_timeout)
+                             router_policy, max_connections, body_timeout, stream_timeout,
+                             prefill_replicas)
         return
 
     try:
@@ -263,8 +285,15 @@ def serve(
                       f"parallel {pipeline_parallel_size}): KV cache per rank "
                       f"{', '.join(f'{m:.1f}' for m in kv)} MiB, {sum(kv):.1f} MiB in total",
                       highlight=False, soft_wrap=True)
+    if role != "colocated":
+        try:
+            engine.engine.kv_layout  # noqa: B018 - checked now: a split model cannot hand over
+        except ValueError as e:
+            _fail(e)
+        console.print(f"role: {role} (KV blocks handed over through shared memory on this host)",
+                      highlight=False)
     api = build_app(engine, api_key=api_key, max_queue=max_queue, body_timeout_s=body_timeout,
-                    stream_timeout_s=stream_timeout)
+                    stream_timeout_s=stream_timeout, role=role)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -310,10 +339,13 @@ def _run_router(urls: list[str], *, policy: str, host: str, port: int, api_key: 
 
 def _serve_data_parallel(artifact: str, flags: list[str], n: int, device: str, host: str,
                          port: int, api_key: str | None, policy: str, max_connections: int,
-                         body_timeout: float, stream_timeout: float) -> None:
+                         body_timeout: float, stream_timeout: float,
+                         prefill_replicas: int = 0) -> None:
     """N `runtime serve` children on free 127.0.0.1 ports (one GPU each through
     CUDA_VISIBLE_DEVICES, or cores // N threads each on CPU) and the router on host:port; the
-    children are stopped when the router exits (Ctrl-C, SIGTERM) and die with this process."""
+    children are stopped when the router exits (Ctrl-C, SIGTERM) and die with this process.
+    prefill_replicas K > 0: the first K children serve `--role prefill`, the others `--role
+    decode` (the router then hands each request's KV from one to the other)."""
     import os
 
     from slimserve.runtime.bench.server_process import (
@@ -356,10 +388,14 @@ def _serve_data_parallel(artifact: str, flags: list[str], n: int, device: str, h
         p = free_port()
         cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", artifact, "--host",
                "127.0.0.1", "--port", str(p), "--device", child_device, *flags]
+        if prefill_replicas:
+            cmd += ["--role", "prefill" if i < prefill_replicas else "decode"]
         specs.append(ServerSpec(cmd, f"http://127.0.0.1:{p}", envs[i]))
     share = "one GPU" if cuda else f"{envs[0]['OMP_NUM_THREADS']} threads"
-    console.print(f"starting {n} replicas ({share} each): {', '.join(s.url for s in specs)}",
-                  highlight=False, soft_wrap=True)
+    roles = f" ({prefill_replicas} prefill, {n - prefill_replicas} decode)" if prefill_replicas \
+        else ""
+    console.print(f"starting {n} replicas{roles} ({share} each): "
+                  f"{', '.join(s.url for s in specs)}", highlight=False, soft_wrap=True)
     import signal
 
     def terminated(signum, frame):  # uvicorn re-raises SIGTERM after its graceful shutdown:

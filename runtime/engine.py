@@ -11,6 +11,12 @@ One request cannot take the others down: logits that are NaN or +inf in a row (o
 that request alone with finish_reason "error", and so does an exception while its text is
 decoded or its stop strings are matched. An exception in the forward pass itself cannot be
 pinned on one request and propagates (AsyncEngine then fails every open request).
+
+Prefill/decode disaggregation (runtime/disagg/): a request added with `kv_export` (a segment name)
+writes its prompt's KV blocks and its first token into that shared-memory segment when it
+finishes (its parameters are prefill-only: one token); one added with `kv_import` (blocks read
+from such a segment) waits for free blocks, gets the blocks copied into the cache and its first
+token appended (stop conditions checked on it), and then decodes like any running sequence.
 """
 
 from __future__ import annotations
@@ -18,19 +24,30 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
 from slimserve.runtime.block_manager import BlockManager
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.detokenizer import DetokenizerState, make_decoder
+from slimserve.runtime.disagg.layout import KVLayout, layout_of
+from slimserve.runtime.disagg.segment import SegmentRegistry
+from slimserve.runtime.disagg.transfer import ImportedKV, export_blocks, scatter
 from slimserve.runtime.distributed.launch import make_runner
 from slimserve.runtime.errors import RequestError
 from slimserve.runtime.model_runner import ModelRunner
 from slimserve.runtime.sampler import sample
 from slimserve.runtime.scheduler import Scheduler, SchedulerConfig
-from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence
+from slimserve.runtime.sequence import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
 from slimserve.runtime.step_timing import StepTimings, batch_composition
 from slimserve.runtime.stops import StopHoldBack, find_stop
 
@@ -60,6 +77,8 @@ class _Request:
     # delta outputs: tokens handed out so far; the text handed out, less a stop-string start
     sent_tokens: int = 0
     holdback: StopHoldBack | None = None  # built with the request's first delta
+    kv_export: str | None = None  # prefill side: the segment its prompt's KV goes to when done
+    kv_import: ImportedKV | None = None  # decode side: blocks waiting to enter the cache
 
 
 class LLMEngine:
@@ -82,6 +101,16 @@ class LLMEngine:
         # A token spans at most this many characters of text, so a prompt longer than
         # max_model_len * it cannot fit and is refused before the tokenizer sees it.
         self.max_prompt_chars = self.max_model_len * _max_token_chars(self.tokenizer)
+        self.kv_segments = SegmentRegistry()  # segments exported and not imported yet
+        self._imports: deque[_Request] = deque()  # imported requests waiting for blocks, FCFS
+
+    @cached_property
+    def kv_layout(self) -> KVLayout:
+        """This engine's KV block layout (runtime/disagg/layout.py), for exports and imports."""
+        if self.runner.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
+            raise ValueError("prefill/decode disaggregation: a model split with -tp/-pp cannot "
+                             "hand over KV blocks yet; serve each role on one rank")
+        return layout_of(self.runner)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -118,16 +147,33 @@ class LLMEngine:
         eos = None if params.ignore_eos else min(self.eos_token_ids, default=None)
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, eos_token_id=eos)
 
-    def add_sequence(self, seq: Sequence) -> None:
+    def add_sequence(self, seq: Sequence, kv_export: str | None = None,
+                     kv_import: ImportedKV | None = None) -> None:
+        """Queue a validated sequence. kv_export: write its prompt's KV into this segment when it
+        finishes (the caller gave it prefill-only parameters); kv_import: its prompt's KV and
+        first token, received from a prefill replica (runtime/disagg/)."""
         if seq.request_id in self.requests:
             raise RequestError("request_id", f"{seq.request_id!r} is already running")
+        if kv_import is not None:
+            bs, cap = self.block_manager.block_size, self.block_manager.num_blocks
+            longest = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+            if -(-longest // bs) > cap:
+                raise RequestError("max_tokens", f"the request may reach {longest} tokens but the "
+                                                 f"KV cache holds {cap * bs}; lower max_tokens")
         gen = None
         if not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else \
                 hash((self.config.seed, next(self._counter))) & 0x7FFFFFFF
             gen = torch.Generator().manual_seed(seed)
+            if kv_import is not None:  # the prefill side drew the first token's number
+                torch.rand((), dtype=torch.float64, generator=gen)
         req = _Request(seq, gen, DetokenizerState.for_prompt(seq.num_prompt_tokens),
-                       max_stop_len=max((len(s) for s in seq.params.stop), default=0))
+                       max_stop_len=max((len(s) for s in seq.params.stop), default=0),
+                       kv_export=kv_export, kv_import=kv_import)
+        if kv_import is not None:
+            self.requests[seq.request_id] = req
+            self._imports.append(req)
+            return
         self.requests[seq.request_id] = req
         self.scheduler.add(seq)
 
@@ -140,17 +186,27 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if req.kv_import is not None:  # still waiting for blocks: never reached the scheduler
+            self._imports.remove(req)
+            req.kv_import = None
+            req.seq.status = SequenceStatus.FINISHED
         self.scheduler.abort(request_id)
         req.seq.finish_reason = "abort"
         req.seq.finish_time = time.monotonic()
         return self._output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._imports)
+
+    def is_importing(self, request_id: str) -> bool:
+        """Whether the request waits for blocks to import its prefilled prompt into."""
+        req = self.requests.get(request_id)
+        return req is not None and req.kv_import is not None
 
     def stats(self) -> EngineStats:
         bm, s = self.block_manager, self.scheduler.stats()
-        return EngineStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_hit_rate,
+        return EngineStats(s.num_running, s.num_waiting + len(self._imports), s.kv_cache_usage,
+                           s.prefix_cache_hit_rate,
                            s.num_preemptions, bm.num_blocks, bm.block_size,
                            bm.num_blocks * bm.block_size)
 
@@ -159,11 +215,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an update for every request that produced a token. Each
         phase is timed into `self.step_timing` (runtime/step_timing.py)."""
+        imported = self._admit_imports() if self._imports else []
         clock = self.step_timing.begin()
         out = self.scheduler.schedule()
         if not out.scheduled:
             clock.cancel()
-            return []
+            return imported
         items = out.scheduled
         composition = batch_composition(items)
         clock.next("prepare")
@@ -199,9 +256,11 @@ class LLMEngine:
                     log.exception("request %s failed while decoding its output", seq.request_id)
                     req.error = f"decoding the output failed: {type(e).__name__}"
         clock.next("output")
-        outputs = []
+        outputs = imported
         for req in reqs:
             seq = req.seq
+            if req.kv_export is not None and seq.finish_reason is not None and req.error is None:
+                self._export(req)
             if req.error is not None:
                 seq.finish_reason, seq.stop_reason = "error", None
             if seq.finish_reason is not None:
@@ -210,6 +269,53 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(req))
         clock.finish(*composition)
+        return outputs
+
+    def _export(self, req: _Request) -> None:
+        """Write a finished prefill's prompt KV and first token into its segment; a failure
+        fails this request alone."""
+        seq = req.seq
+        try:
+            export_blocks(self.runner.kv_caches, self.kv_layout, seq.block_table,
+                          seq.num_prompt_tokens, seq.prompt_token_ids, seq.output_token_ids[0],
+                          seq.output_logprobs[0] if seq.output_logprobs else None,
+                          req.kv_export, self.kv_segments)
+        except Exception as e:
+            log.exception("exporting the KV of %s failed", seq.request_id)
+            req.error = f"exporting the prompt's KV blocks failed: {type(e).__name__}: {e}"
+
+    def _admit_imports(self) -> list[RequestOutput]:
+        """Move imported requests into the running batch, oldest first, while sequence slots and
+        free blocks allow: blocks copied in, first token appended and checked for a stop."""
+        outputs: list[RequestOutput] = []
+        bm = self.block_manager
+        while self._imports:
+            req = self._imports[0]
+            seq, imp = req.seq, req.kv_import
+            assert imp is not None
+            if len(self.scheduler.running) >= self.config.max_num_seqs or \
+                    not bm.can_allocate_blocks(imp.num_blocks):
+                break
+            self._imports.popleft()
+            req.kv_import = None
+            seq.output_token_ids.append(imp.first_token)
+            if seq.params.logprobs is not None and imp.first_logprob is not None:
+                seq.output_logprobs.append(imp.first_logprob)
+            seq.first_token_time = seq.last_token_time = time.monotonic()
+            try:
+                self._check_stop(req)
+            except Exception as e:
+                log.exception("request %s failed while decoding its output", seq.request_id)
+                req.error = f"decoding the output failed: {type(e).__name__}"
+            if req.error is not None:
+                seq.finish_reason, seq.stop_reason = "error", None
+            if seq.finish_reason is None:
+                scatter(self.runner.kv_caches, imp, bm.allocate_imported(seq, imp.num_tokens))
+                self.scheduler.add_running(seq)
+            else:  # done at its first token: it never needs a block
+                seq.status, seq.finish_time = SequenceStatus.FINISHED, seq.last_token_time
+                self.requests.pop(seq.request_id, None)
+            outputs.append(self._output(req))
         return outputs
 
     def _check_stop(self, req: _Request) -> None:

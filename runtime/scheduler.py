@@ -109,6 +109,15 @@ class Scheduler:
         self.waiting.append(seq)
         self._requests[seq.request_id] = seq
 
+    def add_running(self, seq: Sequence) -> None:
+        """Admit a sequence whose prompt K/V already fill its blocks (imported from a prefill
+        replica by the engine, runtime/disagg/): it runs from the next step on."""
+        if seq.request_id in self._requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already in flight; use a unique id")
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival_time)
+        self._requests[seq.request_id] = seq
+
     def abort(self, request_id: str) -> Sequence | None:
         """Finish an unfinished request with reason "abort" and free its blocks; None if unknown."""
         seq = self._requests.get(request_id)

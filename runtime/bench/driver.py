@@ -64,7 +64,7 @@ from slimserve.runtime.router.policy import POLICIES
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
                 "device", "verify", "tensor_parallel_size", "pipeline_parallel_size",
-                "distributed_executor_backend", "data_parallel_size",
+                "distributed_executor_backend", "data_parallel_size", "prefill_replicas",
                 "router_policy")  # BenchArgs fields passed to `runtime serve` as --flags when set
 
 
@@ -101,6 +101,7 @@ class BenchArgs:
     pipeline_parallel_size: int | None = None  # engine flag: pipeline stages (x the TP ranks)
     distributed_executor_backend: str | None = None  # engine flag: mp | ray (how ranks start)
     data_parallel_size: int | None = None  # engine flag: replicas behind serve's router
+    prefill_replicas: int | None = None  # engine flag: of those, prefill ones (the rest decode)
     router_policies: list[str] = field(default_factory=list)  # compared, one fresh server each
     router_policy: str | None = None  # engine flag of the run in progress (set by run_bench)
     allow_failed_gate: bool = False  # serve MODEL even when its perplexity gate failed
@@ -147,6 +148,9 @@ class BenchArgs:
                              "is unknown; use mp or ray")
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size {self.data_parallel_size} must be >= 1")
+        if self.prefill_replicas and not 0 < self.prefill_replicas < (self.data_parallel_size or 1):
+            raise ValueError(f"--prefill-replicas {self.prefill_replicas} needs --data-parallel-size "
+                             f"of at least {self.prefill_replicas + 1} (one decode replica or more)")
         for policy in self.router_policies:
             if policy not in POLICIES:
                 raise ValueError(f"--router-policy {policy!r} is unknown; choose from "
@@ -480,6 +484,9 @@ def bench_main(
         "--distributed-executor-backend", help="engine flag: mp | ray (how -tp/-pp ranks start)")] = None,
     data_parallel_size: Annotated[Optional[int], Opt("--data-parallel-size", help="engine flag: "
                                                      "replicas behind serve's router")] = None,
+    prefill_replicas: Annotated[Optional[int], Opt("--prefill-replicas", help="engine flag: of the "
+                                                   "--data-parallel-size replicas, this many "
+                                                   "prefill and the rest decode")] = None,
     router_policy: Annotated[Optional[str], Opt("--router-policy", help="compare routing policies, "
                                                 "e.g. least-latency,round-robin: fresh replicas "
                                                 "per policy (needs --data-parallel-size >= 2)")] = None,
@@ -510,6 +517,7 @@ def bench_main(
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
             kv_cache_memory=kv_cache_memory, device=device, verify=verify,
             tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+            prefill_replicas=prefill_replicas,
             pipeline_parallel_size=pipeline_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             router_policies=parse_policies(router_policy),

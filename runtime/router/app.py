@@ -14,6 +14,15 @@ Failures, so that no client hangs:
   answer started, an in-band error event then `data: [DONE]` in a stream that already started;
 - a client that disconnects closes the upstream request, and the replica aborts it.
 
+Prefill/decode disaggregation (runtime/disagg/): while at least one `prefill` and one `decode`
+replica are up (roles from their /state), a request goes first to a prefill replica chosen by
+the policy, with `X-Slimserve-KV-Prefill: 1`: it answers with the shared-memory segments holding
+the prompt's KV (or its own error, relayed as is); then the same body goes to a decode replica
+(`Policy.choose_decode`) with `X-Slimserve-KV: segments`, and its answer is relayed like any
+other (streams unbuffered). Refusals before starting move on to the next replica of the same
+role; failures give the same 502 / in-band error. Without both roles up, every replica up
+serves whole requests (any server can).
+
 GET /v1/models is answered by a replica that is up; /health is 200 while at least one is;
 /metrics is the router's own (Prometheus, `slimserve_router:` prefix); POST /reset_prefix_cache
 goes to every replica (and clears the prefix affinity's memory). GET /router/replicas
@@ -42,6 +51,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
+from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER
 from slimserve.runtime.router.policy import (
     Policy,
     PrefixIndex,
@@ -128,6 +138,8 @@ class RouterMetrics:
                                 registry=self.registry)
         self.retries = Counter(P + "retries", "Requests sent to another replica after one refused "
                                "them.", registry=self.registry)
+        self.handovers = Counter(P + "kv_handovers", "Requests prefilled on a prefill replica and "
+                                 "continued on a decode replica.", registry=self.registry)
         self.no_replica = Counter(P + "no_replica", "Requests refused with 503: no replica up.",
                                   registry=self.registry)
         self.registry.register(_ReplicaCollector(replicas))
@@ -150,10 +162,17 @@ class Router:
 
     # -- proxying ---------------------------------------------------------------------------------
 
-    def _pick(self, prompt: PromptInfo, tried: set[str]) -> Replica | None:
-        states = [s for s in self.replicas.states() if s.url not in tried]
-        state = self.policy.choose(states, prompt)
+    def _pick(self, prompt: PromptInfo, tried: set[str], role: str | None = None) -> Replica | None:
+        states = [s for s in self.replicas.states()
+                  if s.url not in tried and (role is None or s.role == role)]
+        state = self.policy.choose(states, prompt) if role != "decode" else \
+            self.policy.choose_decode(states)
         return None if state is None else self.replicas.by_state(state)
+
+    def disaggregated(self) -> bool:
+        """Whether a prefill and a decode replica are both up (requests are then handed over)."""
+        roles = {s.role for s in self.replicas.states() if s.up}
+        return "prefill" in roles and "decode" in roles
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "/v1/completions", chat=False)
@@ -173,6 +192,8 @@ class Router:
             parsed = None  # the replica answers the 400
         prompt = prompt_info(parsed, chat)
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
+        if self.disaggregated():
+            return await self._handover(request, path, body, prompt, headers)
         tried: set[str] = set()
         while True:
             replica = self._pick(prompt, tried)
@@ -189,6 +210,72 @@ class Router:
                 ticket.done()
                 raise
             if resp is None:  # refused before starting: try another
+                ticket.done()
+                self.metrics.retries.inc()
+                continue
+            try:
+                return await self._relay(request, replica, ticket, resp)
+            except BaseException:
+                ticket.done()
+                with anyio.CancelScope(shield=True):
+                    await resp.aclose()
+                raise
+
+    async def _handover(self, request: Request, path: str, body: bytes, prompt: PromptInfo,
+                        headers: dict[str, str]) -> Response:
+        """Prefill on a prefill replica, then continue on a decode replica (module doc)."""
+        tried: set[str] = set()
+        while True:
+            replica = self._pick(prompt, tried, "prefill")
+            if replica is None:
+                self.metrics.no_replica.inc()
+                what = "every prefill replica refused the request" if tried else \
+                    "no prefill replica is up"
+                raise APIError(503, f"{what}; retry later", code="no_replica",
+                               headers={"Retry-After": "1"})
+            tried.add(replica.url)
+            ticket = replica.dispatch(prompt)
+            try:
+                resp = await self._send(request, replica, ticket, path, body,
+                                        {**headers, PREFILL_HEADER: "1"})
+                if resp is None:
+                    self.metrics.retries.inc()
+                    continue
+                data = resp.content if resp.is_closed else await self._read(request, replica,
+                                                                            ticket, resp)
+            finally:
+                ticket.done()
+            self.metrics.requests.labels(replica.url, str(resp.status_code)).inc()
+            if resp.status_code != 200:  # the request's own error (400, ...): the client's answer
+                return Response(data, resp.status_code,
+                                media_type=resp.headers.get("content-type", "application/json"))
+            try:
+                segments = json.loads(data)["kv_segments"]
+                assert isinstance(segments, list) and all(isinstance(x, str) for x in segments)
+            except (ValueError, KeyError, TypeError, AssertionError):
+                raise APIError(502, f"prefill replica {replica.url} answered without KV segments; "
+                                    "is it a slimserve server of this version?",
+                               code="replica_failed") from None
+            break
+        self.metrics.handovers.inc()
+        kv = {**headers, KV_HEADER: ",".join(segments)}
+        tried = set()
+        while True:
+            replica = self._pick(PromptInfo(1), tried, "decode")
+            if replica is None:
+                self.metrics.no_replica.inc()
+                what = "every decode replica refused the request" if tried else \
+                    "no decode replica is up"
+                raise APIError(503, f"{what}; retry later", code="no_replica",
+                               headers={"Retry-After": "1"})
+            tried.add(replica.url)
+            ticket = replica.dispatch(PromptInfo(1))
+            try:
+                resp = await self._send(request, replica, ticket, path, body, kv)
+            except BaseException:
+                ticket.done()
+                raise
+            if resp is None:  # refused before reading the segments: the next one may
                 ticket.done()
                 self.metrics.retries.inc()
                 continue

@@ -4,8 +4,10 @@ proxies, runtime/router/replicas.py polls the replicas and keeps the state these
 least-latency (the default) picks the replica with the smallest predicted time to first token:
 
     new     = prompt tokens - tokens of its prefix this replica likely caches (prefix affinity)
-    queued  = max(queued prefill tokens the replica reported, prefill tokens this router sent it
-                  that have no first token yet)
+    queued  = queued prefill tokens the replica last reported (tokens left to compute: less its
+              prefix-cache hits and the chunks already computed) + prefill tokens this router
+              sent it after that poll was sent (no poll yet: the larger of the reported tokens
+              and every prefill token it was sent that has no first token)
     running = max(sequences the replica reported running, this router's requests past prefill)
     work    = queued + new                                   (prefill tokens ahead of the first token)
     steps   = 1 + work // max(max_num_batched_tokens - running, 1)     (steps that prefill takes)
@@ -14,10 +16,13 @@ least-latency (the default) picks the replica with the smallest predicted time t
 
 `prefill_s_per_token` and `step_time_s` are the replica's own moving averages (GET /state,
 runtime/async_engine.py `EngineLoad`), fleet defaults until it has measured them. The polled
-state is at most one poll interval old; the router's own counters change at every dispatch and
-first token, and the max() of the two means a burst between two polls spreads out instead of
-piling onto the replica that looked idlest at the last poll, while traffic that reaches a replica
-from elsewhere still counts. Ties (equal predictions: idle replicas) go to fewer requests in
+state is at most one poll interval old; the router adds what it sent since, so a burst between
+two polls spreads out instead of piling onto the replica that looked idlest at the last poll,
+and traffic that reaches a replica from elsewhere still counts. (It used to take the max of the
+poll and every prompt it had sent without a first token: a long prompt then counted whole until
+its first token, however much of it chunked prefill had computed, and a cached prefix counted
+too, so a replica prefilling a long prompt or holding the shared prefix looked busier than it
+was and least-latency piled the short requests onto the other one.) Ties (equal predictions: idle replicas) go to fewer requests in
 flight from this router, then to the one sent fewer requests so far, then registration order.
 
 Prefix affinity (as SGLang's cache-aware router): the first MAX_CHUNKS chunks of the prompt
@@ -26,6 +31,12 @@ Prefix affinity (as SGLang's cache-aware router): the first MAX_CHUNKS chunks of
 bounded LRU; a prompt whose first k chunk hashes a replica holds is assumed to find that many
 chunks in its prefix cache. With equal loads the replica holding the prefix wins; a loaded one
 loses it once its queue costs more than the prefix saves.
+
+Disaggregated replicas (runtime/disagg/): the prefill replica is chosen by `choose` among the
+prefill replicas (the model above is exactly a prefill's cost), the decode replica by
+`choose_decode` among the decode replicas: least-latency takes the one with the fewest running
+sequences (each step's time grows with its batch), a nearly full KV cache last; round-robin and
+random cycle / draw over them.
 """
 
 from __future__ import annotations
@@ -140,6 +151,7 @@ class ReplicaState:
 
     url: str
     up: bool = True
+    role: str = "colocated"  # polled: colocated | prefill | decode (runtime/disagg/protocol.py)
     # polled (GET /state of runtime/server/app.py); None: not reported
     queued_prefill_tokens: int = 0
     num_running: int = 0
@@ -150,6 +162,8 @@ class ReplicaState:
     # this router's, updated at every dispatch / first token / end
     inflight: int = 0  # requests sent and not finished
     inflight_prefill_tokens: int = 0  # prompt tokens (less the expected cached prefix) sent
+    polled: bool = False  # queued_prefill_tokens came from a GET /state
+    prefill_sent_since_poll: int = 0  # of inflight_prefill_tokens, those sent after that poll
     inflight_prefilling: int = 0  # of `inflight`, those without a first token yet
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     dispatched: int = 0  # requests sent in all
@@ -168,7 +182,8 @@ def predicted_ttft(replica: ReplicaState, prompt: PromptInfo,
     per_token = replica.prefill_s_per_token or default_prefill_s_per_token
     step = replica.step_time_s or default_step_time_s
     new = max(1, prompt.tokens - cached_tokens(replica, prompt))
-    queued = max(replica.queued_prefill_tokens, replica.inflight_prefill_tokens)
+    queued = replica.queued_prefill_tokens + replica.prefill_sent_since_poll if replica.polled \
+        else max(replica.queued_prefill_tokens, replica.inflight_prefill_tokens)
     running = max(replica.num_running, replica.inflight - replica.inflight_prefilling)
     work = queued + new
     steps = 1 + work // max(replica.max_num_batched_tokens - running, 1)
@@ -187,6 +202,10 @@ class Policy:
         """The replica to send `prompt` to, among those up; None when none is."""
         raise NotImplementedError
 
+    def choose_decode(self, replicas: Sequence[ReplicaState]) -> ReplicaState | None:
+        """The decode replica to continue a prefilled request on, among those up."""
+        return self.choose(replicas, PromptInfo(1))
+
 
 class LeastLatency(Policy):
     name = "least-latency"
@@ -203,21 +222,38 @@ class LeastLatency(Policy):
         return min(up, key=lambda r: (predicted_ttft(r, prompt, per_token, step), r.inflight,
                                       r.dispatched, order[id(r)]))
 
+    def choose_decode(self, replicas: Sequence[ReplicaState]) -> ReplicaState | None:
+        up = [r for r in replicas if r.up]
+        if not up:
+            return None
+        order = {id(r): i for i, r in enumerate(up)}
+        return min(up, key=lambda r: (r.kv_cache_usage > KV_PRESSURE_FROM,
+                                      max(r.num_running, r.inflight), r.kv_cache_usage,
+                                      r.dispatched, order[id(r)]))
+
 
 class RoundRobin(Policy):
     name = "round-robin"
 
     def __init__(self) -> None:
         self._next = 0
+        self._next_decode = 0
 
-    def choose(self, replicas: Sequence[ReplicaState], prompt: PromptInfo) -> ReplicaState | None:
+    def _cycle(self, replicas: Sequence[ReplicaState], start: int) -> tuple[ReplicaState | None, int]:
         n = len(replicas)
         for k in range(n):
-            r = replicas[(self._next + k) % n]
+            r = replicas[(start + k) % n]
             if r.up:
-                self._next = (self._next + k + 1) % n
-                return r
-        return None
+                return r, (start + k + 1) % n
+        return None, start
+
+    def choose(self, replicas: Sequence[ReplicaState], prompt: PromptInfo) -> ReplicaState | None:
+        r, self._next = self._cycle(replicas, self._next)
+        return r
+
+    def choose_decode(self, replicas: Sequence[ReplicaState]) -> ReplicaState | None:
+        r, self._next_decode = self._cycle(replicas, self._next_decode)
+        return r
 
 
 class Random(Policy):

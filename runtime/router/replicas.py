@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import httpx
 
+from slimserve.runtime.disagg.protocol import ROLES
 from slimserve.runtime.router.policy import PromptInfo, ReplicaState, cached_tokens
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,14 @@ class Ticket:
         self.prefill_tokens = prefill_tokens
         self.prefilling = True
         self.open = True
+        self.sent_at = time.monotonic()
         s = replica.state
         s.inflight += 1
         s.inflight_prefilling += 1
         s.inflight_prefill_tokens += prefill_tokens
+        s.prefill_sent_since_poll += prefill_tokens
         s.dispatched += 1
+        replica.prefilling.add(self)
 
     def first_token(self) -> None:
         if self.prefilling:
@@ -62,6 +66,9 @@ class Ticket:
             s = self.replica.state
             s.inflight_prefilling -= 1
             s.inflight_prefill_tokens -= self.prefill_tokens
+            self.replica.prefilling.discard(self)
+            if self.sent_at > self.replica.poll_sent_at:
+                s.prefill_sent_since_poll -= self.prefill_tokens
 
     def done(self) -> None:
         if self.open:
@@ -79,6 +86,8 @@ class Replica:
         self.problem: str | None = "not polled yet"
         self.timeouts = 0
         self.last_poll: float | None = None  # monotonic s of the last answered poll
+        self.poll_sent_at = float("-inf")  # monotonic s the last applied /state poll was sent
+        self.prefilling: set[Ticket] = set()  # dispatched here, no first token yet
         self._scopes: set[anyio.CancelScope] = set()
 
     @property
@@ -132,8 +141,21 @@ class Replica:
         s.step_time_s = num("step_time_s", None)
         s.prefill_s_per_token = num("prefill_s_per_token", None)
         s.max_num_batched_tokens = int(num("max_num_batched_tokens", s.max_num_batched_tokens))
+        role = body.get("role")
+        s.role = role if role in ROLES else "colocated"  # an older server: colocated
+
+    def state_polled(self, body: dict[str, Any], sent_at: float) -> None:
+        """Apply a /state answer to a poll sent at monotonic `sent_at`: the replica's load as it
+        reported it, plus what this router sent it after the poll left (module doc, policy.py)."""
+        self.apply_state(body)
+        s = self.state
+        s.polled = True
+        self.poll_sent_at = sent_at
+        s.prefill_sent_since_poll = sum(t.prefill_tokens for t in self.prefilling
+                                        if t.sent_at > sent_at)
 
     async def poll(self, client: httpx.AsyncClient) -> None:
+        sent_at = time.monotonic()
         try:
             r = await client.get(self.url + ("/state" if self.has_state else "/health"),
                                  timeout=POLL_TIMEOUT_S)
@@ -156,7 +178,7 @@ class Replica:
             return
         if self.has_state:
             try:
-                self.apply_state(r.json())
+                self.state_polled(r.json(), sent_at)
             except ValueError:
                 self.mark_down("/state answered something other than JSON")
                 return
@@ -164,7 +186,7 @@ class Replica:
 
     def describe(self) -> dict[str, Any]:
         s = self.state
-        return {"url": self.url, "up": s.up, "problem": self.problem,
+        return {"url": self.url, "role": s.role, "up": s.up, "problem": self.problem,
                 "queued_prefill_tokens": s.queued_prefill_tokens, "num_running": s.num_running,
                 "kv_cache_usage": s.kv_cache_usage, "step_time_s": s.step_time_s,
                 "prefill_s_per_token": s.prefill_s_per_token, "inflight": s.inflight,

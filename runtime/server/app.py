@@ -20,6 +20,12 @@ can hold is refused before it is tokenized; tokenizing and chat rendering run in
 never on the event loop; `max_queue` admission is checked and counted with no `await` in
 between, so a burst cannot slip past it. The engine sends deltas (only what is new), so memory
 held for a slow stream grows with its output, not with its output squared.
+
+Prefill/decode disaggregation (runtime/disagg/protocol.py): a request with
+`X-Slimserve-KV-Prefill: 1` is validated as usual, prefilled only, and answered with the names of
+the shared-memory segments holding its KV; one with `X-Slimserve-KV: names` continues from those
+segments and is answered as usual (each only on a server of that `--role`, which GET /state
+reports).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
+from slimserve.runtime.disagg.errors import KVTransferError
+from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER, ROLES, parse_kv_header
+from slimserve.runtime.disagg.segment import new_name
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.profiler import ProfileError, ProfileStateError, ProfilingDisabled
 from slimserve.runtime.sequence import OutputAccumulator, RequestOutput, SamplingParams
@@ -102,8 +111,10 @@ class OpenAIServing:
 
     def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int | None,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                 stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S) -> None:
+                 stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
+                 role: str = "colocated") -> None:
         self.engine = engine
+        self.role = role  # advertised in /state: a router sends prefill / decode work by it
         self.metrics = metrics
         self.max_queue = max_queue  # refuse new requests while this many wait in the engine
         self.body_timeout_s = body_timeout_s
@@ -138,7 +149,8 @@ class OpenAIServing:
             return JSONResponse(error_body(f"engine is not running: {e}", "server_error",
                                            code="engine_dead"), 503)
         body: dict[str, Any] = {
-            "model": self.engine.model_name, "healthy": problem is None, "problem": problem,
+            "model": self.engine.model_name, "role": self.role, "healthy": problem is None,
+            "problem": problem,
             "num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_pending": self.pending, "kv_cache_usage": s.kv_cache_usage,
             "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "block_size": s.block_size,
@@ -287,11 +299,11 @@ class OpenAIServing:
         self.pending += 1
 
     async def _start(self, request: Request, prompt: str | list[int], params: SamplingParams,
-                     request_id: str) -> _Run:
+                     request_id: str, kv: dict[str, str] | None = None) -> _Run:
         """Submit to the engine and wait for the first output (where it validates the prompt)."""
         self._admit()
         try:
-            gen = self.engine.generate(prompt, params, request_id)
+            gen = self.engine.generate(prompt, params, request_id, **(kv or {}))
             tracker = self.metrics.track()
             self.active.add(request_id)
             try:
@@ -309,10 +321,13 @@ class OpenAIServing:
         return _Run(request_id, gen, first, tracker)
 
     async def _first(self, request: Request, prompt: str | list[int], params: SamplingParams,
-                     request_id: str, field_names: dict[str, str]) -> _Run:
+                     request_id: str, field_names: dict[str, str],
+                     kv: dict[str, str] | None = None) -> _Run:
         """_start, with the engine's refusals turned into API errors."""
         try:
-            return await self._start(request, prompt, params, request_id)
+            return await self._start(request, prompt, params, request_id, kv)
+        except KVTransferError as e:
+            raise APIError(e.status, str(e), param=KV_HEADER, code=e.code) from None
         except RequestError as e:
             param = field_names.get(e.field, e.field)
             msg = str(e).removeprefix(f"{e.field}: ")
@@ -322,11 +337,34 @@ class OpenAIServing:
         except StopAsyncIteration:
             raise APIError(500, "the engine ended the request without output") from None
 
+    def _handover(self, request: Request, n: int) -> tuple[bool, list[str] | None]:
+        """(prefill only?, segments to continue from) asked by a router's headers; a server
+        hands over only in its role (a colocated one never touches shared memory)."""
+        kv = request.headers.get(KV_HEADER)
+        prefill = request.headers.get(PREFILL_HEADER, "").strip() in ("1", "true")
+        if kv is not None and prefill:
+            raise APIError(400, f"{PREFILL_HEADER} and {KV_HEADER}: send one of them",
+                           param=KV_HEADER)
+        for asked, header, role in ((prefill, PREFILL_HEADER, "prefill"),
+                                    (kv is not None, KV_HEADER, "decode")):
+            if asked and self.role != role:
+                raise APIError(400, f"{header}: this server's role is {self.role}; a KV "
+                                    f"hand-over of this kind needs `runtime serve --role {role}`",
+                               param=header, code="wrong_role")
+        try:
+            return prefill, None if kv is None else parse_kv_header(kv, n)
+        except KVTransferError as e:
+            raise APIError(e.status, str(e), param=KV_HEADER, code=e.code) from None
+
     async def _answer(self, request: Request, prompt: str | list[int], params: SamplingParams,
                       fmt: _Format, *, n: int, stream: bool,
                       field_names: dict[str, str] | None = None) -> Response:
+        prefill, segments = self._handover(request, n)
+        if prefill:
+            return await self._prefill_only(request, prompt, params, fmt, n, field_names or {})
         try:
-            runs = await self._start_all(request, prompt, params, fmt.id, n, field_names or {})
+            runs = await self._start_all(request, prompt, params, fmt.id, n, field_names or {},
+                                         segments)
             if stream:
                 return ClosingStreamingResponse(self._stream(runs, fmt),
                                                 media_type="text/event-stream",
@@ -337,15 +375,33 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(fmt.response(finals))
 
+    async def _prefill_only(self, request: Request, prompt: str | list[int],
+                            params: SamplingParams, fmt: _Format, n: int,
+                            field_names: dict[str, str]) -> Response:
+        """Prefill each choice into a KV segment of its own; answer with the segment names."""
+        names = [new_name() for _ in range(n)]
+        try:
+            runs = await self._start_all(request, prompt, params, fmt.id, n, field_names,
+                                         exports=names)
+            finals = await unless_disconnected(request, self._collect_all(runs))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse({"kv_segments": names, "prompt_tokens": len(finals[0].prompt_token_ids)})
+
     async def _start_all(self, request: Request, prompt: str | list[int], params: SamplingParams,
-                         request_id: str, n: int, field_names: dict[str, str]) -> list[_Run]:
+                         request_id: str, n: int, field_names: dict[str, str],
+                         imports: list[str] | None = None,
+                         exports: list[str] | None = None) -> list[_Run]:
         """One engine request per choice (ids `<id>-<i>` when n > 1), started in turn so later
-        choices find the prompt in the prefix cache; a refusal ends the ones already started."""
+        choices find the prompt in the prefix cache; a refusal ends the ones already started.
+        imports / exports: per choice, the KV segment it continues from / prefills into."""
         runs: list[_Run] = []
         try:
             for i, p in enumerate(choice_params(params, n)):
                 rid = request_id if n == 1 else f"{request_id}-{i}"
-                runs.append(await self._first(request, prompt, p, rid, field_names))
+                kv = {"kv_import": imports[i]} if imports else \
+                    {"kv_export": exports[i]} if exports else {}
+                runs.append(await self._first(request, prompt, p, rid, field_names, kv))
         except BaseException:
             for run in runs:
                 self.active.discard(run.request_id)
@@ -499,7 +555,8 @@ def _profile_options(body: bytes) -> dict[str, Any]:
 
 def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S) -> FastAPI:
+              stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
+              role: str = "colocated") -> FastAPI:
     """The FastAPI app serving `engine`; the lifespan starts it and shuts it down.
 
     api_key: require `Authorization: Bearer <api_key>` on /v1/* and the profiler endpoints
@@ -507,7 +564,12 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
     max_queue: answer 503 with Retry-After while this many admitted requests wait.
     body_timeout_s: answer 408 when a request body has not arrived within this.
     stream_timeout_s: end and abort a stream whose client has read nothing for this long.
+    role: colocated | prefill | decode, advertised in /state for a router (runtime/disagg/); a
+    prefill server also answers prefill-only requests, a decode one continues handed-over ones
+    (both serve ordinary requests too, so a router without the other role still works).
     """
+    if role not in ROLES:
+        raise ValueError(f"role {role!r}: choose one of {', '.join(ROLES)}")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -519,7 +581,7 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
 
     app = FastAPI(title="slimserve", lifespan=lifespan)
     serving = OpenAIServing(engine, ServerMetrics(engine), max_queue, body_timeout_s,
-                            stream_timeout_s)
+                            stream_timeout_s, role)
     app.state.serving = serving
     install_error_handlers(app)
     app.add_api_route("/health", serving.health, methods=["GET"])

@@ -62,3 +62,36 @@ def test_data_parallel_serve_behind_the_router(tmp_path):
         stop_servers([proc])
         log = spec.log_path.read_text(errors="replace") if spec.log_path.exists() else ""
         print(log[-3000:])
+
+
+@pytest.mark.slow
+def test_data_parallel_serve_disaggregated(tmp_path):
+    """`--data-parallel-size 2 --prefill-replicas 1`: one prefill and one decode replica behind
+    the router give the tokens of one colocated engine (its own replica, asked directly)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", str(DEMO), "--port", str(port),
+           "--data-parallel-size", "2", "--prefill-replicas", "1", "--kv-cache-memory", "32MiB"]
+    spec = ServerSpec(cmd, f"http://127.0.0.1:{port}", {**os.environ, "OMP_NUM_THREADS": "1"},
+                      tmp_path / "dp.log")
+    proc = start_server(spec)
+    try:
+        wait_ready(proc, spec, time.monotonic() + 200)
+        deadline = time.monotonic() + 10
+        while True:
+            replicas = httpx.get(spec.url + "/router/replicas", trust_env=False).json()["replicas"]
+            if sorted(r["role"] for r in replicas if r["up"]) == ["decode", "prefill"]:
+                break
+            assert time.monotonic() < deadline, replicas
+            time.sleep(0.2)
+        prefill = next(r["url"] for r in replicas if r["role"] == "prefill")
+        body = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}
+        direct = httpx.post(prefill + "/v1/completions", json=body, trust_env=False, timeout=60)
+        routed = httpx.post(spec.url + "/v1/completions", json=body, trust_env=False, timeout=60)
+        assert routed.status_code == 200, routed.text
+        assert routed.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+        metrics = httpx.get(spec.url + "/metrics", trust_env=False).text
+        assert "slimserve_router:kv_handovers_total 1.0" in metrics
+    finally:
+        stop_servers([proc])
+        log = spec.log_path.read_text(errors="replace") if spec.log_path.exists() else ""
+        print(log[-3000:])

@@ -386,3 +386,52 @@ def test_reset_prefix_cache_reaches_every_replica_and_clears_the_affinity():
         r = httpx.post(url + "/reset_prefix_cache", trust_env=False)
         assert r.status_code == 502 and r.json()["status"] == "failed"
         assert engines[0].prefix_cache_resets == 2
+
+
+def test_load_counts_only_the_prefill_left_to_compute():
+    """GET /state's queued_prefill_tokens (what least-latency reads) leaves out the prompt
+    tokens the prefix cache serves and those chunked prefill has computed: a replica holding
+    a shared prefix must not look busier than it is."""
+    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.config import EngineConfig
+    from slimserve.runtime.engine import LLMEngine
+    from slimserve.runtime.sequence import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(REPO / "recipes" / "demo-model"), device="cpu",
+                                    kv_cache_memory=8 * 2**20, max_num_batched_tokens=32))
+    ae = AsyncEngine(engine)
+    prefix = list(range(10, 106))  # 96 tokens: 6 blocks of 16
+    engine.add_request("a", prefix + [7], SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request("b", prefix + list(range(200, 244)), SamplingParams(max_tokens=1))
+    assert ae._prefill_left() == {"b": 140 - 96}  # waiting: its cached prefix is not work
+    engine.step()  # admitted: the prefix from the cache, then a 32-token chunk
+    assert ae._prefill_left() == {"b": 140 - 96 - 32}
+    ae._prefill, ae._left = {"b": 140, "queued": 50}, ae._prefill_left()
+    assert ae.load().queued_prefill_tokens == 12 + 50  # not yet handed over: all of it
+
+
+def test_queued_work_is_the_poll_plus_what_was_sent_after_it():
+    """A long prompt mostly computed by chunked prefill counts as what the replica reports left,
+    not as its whole length until its first token (that made least-latency pile short requests
+    onto the other replica); what the router sent after the poll left is added."""
+    busy, idle = Replica("http://busy"), Replica("http://idle")
+    for r in (busy, idle):
+        r.mark_up()
+        r.state.step_time_s, r.state.prefill_s_per_token = 0.02, 1e-3
+    long = busy.dispatch(text_prompt("y" * 3200))  # 800 tokens
+    assert predicted_ttft(busy.state, text_prompt("x" * 400)) > 0.8  # no poll yet: all of it
+    speed = {"step_time_s": 0.02, "prefill_s_per_token": 1e-3}
+    busy.state_polled({"queued_prefill_tokens": 50, **speed}, sent_at=time.monotonic())
+    idle.state_polled({"queued_prefill_tokens": 0, **speed}, sent_at=time.monotonic())
+    assert busy.state.prefill_sent_since_poll == 0  # the poll saw it: 50 tokens are left
+    short = idle.dispatch(text_prompt("x" * 400))  # sent after the poll: added to it
+    assert idle.state.prefill_sent_since_poll == 100
+    other = text_prompt("z" * 400)  # no prefix either holds
+    assert predicted_ttft(busy.state, other) == pytest.approx(0.02 + (50 + 100) * 1e-3)
+    assert predicted_ttft(idle.state, other) == pytest.approx(0.02 + (100 + 100) * 1e-3)
+    short.first_token()
+    assert idle.state.prefill_sent_since_poll == 0
+    long.done()
+    assert busy.state.inflight_prefill_tokens == 0 and busy.state.prefill_sent_since_poll == 0

@@ -1,0 +1,98 @@
+"""The KV block layout both sides of a hand-over must share, and its check.
+
+A block is `[block_size, num_kv_heads, head_dim]` of `kv_dtype` per layer, for K and for V (the
+cache of runtime/model_runner.py). With an fp8 cache the stored values are `k / k_scale`, so the
+decode side must also hold the same scales: they are compared as tensors of any shape (one per
+layer today, one per head once calibrated per head), exactly, value for value. The model's shape
+(vocabulary, hidden size, attention heads) is compared too: a cache computed by another model has
+the right shape and the wrong meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from slimserve.runtime.disagg.errors import KVLayoutError
+
+# field -> the flag that sets it on `runtime serve` (how the user fixes a mismatch)
+FIXES = {"kv_dtype": "--kv-cache-dtype (and --dtype)", "block_size": "--block-size",
+         "num_kv_heads": "the same model", "head_dim": "the same model",
+         "num_layers": "the same model (and no pipeline split)", "vocab_size": "the same model",
+         "hidden_size": "the same model", "num_heads": "the same model"}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    kv_dtype: str  # torch dtype name of the cache, e.g. "float32", "float8_e4m3fn"
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    # per layer: (k_scale, v_scale) as fp32 CPU tensors of any shape; None: the cache is unscaled
+    scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = field(default=None,
+                                                                          compare=False)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.kv_dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    def fields(self) -> dict[str, Any]:
+        """The scalar fields (the scales travel as tensors beside them)."""
+        d = asdict(self)
+        d.pop("scales")
+        return d
+
+    def check_matches(self, remote: "KVLayout", remote_name: str = "the prefill replica") -> None:
+        """KVLayoutError naming the first field (or scale) that differs between `remote` and us."""
+        mine, theirs = self.fields(), remote.fields()
+        for key, value in mine.items():
+            if theirs.get(key) != value:
+                raise KVLayoutError(f"KV layout mismatch: {key} is {theirs.get(key)!r} on "
+                                    f"{remote_name} but {value!r} here; start both with "
+                                    f"{FIXES.get(key, 'the same settings')}")
+        if (self.scales is None) != (remote.scales is None):
+            raise KVLayoutError(f"KV layout mismatch: {remote_name} "
+                                f"{'has no' if remote.scales is None else 'has'} FP8 k/v scales, "
+                                f"this replica {'has' if remote.scales is None else 'has none'}; "
+                                "serve the same artifact with the same --kv-cache-dtype")
+        if self.scales is None:
+            return
+        for i, (here, there) in enumerate(zip(self.scales, remote.scales)):  # type: ignore[arg-type]
+            for name, a, b in (("k_scale", here[0], there[0]), ("v_scale", here[1], there[1])):
+                if a.shape != b.shape:
+                    raise KVLayoutError(f"KV layout mismatch: layer {i} {name} has shape "
+                                        f"{list(b.shape)} on {remote_name} but {list(a.shape)} "
+                                        "here; serve the same artifact on both")
+                if not torch.equal(a, b):
+                    raise KVLayoutError(f"KV layout mismatch: layer {i} {name} differs "
+                                        f"({b.flatten()[:4].tolist()} on {remote_name}, "
+                                        f"{a.flatten()[:4].tolist()} here): fp8 K/V would be "
+                                        "rescaled wrongly; serve the same artifact on both")
+
+
+def _scales_of(model: torch.nn.Module) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    out = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        out.append((attn.k_scale.detach().float().cpu().clone(),
+                    attn.v_scale.detach().float().cpu().clone()))
+    return tuple(out)
+
+
+def layout_of(runner: Any) -> KVLayout:
+    """The layout of a ModelRunner's KV cache (runtime/model_runner.py)."""
+    spec = runner.model.spec
+    fp8 = runner.kv_dtype.itemsize == 1
+    return KVLayout(str(runner.kv_dtype).removeprefix("torch."), runner.block_size,
+                    runner.kv_heads, spec.head_dim, len(runner.kv_caches), spec.vocab_size,
+                    spec.hidden_size, spec.num_heads, _scales_of(runner.model) if fp8 else None)
