@@ -46,9 +46,10 @@ def last_line(text: str) -> str:
 
 
 def json_tail(text: str) -> dict | None:
-    """The JSON object on the last line of `text`, or None when there is none."""
+    """The JSON object on the last line of `text` (however long), or None when there is none."""
+    lines = [s.strip() for s in text.replace("\r", "\n").splitlines() if s.strip()]
     try:
-        obj = json.loads(last_line(text))
+        obj = json.loads(lines[-1]) if lines else None
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None

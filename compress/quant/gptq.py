@@ -67,13 +67,16 @@ def accumulate_hessian(h: torch.Tensor, x: torch.Tensor, count: int) -> int:
 
 
 def output_loss(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
-    """tr((W - W_hat) H (W - W_hat)^T) / N, in float64.
+    """tr((W - W_hat) H (W - W_hat)^T) / N: the product in fp32, the sum in float64.
 
     With H from accumulate_hessian this is 2 x the mean squared error of the Linear's outputs on
-    the calibration tokens (per output element), so GPTQ and RTN losses compare directly.
+    the calibration tokens (per output element), so GPTQ and RTN losses compare directly. Every
+    row's term d H d^T is >= 0 (H is PSD), so nothing cancels and fp32's ~1e-6 relative rounding
+    of the [N, K] x [K, K] product (a quarter of float64's cost) stays ~1e-6 in the result.
     """
-    d = w.double() - w_hat.double()  # [N, K]
-    return max(float(((d @ h.double().to(d.device)) * d).sum() / d.shape[0]), 0.0)
+    d = w.float() - w_hat.float()  # [N, K]
+    dh = d @ h.float().to(d.device)
+    return max(float((dh.double() * d.double()).sum() / d.shape[0]), 0.0)
 
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor | None, float]:
@@ -90,11 +93,14 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> tuple[torch.Tensor |
     eye = torch.eye(k, dtype=hd.dtype, device=hd.device)
     tries = [damp] + [max(damp, 1e-3) * f for f in _DAMP_RETRIES]
     for d in tries:
-        lower, info = torch.linalg.cholesky_ex(hd + d * mean_diag * eye)
+        # One Cholesky and one triangular inverse: with J the column reversal, J M J = L L^T
+        # (L lower) gives M^-1 = (J L^-1 J)^T (J L^-1 J), and J L^-1 J is upper triangular with a
+        # positive diagonal, so it is U itself (no explicit inverse, no second Cholesky).
+        lower, info = torch.linalg.cholesky_ex((hd + d * mean_diag * eye).flip(0, 1))
         if info.item() != 0:
             continue
-        u, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
-        if info.item() == 0 and torch.isfinite(u).all():
+        u = torch.linalg.solve_triangular(lower, eye, upper=False).flip(0, 1)
+        if torch.isfinite(u).all():
             return u.float(), d
     return None, tries[-1]
 
@@ -151,13 +157,18 @@ def group_of_position(perm: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     return perm // args.group_size
 
 
-def gptq(
-    w: torch.Tensor, h: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
-    block_size: int = 128, damp: float = 0.01,
-) -> GptqResult:
-    """GPTQ of w [N, K] against H [K, K]; see the module docstring for the exact variant."""
-    _check_inputs(w, h, args, block_size, damp)
-    h = h.to(w.device)
+@dataclass(slots=True)
+class HessianFactor:
+    """What GPTQ derives from H alone, shared by every Linear that reads the same input."""
+
+    perm: torch.Tensor  # int64 [K] processing order (column_order)
+    u: torch.Tensor  # [K, K] fp32 upper Cholesky factor of the damped H^-1, in processing order
+    damp: float  # dampening fraction actually used
+    fallback: str | None  # why H = I (plain RTN) is used instead, or None
+
+
+def factor_hessian(h: torch.Tensor, args: QuantArgs, damp: float = 0.01) -> HessianFactor:
+    """Column order and inverse-Hessian factor of H [K, K] (one Cholesky pass for all its readers)."""
     perm = column_order(h, args)  # [K]; dead inputs (diag 0) come last
     hp = _prepare_hessian(h)[perm][:, perm]  # [K, K] fp32, in processing order
     u, used = inverse_hessian_factor(hp, damp)
@@ -166,13 +177,51 @@ def gptq(
         fallback = (f"Cholesky of H failed even with dampening {used:g} (H not finite or not PSD); "
                     "quantized with round-to-nearest (H = I)")
         u = torch.eye(hp.shape[0], device=hp.device)
-    gid = group_of_position(perm, args)
-    codes, scale, zp, err_sq = _quantize_columns(w.float()[:, perm], u, gid, args, scale_dtype, block_size)
-    inv = torch.argsort(perm)
+    return HessianFactor(perm, u, used, fallback)
+
+
+def gptq(
+    w: torch.Tensor, h: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
+    block_size: int = 128, damp: float = 0.01,
+) -> GptqResult:
+    """GPTQ of w [N, K] against H [K, K]; see the module docstring for the exact variant."""
+    return gptq_shared([w], h, args, scale_dtype, block_size, damp)[0]
+
+
+def gptq_shared(
+    ws: list[torch.Tensor], h: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
+    block_size: int = 128, damp: float = 0.01,
+) -> list[GptqResult]:
+    """GPTQ of several weights [N_i, K] that read the same input, so share H [K, K] (q/k/v, gate/up).
+
+    H is factored once and one column loop runs over their stacked rows: GPTQ treats every output
+    row independently given H (each row's error only moves that row's later columns, and a row's
+    group scales depend on that row alone), so each result is `gptq(w_i, h)`'s, up to the fp32
+    rounding of the lazy-update matmul, whose summation order may depend on the row count
+    (tests/compress/test_gptq.py), at the cost of one loop instead of one per Linear.
+    """
+    for w in ws:
+        _check_inputs(w, h, args, block_size, damp)
+    if not ws:
+        return []
+    h = h.to(ws[0].device)
+    f = factor_hessian(h, args, damp)
+    gid = group_of_position(f.perm, args)
+    rows = [w.shape[0] for w in ws]
+    stacked = torch.cat([w.float() for w in ws]) if len(ws) > 1 else ws[0].float()
+    codes, scale, zp, err_sq = _quantize_columns(stacked[:, f.perm], f.u, gid, args, scale_dtype, block_size)
+    inv = torch.argsort(f.perm)
     g_idx = gid[inv].to(torch.int32) if args.actorder == "group" else None
-    qw = QuantizedWeight(codes=codes[:, inv].contiguous(), scale=scale, zero_point=zp, g_idx=g_idx, args=args)
-    loss = output_loss(w, qw.dequantize(torch.float32), h)
-    return GptqResult(qweight=qw, loss=loss, loop_loss=err_sq / w.shape[0], damp=used, fallback=fallback)
+    zps = zp.split(rows) if zp is not None else [None] * len(ws)
+    out = []
+    for w, c, s, z, e in zip(ws, codes.split(rows), scale.split(rows), zps, err_sq.split(rows)):
+        qw = QuantizedWeight(codes=c[:, inv].contiguous(), scale=s.contiguous(),
+                             zero_point=None if z is None else z.contiguous(),
+                             g_idx=None if g_idx is None else g_idx.clone(), args=args)
+        loss = output_loss(w, qw.dequantize(torch.float32), h)
+        out.append(GptqResult(qweight=qw, loss=loss, loop_loss=float(e.sum()) / w.shape[0], damp=f.damp,
+                              fallback=f.fallback))
+    return out
 
 
 def gptq_quantize(
@@ -189,12 +238,12 @@ def gptq_quantize(
 def _quantize_columns(
     w: torch.Tensor, u: torch.Tensor, gid: torch.Tensor, args: QuantArgs,
     scale_dtype: torch.dtype, block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The GPTQ loop in processing order on w [N, K] (updated in place) with factor u [K, K].
 
     Returns codes int8 [N, K] (processing order), scale [N, G] (scale_dtype), zero point int8
-    [N, G] or None, and sum_p ||e_p||^2 / U[p,p]^2. Groups are indexed by gid [K] (group of each
-    processing position).
+    [N, G] or None, and per row sum_p e_p^2 / U[p,p]^2 (float64 [N]). Groups are indexed by gid
+    [K] (group of each processing position).
     """
     n, k = w.shape
     g = num_groups(k, args)
@@ -204,34 +253,46 @@ def _quantize_columns(
     # Rows of U over their diagonal: e U[p, :] with e = (w - q) / U[p, p] becomes (w - q) us[p, :].
     diag = torch.diagonal(u)  # [K]
     us = u / diag.unsqueeze(1)  # [K, K] upper, unit diagonal
-    err_sq = torch.zeros((), dtype=torch.float64, device=w.device)
+    err_sq = torch.zeros(n, dtype=torch.float64, device=w.device)
     gid_list = gid.tolist()
     members = _members(gid, g)  # positions of each group, ascending
     first = [int(m[0]) if m.numel() else -1 for m in members]  # position that fits each group
     fitted: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> fp32 scale, zp [N]
+    qmin, qmax = float(args.qmin), float(args.qmax)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        w1 = w[:, i1:i2].clone()  # [N, B] block being quantized, updated within the block
-        err = torch.zeros_like(w1)  # [N, B] rounding errors w - q of the block's columns
+        # The block transposed, [B, N]: column p is the contiguous row p - i1, so each column's
+        # few elementwise ops (the loop's whole cost at these sizes) run on contiguous memory.
+        w1t = w[:, i1:i2].t().contiguous()  # block being quantized, updated within the block
+        errt = torch.empty_like(w1t)  # rounding errors w - q of the block's columns
+        qt = torch.empty_like(w1t)  # codes of the block's columns, as floats
         for p in range(i1, i2):
             j, c = gid_list[p], p - i1
             if first[j] == p:  # first column of group j: fit its qparams now
-                cols = _current_columns(w, w1, err, us, i1, p, i2, members[j])
+                cols = _current_columns(w, w1t, errt, us, i1, p, i2, members[j])
                 s, z = qparams_from_range(cols.amin(dim=1), cols.amax(dim=1), args, scale_dtype)
                 scale[:, j] = s
                 if zp is not None:
                     zp[:, j] = z
                 fitted[j] = (s.float(), None if z is None else z.float())
-            x, (s, z) = w1[:, c], fitted[j]
+            x, q, e, (s, z) = w1t[c], qt[c], errt[c], fitted[j]
             # primitives.quantize's arithmetic: round(clamp(x / s + zp, qmin, qmax)).
-            q = torch.clamp(x / s if z is None else x / s + z, args.qmin, args.qmax).round_()
-            codes[:, p] = q
-            e = x - (q * s if z is None else (q - z) * s)  # [N]
-            err[:, c] = e
-            w1[:, c + 1:].addr_(e, us[p, p + 1:i2], alpha=-1.0)
+            torch.div(x, s, out=q)
+            if z is not None:
+                q.add_(z)
+            q.clamp_(qmin, qmax).round_()
+            if z is None:
+                torch.mul(q, s, out=e)
+            else:
+                torch.sub(q, z, out=e).mul_(s)
+            torch.sub(x, e, out=e)  # e = x - dequantized q
+            if c + 1 < i2 - i1:
+                w1t[c + 1:].addr_(us[p, p + 1:i2], e, alpha=-1.0)
+        codes[:, i1:i2] = qt.t()
+        err = errt.t().contiguous()  # [N, B]
         w[:, i2:] -= err @ us[i1:i2, i2:]  # lazy batch update of the columns after the block
-        err_sq += ((err.double() / diag[i1:i2].double()) ** 2).sum()
-    return codes, scale, zp, float(err_sq)
+        err_sq += ((err.double() / diag[i1:i2].double()) ** 2).sum(dim=1)
+    return codes, scale, zp, err_sq
 
 
 def _members(gid: torch.Tensor, g: int) -> list[torch.Tensor]:
@@ -242,16 +303,16 @@ def _members(gid: torch.Tensor, g: int) -> list[torch.Tensor]:
 
 
 def _current_columns(
-    w: torch.Tensor, w1: torch.Tensor, err: torch.Tensor, us: torch.Tensor,
+    w: torch.Tensor, w1t: torch.Tensor, errt: torch.Tensor, us: torch.Tensor,
     i1: int, p: int, i2: int, pos: torch.Tensor,
 ) -> torch.Tensor:
     """[N, len(pos)] current values of the not-yet-quantized positions pos (all >= p).
 
-    Inside the block they are in w1; after it, w still lacks this block's pending update from
-    the columns i1..p-1, which is applied here to a temporary.
+    Inside the block they are in w1t (transposed); after it, w still lacks this block's pending
+    update from the columns i1..p-1 (errt's first rows), which is applied here to a temporary.
     """
     inside, after = pos[pos < i2], pos[pos >= i2]
-    parts = [w1[:, inside - i1]]
+    parts = [w1t[inside - i1].t()]
     if after.numel():
-        parts.append(w[:, after] - err[:, : p - i1] @ us[i1:p][:, after])
+        parts.append(w[:, after] - errt[: p - i1].t().contiguous() @ us[i1:p][:, after])
     return torch.cat(parts, dim=1)

@@ -1,9 +1,11 @@
 """The `gptq` stage: collect each Linear's input Hessian layer by layer and quantize it with GPTQ.
 
 Inside a decoder layer the Linears are quantized true-sequentially in the architecture mapping's
-groups ([q,k,v], [o], [gate,up], [down]): forward hooks collect H for one group while the cached
-calibration inputs are replayed, the group is quantized and written back as fake-quant weights,
-and only then is the next group's H collected, so it sees the already-quantized earlier groups.
+groups ([q,k,v], [o], [gate,up], [down]): pre-hooks collect H for one group while the cached
+calibration inputs are replayed (each batch stops once the group's inputs are seen), the group is
+quantized and written back as fake-quant weights, and only then is the next group's H collected,
+so it sees the already-quantized earlier groups. Linears that read one input (q/k/v, gate/up)
+share one H, one factorization and one GPTQ column loop (compress/quant/gptq.py `gptq_shared`).
 The calibration engine then feeds the compressed layer's outputs to the next layer.
 """
 
@@ -19,7 +21,7 @@ from torch import nn
 
 from slimserve.compress.calibration import LayerContext
 from slimserve.compress.mappings import mapping_for
-from slimserve.compress.quant.gptq import accumulate_hessian, gptq, output_loss
+from slimserve.compress.quant.gptq import accumulate_hessian, gptq_shared, output_loss
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.compress.quant.stages import WeightQuantOptions, write_quantized
 from slimserve.compress.stage import CompressionState, Stage, StageReport
@@ -90,12 +92,11 @@ class GptqStage(Stage):
     @torch.no_grad()
     def compress_layer(self, ctx: LayerContext) -> None:
         for group in self._groups(ctx):
-            hessians, counts = _collect_hessians(ctx, group)
-            for rel in group:
-                name = f"{ctx.prefix}.{rel}"
-                if counts[rel] == 0:
-                    self._notes.append(f"{name} received no calibration tokens; its H is 0, so GPTQ = RTN")
-                self._quantize(ctx.state, name, ctx.module(rel), hessians.pop(rel))
+            for readers, h, count in _collect_hessians(ctx, group):
+                names = [f"{ctx.prefix}.{rel}" for rel in readers]
+                if count == 0:
+                    self._notes += [f"{n} received no calibration tokens; its H is 0, so GPTQ = RTN" for n in names]
+                self._quantize(ctx.state, names, [ctx.module(rel) for rel in readers], h)
 
     def _groups(self, ctx: LayerContext) -> list[list[str]]:
         """This layer's targeted Linears (relative names) in true-sequential groups."""
@@ -106,16 +107,18 @@ class GptqStage(Stage):
         rest = [r for r in targeted if r not in covered]  # Linears the mapping does not list
         return [g for g in groups + [rest] if g]
 
-    def _quantize(self, state: CompressionState, name: str, lin: nn.Linear, h: torch.Tensor) -> None:
+    def _quantize(self, state: CompressionState, names: list[str], lins: list[nn.Linear], h: torch.Tensor) -> None:
+        """GPTQ of Linears that read one input (one H, one factorization: gptq_shared), written back."""
         args, opts = self.scheme.weights, self.options
-        w = lin.weight.data.float()  # the layer may replay in bf16 (calibration.dtype)
-        res = gptq(w, h, args, state.storage_dtype, opts.block_size, opts.dampening_frac)
-        rtn = quantize_weight(w.cpu(), args, state.storage_dtype)  # RTN's min/max runs on CPU only
-        rtn_loss = output_loss(w, rtn.dequantize(torch.float32).to(w.device), h)
-        self._losses[name] = {"gptq_loss": res.loss, "rtn_loss": rtn_loss, "damp": res.damp}
-        if res.fallback:
-            self._fallbacks[name] = res.fallback
-        self.report.modules.append(write_quantized(state, name, lin, res.qweight, self.scheme))
+        ws = [lin.weight.data.float() for lin in lins]  # the layer may replay in bf16 (calibration.dtype)
+        results = gptq_shared(ws, h, args, state.storage_dtype, opts.block_size, opts.dampening_frac)
+        for name, lin, w, res in zip(names, lins, ws, results):
+            rtn = quantize_weight(w.cpu(), args, state.storage_dtype)  # RTN's min/max runs on CPU only
+            rtn_loss = output_loss(w, rtn.dequantize(torch.float32).to(w.device), h)
+            self._losses[name] = {"gptq_loss": res.loss, "rtn_loss": rtn_loss, "damp": res.damp}
+            if res.fallback:
+                self._fallbacks[name] = res.fallback
+            self.report.modules.append(write_quantized(state, name, lin, res.qweight, self.scheme))
 
     @torch.no_grad()
     def finalize(self, state: CompressionState) -> StageReport:
@@ -134,11 +137,18 @@ class GptqStage(Stage):
         return self.report
 
 
-def _collect_hessians(ctx: LayerContext, rels: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Replay the layer (up to the last of `rels`) with hooks; H [K, K] fp32 and token counts.
+class _Collected(Exception):
+    """Raised by the last Hessian pre-hook of a replay: nothing after those inputs is needed."""
+
+
+def _collect_hessians(ctx: LayerContext, rels: list[str]) -> list[tuple[list[str], torch.Tensor, int]]:
+    """Replay the layer up to the inputs of `rels`: (readers, H [K, K] fp32, tokens) per input.
 
     Linears that read one tensor (q/k/v after the input norm, gate/up: the mapping's smooth
-    groups) share one accumulation; each gets its own copy of H.
+    groups) share one accumulation, and GPTQ then factors that H once for all of them. H only
+    needs a Linear's input, so each batch stops in a pre-hook as soon as every input of the group
+    has been seen: the group's own Linears and everything after them never run (the q/k/v replay
+    is the input norm alone, the down_proj one skips down_proj).
     """
     owner = {rel: rel for rel in rels}
     for m in ctx.mapping.smooth:
@@ -147,6 +157,7 @@ def _collect_hessians(ctx: LayerContext, rels: list[str]) -> tuple[dict[str, tor
             owner[rel] = readers[0]
     hessians: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
+    pending: set[str] = set()
     handles = []
     for rel in dict.fromkeys(owner.values()):
         lin = ctx.module(rel)
@@ -154,19 +165,36 @@ def _collect_hessians(ctx: LayerContext, rels: list[str]) -> tuple[dict[str, tor
                                     device=lin.weight.device)
         counts[rel] = 0
 
-        def hook(_mod, args, _out, rel=rel):
+        def hook(_mod, args, rel=rel):
             counts[rel] = accumulate_hessian(hessians[rel], args[0].detach(), counts[rel])
+            pending.discard(rel)
+            if not pending:
+                raise _Collected
 
-        handles.append(lin.register_forward_hook(hook))
+        handles.append(lin.register_forward_pre_hook(hook))
     try:
-        ctx.forward(stop_after=[ctx.module(rel) for rel in rels])
+        with torch.no_grad():
+            for hidden, kwargs in zip(ctx.inputs.hidden, ctx.inputs.kwargs):
+                pending.update(hessians)
+                try:
+                    ctx.layer(hidden.to(ctx.device), **_on_device(kwargs, ctx.device))
+                except _Collected:
+                    pass
     finally:
         for handle in handles:
             handle.remove()
-    for rel, first in owner.items():
-        if rel != first:
-            hessians[rel], counts[rel] = hessians[first].clone(), counts[first]
-    return hessians, counts
+    return [([r for r in rels if owner[r] == first], hessians[first], counts[first]) for first in hessians]
+
+
+def _on_device(obj, device: torch.device):
+    """Tensors inside the cached layer kwargs (tuples, lists, dicts) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_on_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _on_device(v, device) for k, v in obj.items()}
+    return obj
 
 
 def _ratio_summary(losses: dict[str, dict[str, float]]) -> dict:

@@ -41,10 +41,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--actorder", choices=["static", "group", "none"], default="static",
                    help="GPTQ column order (llm-compressor 0.14's default: static)")
     p.add_argument("--dampening-frac", type=float, default=0.01, help="Hessian dampening (llm-compressor's default)")
+    p.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block (llm-compressor's default)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="dtype the model is loaded and calibrated in (auto: the checkpoint's)")
+    p.add_argument("--dump-fakequant", type=Path,
+                   help="also write the fake-quantized Linear weights of three decoder layers here (safetensors)")
     return p.parse_args(argv)
 
 
-def gptq_modifier(bits: int, group_size: int, actorder: str, dampening_frac: float):
+def gptq_modifier(bits: int, group_size: int, actorder: str, dampening_frac: float, block_size: int = 128):
     from llmcompressor.modifiers.quantization import GPTQModifier
 
     weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group",
@@ -54,7 +59,25 @@ def gptq_modifier(bits: int, group_size: int, actorder: str, dampening_frac: flo
         ignore=["lm_head"],
         actorder=None if actorder == "none" else actorder,
         dampening_frac=dampening_frac,
+        block_size=block_size,
     )
+
+
+def dump_fakequant(model, path: Path) -> list[int]:
+    """The Linear weights of the first, middle and last decoder layer as float32 safetensors
+    (after oneshot they hold GPTQ's fake-quantized values); returns those layer indices."""
+    import torch
+    from safetensors.torch import save_file
+
+    n = model.config.num_hidden_layers
+    layers = sorted({0, n // 2, n - 1})
+    prefixes = tuple(f"model.layers.{i}." for i in layers)
+    tensors = {f"{name}.weight": mod.weight.detach().to(torch.float32).contiguous()
+               for name, mod in model.named_modules()
+               if isinstance(mod, torch.nn.Linear) and name.startswith(prefixes)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path))
+    return layers
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,18 +92,20 @@ def main(argv: list[str] | None = None) -> None:
     ids = load_ids(args.calib_ids)
     num_samples, seq_len = len(ids), len(ids[0])
     dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * seq_len for _ in ids]})
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=args.dtype)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     t0 = time.perf_counter()
     oneshot(
         model=model,
         dataset=dataset,
-        recipe=gptq_modifier(args.bits, args.group_size, args.actorder, args.dampening_frac),
+        recipe=gptq_modifier(args.bits, args.group_size, args.actorder, args.dampening_frac, args.block_size),
         max_seq_length=seq_len,
         num_calibration_samples=num_samples,
         shuffle_calibration_samples=False,
     )
     seconds_oneshot = time.perf_counter() - t0
+    dumped = dump_fakequant(model, args.dump_fakequant) if args.dump_fakequant else None
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, save_compressed=True)
     tokenizer.save_pretrained(args.out)
@@ -92,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
         "bits": args.bits,
         "group_size": args.group_size,
         "actorder": args.actorder,
+        "dampening_frac": args.dampening_frac,
+        "block_size": args.block_size,
+        "dtype": dtype,
+        "fakequant_layers": dumped,
         "versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "torch", "transformers")},
     }
     print(json.dumps(result), flush=True)

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from slimserve.compress.quant.gptq import accumulate_hessian, gptq, gptq_quantize, output_loss
+from slimserve.compress.quant.gptq import (
+    accumulate_hessian,
+    factor_hessian,
+    gptq,
+    gptq_quantize,
+    gptq_shared,
+    output_loss,
+)
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.runtime.artifact.scheme import QuantArgs
 
@@ -203,3 +210,48 @@ def test_bad_inputs_named():
         gptq(torch.randn(8, 64), torch.eye(32), args, torch.float32)
     with pytest.raises(ValueError, match="block_size=0"):
         gptq(torch.randn(8, 64), torch.eye(64), args, torch.float32, block_size=0)
+
+
+@pytest.mark.parametrize("args", [
+    QuantArgs(4, group_size=32, actorder="static"),
+    QuantArgs(4, symmetric=False, group_size=64, actorder="group"),
+    QuantArgs(3, group_size=128),
+    QuantArgs(8, strategy="channel", group_size=None),
+], ids=["w4g32-static", "w4g64-asym-group", "w3g128", "w8-channel"])
+def test_shared_hessian_equals_one_module_at_a_time(data, args):
+    """gptq_shared (q/k/v, gate/up: one H, one factorization, one loop over the stacked rows) gives
+    every Linear what gptq gives it alone: the per-row arithmetic is the same, only the lazy-update
+    matmul may sum in another order for another row count (fp32 rounding), so codes, scales and
+    losses agree up to rare rounding flips."""
+    w, _, h = data
+    g = torch.Generator().manual_seed(1)
+    ws = [w, torch.randn(24, K, generator=g) * 0.05, torch.randn(40, K, generator=g) * 0.02]
+    shared = gptq_shared(ws, h, args, torch.bfloat16, block_size=48)
+    assert [r.qweight.codes.shape for r in shared] == [wi.shape for wi in ws]
+    for wi, res in zip(ws, shared):
+        alone = gptq(wi, h, args, torch.bfloat16, block_size=48)
+        a, b = alone.qweight, res.qweight
+        assert (a.codes == b.codes).float().mean() >= 0.999
+        assert (a.scale == b.scale).float().mean() >= 0.99
+        assert (a.zero_point is None) == (b.zero_point is None)
+        assert a.zero_point is None or (a.zero_point == b.zero_point).float().mean() >= 0.99
+        assert (a.g_idx is None) == (b.g_idx is None) and (a.g_idx is None or torch.equal(a.g_idx, b.g_idx))
+        assert res.loss == pytest.approx(alone.loss, rel=1e-3) and res.damp == alone.damp
+        assert res.loop_loss == pytest.approx(alone.loop_loss, rel=1e-3)
+        assert res.loss == pytest.approx(output_loss(wi, b.dequantize(torch.float32), h), rel=1e-6)
+    assert gptq_shared([], h, args, torch.float32) == []
+
+
+def test_factor_hessian_is_what_gptq_uses(data):
+    """One factorization serves every reader of H: order by descending diag(H), U upper with
+    U^T U = (H + damp * mean diag * I)^-1."""
+    _, _, h = data
+    f = factor_hessian(h, QuantArgs(4, group_size=32, actorder="static"), 0.01)
+    assert torch.equal(f.perm, torch.argsort(torch.diagonal(h), descending=True, stable=True))
+    hp = h[f.perm][:, f.perm].double()
+    damped = hp + 0.01 * torch.diagonal(hp).mean() * torch.eye(K, dtype=torch.float64)
+    u = f.u.double()
+    assert torch.equal(u, torch.triu(u)) and f.fallback is None and f.damp == 0.01
+    torch.testing.assert_close(u.T @ u, torch.linalg.inv(damped), rtol=1e-4, atol=1e-6 * float(u.abs().max()) ** 2)
+    natural = factor_hessian(h, QuantArgs(4, group_size=32, actorder=None), 0.01)
+    assert torch.equal(natural.perm, torch.arange(K))
