@@ -203,23 +203,9 @@ class Router:
                 raise APIError(503, f"{what}; retry later", code="no_replica",
                                headers={"Retry-After": "1"})
             tried.add(replica.url)
-            ticket = replica.dispatch(prompt)
-            try:
-                resp = await self._send(request, replica, ticket, path, body, headers)
-            except BaseException:
-                ticket.done()
-                raise
-            if resp is None:  # refused before starting: try another
-                ticket.done()
-                self.metrics.retries.inc()
-                continue
-            try:
-                return await self._relay(request, replica, ticket, resp)
-            except BaseException:
-                ticket.done()
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
-                raise
+            out = await self._attempt(request, replica, replica.dispatch(prompt), path, body, headers)
+            if out is not None:
+                return out  # else refused before starting: try another
 
     async def _handover(self, request: Request, path: str, body: bytes, prompt: PromptInfo,
                         headers: dict[str, str]) -> Response:
@@ -269,23 +255,30 @@ class Router:
                 raise APIError(503, f"{what}; retry later", code="no_replica",
                                headers={"Retry-After": "1"})
             tried.add(replica.url)
-            ticket = replica.dispatch(PromptInfo(1))
-            try:
-                resp = await self._send(request, replica, ticket, path, body, kv)
-            except BaseException:
-                ticket.done()
-                raise
-            if resp is None:  # refused before reading the segments: the next one may
-                ticket.done()
-                self.metrics.retries.inc()
-                continue
-            try:
-                return await self._relay(request, replica, ticket, resp)
-            except BaseException:
-                ticket.done()
-                with anyio.CancelScope(shield=True):
-                    await resp.aclose()
-                raise
+            out = await self._attempt(request, replica, replica.dispatch(PromptInfo(1)), path, body, kv)
+            if out is not None:
+                return out  # else refused before reading the segments: the next one may take it
+
+    async def _attempt(self, request: Request, replica: Replica, ticket: Ticket, path: str, body: bytes,
+                       headers: dict[str, str]) -> Response | None:
+        """Send to `replica` and relay its answer; None (ticket closed, a retry counted) when it
+        refused before starting the request, so the caller tries another."""
+        try:
+            resp = await self._send(request, replica, ticket, path, body, headers)
+        except BaseException:
+            ticket.done()
+            raise
+        if resp is None:
+            ticket.done()
+            self.metrics.retries.inc()
+            return None
+        try:
+            return await self._relay(request, replica, ticket, resp)
+        except BaseException:
+            ticket.done()
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+            raise
 
     async def _send(self, request: Request, replica: Replica, ticket: Ticket, path: str,
                     body: bytes, headers: dict[str, str]) -> httpx.Response | None:

@@ -14,7 +14,7 @@ import pytest
 
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
-from slimserve.eval.bench_quant import CONFIGS, recipe_yaml, workload
+from slimserve.eval.bench_quant import configs, recipe_yaml, workload
 from slimserve.runtime.bench.sysinfo import hardware_info
 
 from tests.helpers import DEMO_MODEL
@@ -40,7 +40,7 @@ def _check(measured: float, printed: float) -> None:
 
 @pytest.mark.parametrize("row", sorted(EXPECTED), ids=lambda r: f"{r[0]}-{r[1]}".replace(" ", "_"))
 def test_bench_quant_row_reproduces_readme_perplexity(row, tmp_path):
-    cfg = next(c for c in CONFIGS if (c.scheme, c.method) == row)
+    cfg = next(c for c in configs(128) if (c.scheme, c.method) == row)
     text = recipe_yaml(DEMO_MODEL, cfg, workload(quick=False), tmp_path / "artifact")
     res = run_recipe(parse_recipe(text, tmp_path / "recipe.yaml"), log=lambda m: None, progress=False)
     _check(res.summary["baseline"]["ppl"], BASELINE)

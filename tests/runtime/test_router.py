@@ -348,6 +348,7 @@ def test_killing_a_replica_mid_load_loses_no_unstarted_request_and_hangs_no_clie
             wait_for(lambda: len(started) == 6, what="6 streams running")
             os.kill(proc.pid, signal.SIGKILL)
             killed = time.monotonic()
+            proc.wait(10)  # dead, not dying: a dying process may still accept a connection and cut it
             # requests sent now: the first that lands on the dead replica finds it refusing
             # connections and goes to the survivor, as does every later one
             with httpx.Client(timeout=30, trust_env=False) as c:
