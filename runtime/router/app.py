@@ -196,13 +196,7 @@ class Router:
             return await self._handover(request, path, body, prompt, headers)
         tried: set[str] = set()
         while True:
-            replica = self._pick(prompt, tried)
-            if replica is None:
-                self.metrics.no_replica.inc()
-                what = "every replica refused the request" if tried else "no replica is up"
-                raise APIError(503, f"{what}; retry later", code="no_replica",
-                               headers={"Retry-After": "1"})
-            tried.add(replica.url)
+            replica = self._next_replica(prompt, tried)
             out = await self._attempt(request, replica, replica.dispatch(prompt), path, body, headers)
             if out is not None:
                 return out  # else refused before starting: try another
@@ -212,14 +206,7 @@ class Router:
         """Prefill on a prefill replica, then continue on a decode replica (module doc)."""
         tried: set[str] = set()
         while True:
-            replica = self._pick(prompt, tried, "prefill")
-            if replica is None:
-                self.metrics.no_replica.inc()
-                what = "every prefill replica refused the request" if tried else \
-                    "no prefill replica is up"
-                raise APIError(503, f"{what}; retry later", code="no_replica",
-                               headers={"Retry-After": "1"})
-            tried.add(replica.url)
+            replica = self._next_replica(prompt, tried, "prefill")
             ticket = replica.dispatch(prompt)
             try:
                 resp = await self._send(request, replica, ticket, path, body,
@@ -247,17 +234,22 @@ class Router:
         kv = {**headers, KV_HEADER: ",".join(segments)}
         tried = set()
         while True:
-            replica = self._pick(PromptInfo(1), tried, "decode")
-            if replica is None:
-                self.metrics.no_replica.inc()
-                what = "every decode replica refused the request" if tried else \
-                    "no decode replica is up"
-                raise APIError(503, f"{what}; retry later", code="no_replica",
-                               headers={"Retry-After": "1"})
-            tried.add(replica.url)
+            replica = self._next_replica(PromptInfo(1), tried, "decode")
             out = await self._attempt(request, replica, replica.dispatch(PromptInfo(1)), path, body, kv)
             if out is not None:
                 return out  # else refused before reading the segments: the next one may take it
+
+    def _next_replica(self, prompt: PromptInfo, tried: set[str], role: str | None = None) -> Replica:
+        """The policy's pick among the replicas (of `role`) not tried yet, now counted as tried;
+        a 503 when none is left."""
+        replica = self._pick(prompt, tried, role)
+        if replica is None:
+            self.metrics.no_replica.inc()
+            kind = f"{role} replica" if role else "replica"
+            what = f"every {kind} refused the request" if tried else f"no {kind} is up"
+            raise APIError(503, f"{what}; retry later", code="no_replica", headers={"Retry-After": "1"})
+        tried.add(replica.url)
+        return replica
 
     async def _attempt(self, request: Request, replica: Replica, ticket: Ticket, path: str, body: bytes,
                        headers: dict[str, str]) -> Response | None:
