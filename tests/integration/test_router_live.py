@@ -25,15 +25,25 @@ pytestmark = pytest.mark.timeout(240)
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
 
 
-def test_data_parallel_serve_behind_the_router(tmp_path):
+def _start_data_parallel(tmp_path, *flags: str):
+    """`runtime serve DEMO --data-parallel-size 2 FLAGS` started and ready: (process, spec);
+    the caller stops it. One that does not come up is stopped here and the error raised."""
     port = free_port()
     cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", str(DEMO), "--port", str(port),
-           "--data-parallel-size", "2", "--kv-cache-memory", "32MiB", "--max-num-seqs", "8"]
+           "--data-parallel-size", "2", "--kv-cache-memory", "32MiB", *flags]
     spec = ServerSpec(cmd, f"http://127.0.0.1:{port}", {**os.environ, "OMP_NUM_THREADS": "1"},
                       tmp_path / "dp.log")
     proc = start_server(spec)
     try:
         wait_ready(proc, spec, time.monotonic() + 200)
+    except BaseException:
+        stop_servers([proc])
+        raise
+    return proc, spec
+
+def test_data_parallel_serve_behind_the_router(tmp_path):
+    proc, spec = _start_data_parallel(tmp_path, "--max-num-seqs", "8")
+    try:
         replicas = httpx.get(spec.url + "/router/replicas", trust_env=False).json()["replicas"]
         assert len(replicas) == 2 and all(r["up"] for r in replicas)
         assert all(r["step_time_s"] is None or r["step_time_s"] > 0 for r in replicas)
@@ -68,14 +78,8 @@ def test_data_parallel_serve_behind_the_router(tmp_path):
 def test_data_parallel_serve_disaggregated(tmp_path):
     """`--data-parallel-size 2 --prefill-replicas 1`: one prefill and one decode replica behind
     the router give the tokens of one colocated engine (its own replica, asked directly)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", str(DEMO), "--port", str(port),
-           "--data-parallel-size", "2", "--prefill-replicas", "1", "--kv-cache-memory", "32MiB"]
-    spec = ServerSpec(cmd, f"http://127.0.0.1:{port}", {**os.environ, "OMP_NUM_THREADS": "1"},
-                      tmp_path / "dp.log")
-    proc = start_server(spec)
+    proc, spec = _start_data_parallel(tmp_path, "--prefill-replicas", "1")
     try:
-        wait_ready(proc, spec, time.monotonic() + 200)
         deadline = time.monotonic() + 10
         while True:
             replicas = httpx.get(spec.url + "/router/replicas", trust_env=False).json()["replicas"]
