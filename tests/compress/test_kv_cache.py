@@ -155,18 +155,24 @@ def _tiny(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_stage_measures_k_after_norm_and_rope(arch):
+def _run_recording(model, ids, name: str, attention, store: list) -> None:
+    """Run `ids` through `model` in two batches with `attention` (which appends to `store`) as
+    its attention implementation, registered under `name`."""
     from transformers import AttentionInterface
 
-    model = _tiny(arch)
-    ids = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(1))
-    AttentionInterface.register("test_capture_kv", _capture_attention)
-    model.set_attn_implementation("test_capture_kv")
-    _SEEN.clear()
+    AttentionInterface.register(name, attention)
+    model.set_attn_implementation(name)
+    store.clear()
     with torch.no_grad():
         model(input_ids=ids[:2], use_cache=False)
         model(input_ids=ids[2:], use_cache=False)
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_stage_measures_k_after_norm_and_rope(arch):
+
+    model = _tiny(arch)
+    ids = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(1))
+    _run_recording(model, ids, "test_capture_kv", _capture_attention, _SEEN)
     k_ref, v_ref = _SEEN[0]  # layer 0 sees the same inputs with and without fp8 KV upstream
 
     state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
@@ -227,17 +233,11 @@ def _record_layer0(module, query, key, value, attention_mask, **kwargs):
 
 
 def test_stage_search_keeps_the_scale_with_least_attention_error():
-    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model = _tiny("llama")
     ids = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(2))
-    AttentionInterface.register("test_record_qkv", _record_layer0)
-    model.set_attn_implementation("test_record_qkv")
-    _QKV.clear()
-    with torch.no_grad():
-        model(input_ids=ids[:2], use_cache=False)
-        model(input_ids=ids[2:], use_cache=False)
+    _run_recording(model, ids, "test_record_qkv", _record_layer0, _QKV)
     attn = model.model.layers[0].self_attn
 
     def error(k_scale=None, v_scale=None) -> float:  # independent of the stage's code path
