@@ -11,14 +11,23 @@ replicas of one model, the same seeded requests at the same Poisson rates:
    near saturation: below it every policy finishes the same work in the same time, and only
    latency can differ. `--rate auto` (the default) first measures the replica set's capacity
    (`--probe-requests` of the workload sent at once to fresh round-robin replicas: completed
-   requests/s) and runs every policy at `--load` (1.0) times it, so the comparison sits near
-   saturation on any machine; a number fixes the rate instead.
+   requests/s) and runs every policy at `--load` times it, so the comparison sits near
+   saturation on any machine; a number fixes the rate instead. At 1.0 the arrivals, not the
+   replicas, set the throughput (every policy completes the same requests over the same span,
+   within 0.1%), so the default `--load` is 1.25: the queues grow during the run, throughput is
+   what the replica set completes, and a policy that leaves one replica idle while the other has
+   a backlog shows it in both P99 TTFT and throughput.
 2. `interference` (prefill/decode disaggregation): a stream of short, decode-heavy requests
    (`--short-chars` prompts, `--short-tokens` outputs, `--short-rate`) while long prompts
    (`--long-chars`, `--long-tokens`, `--long-rate`) arrive, served by `colocated` (two colocated
    replicas, least-latency) and by `disaggregated` (one `--role prefill` and one `--role decode`
    replica): the same total cores. A long prompt's prefill chunks stall every decode on its
    engine; disaggregated, the decode replica never prefills.
+
+`--repeat N` measures every configuration N times, alternating them (run 1 of each, then run 2
+of each, ...), so a slow spell of the machine hits both sides of a comparison; the verdicts take
+the median of the runs and count the runs each side won. One run's P99 of 400 requests is its
+4th-worst request and moves by +-20% between identical runs on the 2-core machine.
 
 Each configuration gets fresh replicas (`runtime serve` processes, `--threads-per-replica` threads
 each) and the router (`runtime router`, its own process). After an untimed warm-up the prefix
@@ -219,24 +228,41 @@ def _line(r: dict) -> str:
             f" | done {r['completed']}/{r['requests']} | per replica {r['served_per_replica']}")
 
 
-def verdicts(results: dict[str, dict]) -> list[str]:
-    """One line per comparison the issue asks for, with who wins."""
+def _median(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+
+
+def _compare(label: str, name_a: str, runs_a: list[dict], name_b: str, runs_b: list[dict],
+             value, lower_wins: bool, fmt: str) -> str:
+    """`label` of a against b over paired runs: the values, their medians, who wins each."""
+    pairs = [(value(a), value(b)) for a, b in zip(runs_a, runs_b)]
+    a_wins = sum((x < y) if lower_wins else (x > y) for x, y in pairs)
+    ma, mb = _median([x for x, _ in pairs]), _median([y for _, y in pairs])
+    winner = name_a if ((ma < mb) if lower_wins else (ma > mb)) else name_b
+    text = f"{label} {name_a} {ma:{fmt}} vs {name_b} {mb:{fmt}} -> {winner} wins"
+    if len(pairs) > 1:
+        each = " / ".join(f"{x:{fmt}} vs {y:{fmt}}" for x, y in pairs)
+        text += f" (medians of {len(pairs)} runs: {each}; {name_a} won {a_wins} of {len(pairs)})"
+    return text
+
+
+def verdicts(results: dict[str, list[dict]]) -> list[str]:
+    """One line per comparison the issue asks for, with who wins (medians over repeated runs)."""
     lines = []
     ll, rr = results.get("least-latency"), results.get("round-robin")
-    if ll and rr and ll["ttft_ms"] and rr["ttft_ms"]:
-        a, b = ll["ttft_ms"]["p99"], rr["ttft_ms"]["p99"]
-        lines.append(f"skewed: P99 TTFT least-latency {a:.0f} ms vs round-robin {b:.0f} ms -> "
-                     f"{'least-latency' if a < b else 'round-robin'} wins; throughput "
-                     f"{ll['output_tokens_per_s']:.1f} vs {rr['output_tokens_per_s']:.1f} tok/s -> "
-                     f"{'least-latency' if ll['output_tokens_per_s'] > rr['output_tokens_per_s'] else 'round-robin'}"
-                     " wins")
+    if ll and rr and all(r["ttft_ms"] for r in ll + rr):
+        lines.append("skewed: " + _compare("P99 TTFT", "least-latency", ll, "round-robin", rr,
+                                           lambda r: r["ttft_ms"]["p99"], True, ".0f")
+                     + "; " + _compare("throughput", "least-latency", ll, "round-robin", rr,
+                                       lambda r: r["output_tokens_per_s"], False, ".1f"))
     co, dis = results.get("colocated"), results.get("disaggregated")
-    if co and dis and co["tpot_ms"] and dis["tpot_ms"]:
-        a, b = dis["tpot_ms"]["p99"], co["tpot_ms"]["p99"]
-        sa, sb = (dis["short"]["tpot_ms"] or {}).get("p99"), (co["short"]["tpot_ms"] or {}).get("p99")
-        lines.append(f"interference: P99 TPOT disaggregated {a:.1f} ms vs colocated {b:.1f} ms -> "
-                     f"{'disaggregated' if a < b else 'colocated'} wins (short requests: "
-                     f"{sa or float('nan'):.1f} vs {sb or float('nan'):.1f} ms)")
+    if co and dis and all(r["tpot_ms"] for r in co + dis):
+        short = [(r["short"]["tpot_ms"] or {}).get("p99", float("nan")) for r in dis + co]
+        lines.append("interference: " + _compare(
+            "P99 TPOT", "disaggregated", dis, "colocated", co, lambda r: r["tpot_ms"]["p99"], True,
+            ".1f") + f" (short requests' P99 TPOT: {_median(short[:len(dis)]):.1f} vs "
+            f"{_median(short[len(dis):]):.1f} ms)")
     return lines
 
 
@@ -250,13 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory", default="128MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every configuration, "
+                    "alternating them; verdicts compare medians")
     g = ap.add_argument_group("skewed")
     g.add_argument("--policies", default="least-latency,round-robin")
     g.add_argument("--num-requests", type=int, default=400)
     g.add_argument("--rate", default="auto", help="requests/s (Poisson), or auto: --load x the "
                    "capacity measured first")
-    g.add_argument("--load", type=float, default=1.0, help="with --rate auto: the fraction of "
-                   "the measured capacity to send")
+    g.add_argument("--load", type=float, default=1.25, help="with --rate auto: the multiple of "
+                   "the measured capacity to send (above 1 the replicas stay busy to the end, so "
+                   "throughput is what they complete, not what arrives)")
     g.add_argument("--probe-requests", type=int, default=48)
     g.add_argument("--skew-short-chars", type=int, default=220, help="characters of a short "
                    "prompt (x the long factor, plus the system prompt, stays inside the demo "
@@ -274,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--long-chars", type=int, default=2800, help="characters of a long prompt (code tokenizes to up to ~2.7 characters a token: inside the demo model's 1,024-token context)")
     g.add_argument("--long-tokens", type=int, default=4)
     args = ap.parse_args(argv)
-    runs: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench_router_") as tmp:
         if args.workload in ("all", "skewed"):
@@ -286,19 +315,22 @@ def main(argv: list[str] | None = None) -> int:
             args.rate = float(args.rate)
             reqs = skewed_workload(args.num_requests, args.skew_short_chars, args.long_factor,
                                    args.max_tokens, args.rate, args.seed)
-            for policy in args.policies.split(","):
-                r = run_config(policy, ["colocated"] * args.replicas, policy, reqs, args, Path(tmp))
-                r["workload"] = "skewed"
-                runs[policy] = r
-                print(_line(r), flush=True)
+            for _ in range(args.repeat):
+                for policy in args.policies.split(","):
+                    r = run_config(policy, ["colocated"] * args.replicas, policy, reqs, args,
+                                   Path(tmp))
+                    r["workload"], r["load_avg_1m"] = "skewed", os.getloadavg()[0]
+                    runs.setdefault(policy, []).append(r)
+                    print(_line(r), flush=True)
         if args.workload in ("all", "interference"):
             reqs = interference_workload(args)
-            for name in args.configs.split(","):
-                roles, policy = INTERFERENCE[name]
-                r = run_config(name, roles, policy, reqs, args, Path(tmp))
-                r["workload"] = "interference"
-                runs[name] = r
-                print(_line(r), flush=True)
+            for _ in range(args.repeat):
+                for name in args.configs.split(","):
+                    roles, policy = INTERFERENCE[name]
+                    r = run_config(name, roles, policy, reqs, args, Path(tmp))
+                    r["workload"], r["load_avg_1m"] = "interference", os.getloadavg()[0]
+                    runs.setdefault(name, []).append(r)
+                    print(_line(r), flush=True)
     load.append(os.getloadavg()[0])
     lines = verdicts(runs)
     for line in lines:

@@ -19,8 +19,10 @@ step running longer than `step_watchdog_s` also makes `health_problem()` report 
 Load (`load()`, for the router's least-latency policy through the server's GET /state): the prompt
 tokens that requests without a first output still have to compute (queued prefill work: less
 what chunked prefill has computed already and what the prefix cache serves, so a replica
-holding a shared prefix does not look busier than it is), and moving averages of the engine's
-step time and of its prefill cost per token, measured on the engine thread.
+holding a shared prefix does not look busier than it is); the sequences decoding and their
+context tokens; the engine's step cost fit online on the engine thread (runtime/step_cost.py:
+fixed, per prefill token, per decoding sequence, per context token), and the characters per
+prompt token of its tokenizer (a router without a tokenizer estimates prompts with it).
 
 Step timing and profiling: `step_timing()` is a copy of the engine's per-phase histograms
 (runtime/step_timing.py) for /metrics. With a `profile_dir`, `start_profile()` and
@@ -71,12 +73,12 @@ from slimserve.runtime.sequence import (
     SamplingParams,
     SequenceStatus,
 )
+from slimserve.runtime.step_cost import StepCost, StepCostFit
 from slimserve.runtime.step_timing import StepTimingSnapshot
 
 log = logging.getLogger(__name__)
 _STOP = object()
-LOAD_EWMA_ALPHA = 0.1  # weight of the newest step in the moving averages of load()
-PREFILL_STEP_TOKENS = 32  # a step computing at least this many tokens counts as a prefill step
+CHARS_EWMA_ALPHA = 0.05  # weight of the newest text prompt in load().chars_per_token
 SEGMENT_EXPIRY_EVERY_S = 1.0  # how often the engine thread unlinks expired KV segments
 
 
@@ -85,15 +87,16 @@ class EngineLoad:
     """What a router needs to predict this engine's time to first token (runtime/router/)."""
 
     queued_prefill_tokens: int  # prompt tokens requests without a first output still compute
-    step_time_s: float | None  # moving average of a decode-dominated step; None before the first
-    prefill_s_per_token: float | None  # moving average of a prefill step's time per token, beyond
-    # a decode step's; None before the first prefill step
     max_num_batched_tokens: int  # tokens one step computes at most
     steps: int  # steps run so far
-
-
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else old + LOAD_EWMA_ALPHA * (new - old)
+    num_decoding: int = 0  # sequences past their prefill (each decodes a token per step)
+    decoding_context_tokens: int = 0  # their tokens so far (what their attention reads)
+    step_cost: StepCost | None = None  # fit of the steps so far; None before MIN_STEPS of them
+    # the cost's decode-only step for the sequences decoding now, and its cost per prefill token
+    # (what an older router reads); None with step_cost
+    step_time_s: float | None = None
+    prefill_s_per_token: float | None = None
+    chars_per_token: float | None = None  # of the text prompts so far (moving average); None: none
 
 
 class _Mailbox:
@@ -147,9 +150,9 @@ class AsyncEngine:
         self._queued = 0  # adds handed to the engine thread and not yet applied (for num_waiting)
         self._prefill: dict[str, int] = {}  # request id -> prompt tokens, until its first output
         self._left: dict[str, int] = {}  # engine thread's snapshot: of those, tokens still to compute
-        self._step_s: float | None = None  # load(): moving averages, written by the engine thread
-        self._prefill_s_per_token: float | None = None
-        self._steps = 0
+        self._cost = StepCostFit()  # load(): written by the engine thread only
+        self._decoding = (0, 0)  # engine thread's snapshot: sequences decoding, their tokens
+        self._chars_per_token: float | None = None
         self.profile_dir = None if profile_dir is None else prepare_profile_dir(profile_dir)
         self._profiler = None if self.profile_dir is None else StepProfiler(
             self.profile_dir, engine.step_timing, cuda=engine.step_timing.cuda,
@@ -186,8 +189,13 @@ class AsyncEngine:
         """Queued prefill tokens and step-time averages (see EngineLoad); cheap, event loop only."""
         left = self._left  # replaced whole by the engine thread, never changed in place
         queued = sum(left.get(rid, n) for rid, n in self._prefill.items())
-        return EngineLoad(queued, self._step_s, self._prefill_s_per_token,
-                          self.config.max_num_batched_tokens, self._steps)
+        decoding, context = self._decoding
+        cost = self._cost.estimate()
+        return EngineLoad(
+            queued, self.config.max_num_batched_tokens, self._cost.steps, decoding, context, cost,
+            step_time_s=None if cost is None else cost.step_s(0, decoding, context),
+            prefill_s_per_token=None if cost is None else cost.per_prefill_token_s,
+            chars_per_token=self._chars_per_token)
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (dead loop, or a step past the watchdog); None if healthy."""
@@ -258,6 +266,10 @@ class AsyncEngine:
         else:
             seq = await loop.run_in_executor(None, self.engine.make_sequence, request_id, prompt,
                                              params)
+            if isinstance(prompt, str):
+                ratio = len(prompt) / len(seq.prompt_token_ids)
+                old = self._chars_per_token
+                self._chars_per_token = ratio if old is None else old + CHARS_EWMA_ALPHA * (ratio - old)
         imported = None
         if kv_export is not None:  # validated with the real parameters; now prefill only
             seq.params = dataclasses.replace(params, max_tokens=1, stop=[],
@@ -357,23 +369,33 @@ class AsyncEngine:
         return True
 
     def _measure(self, seconds: float, seqs: list) -> None:
-        """Fold one step into the load averages: tokens computed = growth of each sequence's
-        computed tokens (a finished one has freed its blocks: all its tokens but the sampled
-        last one were computed; a preempted one shrinks: counted as 0)."""
-        tokens = 0
+        """Fold one step into the step-cost fit. Per sequence, tokens computed = growth of its
+        computed tokens (a finished one has freed its blocks: all its tokens but the sampled last
+        one were computed; a preempted one shrinks: counted as 0; one admitted in this step did
+        not compute its prefix-cache hit); one that had finished its prompt before the step
+        decoded, with its tokens so far as context, the others prefilled."""
+        prefill = decode = context = 0
         for seq, before in seqs:
+            if before == 0 and seq.num_preemptions == 0:  # admitted now: its prefix-cache hit
+                before = seq.num_cached_tokens  # came free, not computed
             done = seq.num_tokens - 1 if seq.status is SequenceStatus.FINISHED else \
                 seq.num_computed_tokens
-            tokens += max(0, done - before)
-        if tokens == 0:
-            return
-        self._steps += 1
-        if tokens < PREFILL_STEP_TOKENS:
-            self._step_s = _ewma(self._step_s, seconds)
-        else:
-            extra = seconds - (self._step_s or 0.0)
-            self._prefill_s_per_token = _ewma(self._prefill_s_per_token,
-                                              max(extra, 0.1 * seconds) / tokens)
+            grown = max(0, done - before)
+            if grown and before >= seq.num_prompt_tokens:
+                decode, context = decode + 1, context + before + 1
+            else:
+                prefill += grown
+        if prefill or decode:
+            self._cost.add(seconds, prefill, decode, context)
+
+    def _decoding_now(self) -> tuple[int, int]:
+        """Engine thread: sequences past their prompt that the next step decodes, their tokens."""
+        decoding = context = 0
+        for rid, req in self.engine.requests.items():
+            seq = req.seq
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decoding, context = decoding + 1, context + seq.num_computed_tokens + 1
+        return decoding, context
 
     def _prefill_left(self) -> dict[str, int]:
         """Engine thread: per request without a first token, the prompt tokens it still has to
@@ -438,6 +460,7 @@ class AsyncEngine:
                     for out in outputs:
                         self._deliver(out, out.request_id)
                     self._left = self._prefill_left()
+                    self._decoding = self._decoding_now()
                 self._stats = self.engine.stats()
         except BaseException as e:  # a bug or device failure: fail every open request loudly
             log.exception("engine loop died")

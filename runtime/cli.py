@@ -34,6 +34,11 @@ console = Console(stderr=True)
 _ENGINE = {f.name: f.default for f in dataclasses.fields(EngineConfig)}  # one source of defaults
 # s that open requests get to finish after Ctrl-C before uvicorn cancels them (they are aborted)
 GRACEFUL_SHUTDOWN_S = 5
+# Seconds an idle keep-alive connection stays open. Clients pool idle connections for 5 s
+# (httpx's and so the openai client's default) and uvicorn's default closes them after 5 s too:
+# a request sent on a connection just as the server closes it fails with a read error (seen
+# once in 400 requests under load). Longer than the clients' expiry, the client closes first.
+KEEP_ALIVE_S = 30
 
 
 def _fail(e: BaseException) -> None:
@@ -303,7 +308,8 @@ def serve(
             await super().shutdown(sockets)
 
     uv_config = uvicorn.Config(api, host=host, port=port, limit_concurrency=max_connections,
-                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                               timeout_keep_alive=KEEP_ALIVE_S)
     logging.getLogger("uvicorn.access").addFilter(_NoStatePolls())  # a router polls ~7/s
     Server(uv_config).run()
 
@@ -334,7 +340,8 @@ def _run_router(urls: list[str], *, policy: str, host: str, port: int, api_key: 
     console.print(f"router ({escape(policy)}) over {len(urls)} replica(s) on "
                   f"http://{host}:{port}/v1", highlight=False, soft_wrap=True)
     uvicorn.run(api, host=host, port=port, limit_concurrency=max_connections,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="warning")
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S,
+                log_level="warning")
 
 
 def _serve_data_parallel(artifact: str, flags: list[str], n: int, device: str, host: str,

@@ -509,9 +509,10 @@ def build_router_app(replica_urls: list[str], *, policy: str = "least-latency",
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # uvicorn closes a keep-alive connection idle for 5 s (timeout_keep_alive); a pooled
-        # connection reused just as a replica closes it fails with "Server disconnected without
-        # sending a response", which would take a healthy replica out: expire ours sooner.
+        # A replica closes a keep-alive connection idle for KEEP_ALIVE_S (runtime/cli.py; 5 s
+        # for an older server); a pooled connection reused just as a replica closes it fails
+        # with "Server disconnected without sending a response", which would take a healthy
+        # replica out: expire ours sooner.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
                               keepalive_expiry=2.0)
         timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=None)

@@ -1,29 +1,37 @@
 """Routing policies: which replica serves a request. Pure logic, no HTTP (runtime/router/app.py
 proxies, runtime/router/replicas.py polls the replicas and keeps the state these functions read).
 
-least-latency (the default) picks the replica with the smallest predicted time to first token:
+least-latency (the default) picks the replica with the smallest predicted time to first token,
+from the load each replica reports on GET /state (runtime/async_engine.py `EngineLoad`) and
+what this router sent it since:
 
-    new     = prompt tokens - tokens of its prefix this replica likely caches (prefix affinity)
-    queued  = queued prefill tokens the replica last reported (tokens left to compute: less its
-              prefix-cache hits and the chunks already computed) + prefill tokens this router
-              sent it after that poll was sent (no poll yet: the larger of the reported tokens
-              and every prefill token it was sent that has no first token)
-    running = max(sequences the replica reported running, this router's requests past prefill)
-    work    = queued + new                                   (prefill tokens ahead of the first token)
-    steps   = 1 + work // max(max_num_batched_tokens - running, 1)     (steps that prefill takes)
-    ttft    = work x prefill_s_per_token + steps x step_time_s
-    ttft   *= 1 + KV_PRESSURE_WEIGHT x max(0, kv_cache_usage - KV_PRESSURE_FROM)
+    new      = prompt tokens - tokens of its prefix this replica likely caches (prefix affinity);
+               a text prompt's tokens are its characters / the replica's characters per token
+    queued   = queued prefill tokens it last reported (tokens left to compute: less prefix-cache
+               hits and chunks already computed), less what it has prefilled since that answer at
+               the rate the cost below gives, + prefill tokens this router sent it after that poll
+               was sent (no poll yet: the larger of the reported tokens and every prefill token it
+               was sent that has no first token)
+    decoding = sequences it reported decoding (at least this router's requests past prefill)
+               + the requests sent after the poll (they decode while this one waits)
+    context  = their tokens (what each decode step's attention reads)
+    decode   = the step cost (runtime/step_cost.py) of one step decoding `decoding` rows of
+               `context` tokens
+    work     = queued + new                                  (prefill tokens ahead of the first token)
+    steps    = ceil(work / max(max_num_batched_tokens - decoding, 1))    (steps that prefill takes)
+    ttft     = steps x decode + work x per_prefill_token
+    ttft    *= 1 + KV_PRESSURE_WEIGHT x max(0, kv_cache_usage - KV_PRESSURE_FROM)
 
-`prefill_s_per_token` and `step_time_s` are the replica's own moving averages (GET /state,
-runtime/async_engine.py `EngineLoad`), fleet defaults until it has measured them. The polled
-state is at most one poll interval old; the router adds what it sent since, so a burst between
-two polls spreads out instead of piling onto the replica that looked idlest at the last poll,
-and traffic that reaches a replica from elsewhere still counts. (It used to take the max of the
-poll and every prompt it had sent without a first token: a long prompt then counted whole until
-its first token, however much of it chunked prefill had computed, and a cached prefix counted
-too, so a replica prefilling a long prompt or holding the shared prefix looked busier than it
-was and least-latency piled the short requests onto the other one.) Ties (equal predictions: idle replicas) go to fewer requests in
-flight from this router, then to the one sent fewer requests so far, then registration order.
+The step cost is the replica's own online fit: fixed, per prefill token, per decoding sequence,
+per context token. Averages of recent step times lag behind a batch that fills up and, taken
+per prefill step, are noisy enough to steer traffic on their own: a replica whose estimate came
+out 4x too high was shunned while it sat idle. A replica that has not fit its cost yet is assumed
+to cost the fleet's mean; an older server reporting only `step_time_s` and `prefill_s_per_token`
+is modelled with those two. Polled state is up to one poll interval old; draining the reported
+queue by what the replica has computed since, and adding what this router sent since, keeps a
+burst between two polls from piling onto the replica that looked idlest at the last one. Ties
+(equal predictions: idle replicas) go to fewer requests in flight from this router, then to the
+one sent fewer requests so far, then registration order.
 
 Prefix affinity (as SGLang's cache-aware router): the first MAX_CHUNKS chunks of the prompt
 (CHUNK_CHARS characters of text, CHUNK_TOKENS ids of a token-id prompt) are hashed cumulatively
@@ -42,18 +50,23 @@ random cycle / draw over them.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from slimserve.runtime.step_cost import FIELDS, StepCost
+
 CHUNK_CHARS = 256  # characters per hashed chunk of a text prompt
 CHUNK_TOKENS = 64  # ids per hashed chunk of a token-id prompt
 MAX_CHUNKS = 4  # chunks hashed per prompt (the prefix affinity looks this far)
-CHARS_PER_TOKEN = 4.0  # estimate of a text prompt's tokens (the router has no tokenizer)
+CHARS_PER_TOKEN = 4.0  # a text prompt's characters per token until the replica reports its own
 PREFIX_LRU_SIZE = 8192  # chunk hashes remembered per replica
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-4  # until a replica has measured its own (or the fleet's mean)
 DEFAULT_STEP_TIME_S = 0.02
+DEFAULT_COST = StepCost(DEFAULT_STEP_TIME_S, DEFAULT_PREFILL_S_PER_TOKEN)
 DEFAULT_MAX_BATCHED_TOKENS = 2048
 KV_PRESSURE_FROM = 0.9  # KV-cache usage above which a replica's prediction is inflated
 KV_PRESSURE_WEIGHT = 20.0  # x(1 + 20 x 0.1) = 3x at a full cache: preemption and waiting ahead
@@ -65,9 +78,10 @@ POLICIES = ("least-latency", "round-robin", "random")
 class PromptInfo:
     """What the policy knows of a request's prompt."""
 
-    tokens: int  # estimated prompt tokens
+    tokens: int  # prompt tokens: exact for token ids, at CHARS_PER_TOKEN for text
     prefix_hashes: tuple[bytes, ...] = ()  # cumulative hashes of its first full chunks
     tokens_per_chunk: float = CHUNK_CHARS / CHARS_PER_TOKEN
+    chars: int | None = None  # a text prompt's characters (its tokens depend on the tokenizer)
 
 
 def _hashes(parts: Sequence[bytes]) -> tuple[bytes, ...]:
@@ -83,7 +97,7 @@ def text_prompt(text: str) -> PromptInfo:
               for i in range(0, min(len(text), CHUNK_CHARS * MAX_CHUNKS), CHUNK_CHARS)]
     full = [c for i, c in enumerate(chunks) if (i + 1) * CHUNK_CHARS <= len(text)]
     return PromptInfo(max(1, round(len(text) / CHARS_PER_TOKEN)), _hashes(full),
-                      CHUNK_CHARS / CHARS_PER_TOKEN)
+                      CHUNK_CHARS / CHARS_PER_TOKEN, len(text))
 
 
 def ids_prompt(ids: Sequence[int]) -> PromptInfo:
@@ -155,44 +169,90 @@ class ReplicaState:
     # polled (GET /state of runtime/server/app.py); None: not reported
     queued_prefill_tokens: int = 0
     num_running: int = 0
+    num_decoding: int = 0
+    decoding_context_tokens: int = 0
     kv_cache_usage: float = 0.0
-    step_time_s: float | None = None
+    step_cost: StepCost | None = None
+    step_time_s: float | None = None  # an older server's two numbers, when it reports no step_cost
     prefill_s_per_token: float | None = None
+    chars_per_token: float | None = None
     max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS
+    answered_at: float | None = None  # monotonic s the last /state answer arrived
     # this router's, updated at every dispatch / first token / end
     inflight: int = 0  # requests sent and not finished
     inflight_prefill_tokens: int = 0  # prompt tokens (less the expected cached prefix) sent
     polled: bool = False  # queued_prefill_tokens came from a GET /state
     prefill_sent_since_poll: int = 0  # of inflight_prefill_tokens, those sent after that poll
+    prefills_sent_since_poll: int = 0  # the requests they belong to
     inflight_prefilling: int = 0  # of `inflight`, those without a first token yet
     prefixes: PrefixIndex = field(default_factory=PrefixIndex)
     dispatched: int = 0  # requests sent in all
 
 
+def prompt_tokens(replica: ReplicaState, prompt: PromptInfo) -> float:
+    """The prompt's tokens in the replica's tokenizer, as far as the router can tell."""
+    if prompt.chars is None or not replica.chars_per_token:
+        return float(prompt.tokens)
+    return max(1.0, prompt.chars / replica.chars_per_token)
+
+
 def cached_tokens(replica: ReplicaState, prompt: PromptInfo) -> int:
     """Tokens of the prompt the replica likely holds in its prefix cache (never all of it)."""
-    held = replica.prefixes.match(prompt.prefix_hashes) * prompt.tokens_per_chunk
-    return int(min(held, prompt.tokens - 1))
+    per_chunk = prompt.tokens_per_chunk if prompt.chars is None or not replica.chars_per_token \
+        else CHUNK_CHARS / replica.chars_per_token
+    held = replica.prefixes.match(prompt.prefix_hashes) * per_chunk
+    return int(min(held, prompt_tokens(replica, prompt) - 1))
 
 
-def predicted_ttft(replica: ReplicaState, prompt: PromptInfo,
-                   default_prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN,
-                   default_step_time_s: float = DEFAULT_STEP_TIME_S) -> float:
+def new_tokens(replica: ReplicaState, prompt: PromptInfo) -> int:
+    """Prompt tokens the replica has to compute: less the prefix it likely caches."""
+    return max(1, round(prompt_tokens(replica, prompt)) - cached_tokens(replica, prompt))
+
+
+def reported_cost(replica: ReplicaState) -> StepCost | None:
+    """The replica's step cost: its fit, or an older server's step time and prefill cost."""
+    if replica.step_cost is not None:
+        return replica.step_cost
+    if replica.step_time_s or replica.prefill_s_per_token:
+        return StepCost(replica.step_time_s or DEFAULT_STEP_TIME_S,
+                        replica.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN)
+    return None
+
+
+def fleet_cost(replicas: Sequence[ReplicaState]) -> StepCost:
+    """The mean of the costs the replicas report: what one that has not measured itself costs."""
+    costs = [c for c in map(reported_cost, replicas) if c is not None]
+    if not costs:
+        return DEFAULT_COST
+    return StepCost(*(sum(getattr(c, f) for c in costs) / len(costs) for f in FIELDS))
+
+
+def predicted_ttft(replica: ReplicaState, prompt: PromptInfo, default_cost: StepCost = DEFAULT_COST,
+                   now: float | None = None) -> float:
     """Seconds until this request's first token on `replica` (the model in the module doc)."""
-    per_token = replica.prefill_s_per_token or default_prefill_s_per_token
-    step = replica.step_time_s or default_step_time_s
-    new = max(1, prompt.tokens - cached_tokens(replica, prompt))
-    queued = replica.queued_prefill_tokens + replica.prefill_sent_since_poll if replica.polled \
-        else max(replica.queued_prefill_tokens, replica.inflight_prefill_tokens)
-    running = max(replica.num_running, replica.inflight - replica.inflight_prefilling)
-    work = queued + new
-    steps = 1 + work // max(replica.max_num_batched_tokens - running, 1)
-    ttft = work * per_token + steps * step
+    cost = reported_cost(replica) or default_cost
+    budget = replica.max_num_batched_tokens
+    router_decoding = replica.inflight - replica.inflight_prefilling
+    decoding, context = replica.num_decoding, float(replica.decoding_context_tokens)
+    if router_decoding > decoding:  # more than it reported: at its mean context each
+        context += (router_decoding - decoding) * (context / decoding if decoding else 0.0)
+        decoding = router_decoding
+    if replica.polled:
+        queued = float(replica.queued_prefill_tokens)
+        if queued and replica.answered_at is not None:  # prefilled since it answered
+            now = time.monotonic() if now is None else now
+            chunk = max(budget - decoding, 1)
+            rate = chunk / cost.step_s(chunk, decoding, context)
+            queued = max(0.0, queued - max(0.0, now - replica.answered_at) * rate)
+        queued += replica.prefill_sent_since_poll
+        decoding += replica.prefills_sent_since_poll
+        context += replica.prefill_sent_since_poll
+    else:
+        queued = float(max(replica.queued_prefill_tokens, replica.inflight_prefill_tokens))
+    work = queued + new_tokens(replica, prompt)
+    steps = math.ceil(work / max(budget - decoding, 1))
+    ttft = steps * cost.step_s(0, decoding, context) + work * cost.per_prefill_token_s
     return ttft * (1 + KV_PRESSURE_WEIGHT * max(0.0, replica.kv_cache_usage - KV_PRESSURE_FROM))
-
-
-def _mean(values: list[float], default: float) -> float:
-    return sum(values) / len(values) if values else default
 
 
 class Policy:
@@ -215,11 +275,9 @@ class LeastLatency(Policy):
         if not up:
             return None
         # a replica that has not measured itself yet is assumed to be as fast as the others
-        per_token = _mean([r.prefill_s_per_token for r in up if r.prefill_s_per_token],
-                          DEFAULT_PREFILL_S_PER_TOKEN)
-        step = _mean([r.step_time_s for r in up if r.step_time_s], DEFAULT_STEP_TIME_S)
+        default, now = fleet_cost(up), time.monotonic()
         order = {id(r): i for i, r in enumerate(up)}
-        return min(up, key=lambda r: (predicted_ttft(r, prompt, per_token, step), r.inflight,
+        return min(up, key=lambda r: (predicted_ttft(r, prompt, default, now), r.inflight,
                                       r.dispatched, order[id(r)]))
 
     def choose_decode(self, replicas: Sequence[ReplicaState]) -> ReplicaState | None:

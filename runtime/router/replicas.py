@@ -23,7 +23,8 @@ import anyio
 import httpx
 
 from slimserve.runtime.disagg.protocol import ROLES
-from slimserve.runtime.router.policy import PromptInfo, ReplicaState, cached_tokens
+from slimserve.runtime.router.policy import PromptInfo, ReplicaState, new_tokens
+from slimserve.runtime.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.15
@@ -57,6 +58,7 @@ class Ticket:
         s.inflight_prefilling += 1
         s.inflight_prefill_tokens += prefill_tokens
         s.prefill_sent_since_poll += prefill_tokens
+        s.prefills_sent_since_poll += 1
         s.dispatched += 1
         replica.prefilling.add(self)
 
@@ -69,6 +71,7 @@ class Ticket:
             self.replica.prefilling.discard(self)
             if self.sent_at > self.replica.poll_sent_at:
                 s.prefill_sent_since_poll -= self.prefill_tokens
+                s.prefills_sent_since_poll -= 1
 
     def done(self) -> None:
         if self.open:
@@ -96,7 +99,7 @@ class Replica:
 
     def dispatch(self, prompt: PromptInfo) -> Ticket:
         """Count a request sent here and remember its prefix."""
-        ticket = Ticket(self, max(1, prompt.tokens - cached_tokens(self.state, prompt)))
+        ticket = Ticket(self, new_tokens(self.state, prompt))
         self.state.prefixes.insert(prompt.prefix_hashes)
         return ticket
 
@@ -137,9 +140,14 @@ class Replica:
 
         s.queued_prefill_tokens = int(num("queued_prefill_tokens", 0))
         s.num_running = int(num("num_running", 0))
+        s.num_decoding = int(num("num_decoding", 0))
+        s.decoding_context_tokens = int(num("decoding_context_tokens", 0))
         s.kv_cache_usage = float(num("kv_cache_usage", 0.0))
+        s.step_cost = StepCost.from_dict(body.get("step_cost"))
         s.step_time_s = num("step_time_s", None)
         s.prefill_s_per_token = num("prefill_s_per_token", None)
+        cpt = num("chars_per_token", None)
+        s.chars_per_token = float(cpt) if cpt is not None and cpt > 0 else None
         s.max_num_batched_tokens = int(num("max_num_batched_tokens", s.max_num_batched_tokens))
         role = body.get("role")
         s.role = role if role in ROLES else "colocated"  # an older server: colocated
@@ -150,9 +158,11 @@ class Replica:
         self.apply_state(body)
         s = self.state
         s.polled = True
+        s.answered_at = time.monotonic()
         self.poll_sent_at = sent_at
-        s.prefill_sent_since_poll = sum(t.prefill_tokens for t in self.prefilling
-                                        if t.sent_at > sent_at)
+        since = [t for t in self.prefilling if t.sent_at > sent_at]
+        s.prefill_sent_since_poll = sum(t.prefill_tokens for t in since)
+        s.prefills_sent_since_poll = len(since)
 
     async def poll(self, client: httpx.AsyncClient) -> None:
         sent_at = time.monotonic()
@@ -188,8 +198,11 @@ class Replica:
         s = self.state
         return {"url": self.url, "role": s.role, "up": s.up, "problem": self.problem,
                 "queued_prefill_tokens": s.queued_prefill_tokens, "num_running": s.num_running,
-                "kv_cache_usage": s.kv_cache_usage, "step_time_s": s.step_time_s,
-                "prefill_s_per_token": s.prefill_s_per_token, "inflight": s.inflight,
+                "num_decoding": s.num_decoding, "decoding_context_tokens": s.decoding_context_tokens,
+                "kv_cache_usage": s.kv_cache_usage,
+                "step_cost": None if s.step_cost is None else s.step_cost.as_dict(),
+                "step_time_s": s.step_time_s, "prefill_s_per_token": s.prefill_s_per_token,
+                "chars_per_token": s.chars_per_token, "inflight": s.inflight,
                 "dispatched": s.dispatched, "prefixes_remembered": len(s.prefixes)}
 
 

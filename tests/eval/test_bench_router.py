@@ -62,10 +62,23 @@ def test_summary_and_verdicts():
     slow = dict(s, config="colocated", tpot_ms={"p99": 90.0, "median": 45.0})
     ll = dict(s, ttft_ms={"p99": 300.0}, output_tokens_per_s=100.0)
     rr = dict(s, ttft_ms={"p99": 400.0}, output_tokens_per_s=90.0)
-    lines = verdicts({"disaggregated": fast, "colocated": slow, "least-latency": ll,
-                      "round-robin": rr})
-    assert lines[0].startswith("skewed: P99 TTFT least-latency 300 ms vs round-robin 400 ms -> "
-                               "least-latency wins; throughput 100.0 vs 90.0 tok/s -> "
-                               "least-latency wins")
-    assert "P99 TPOT disaggregated 50.0 ms vs colocated 90.0 ms -> disaggregated wins" in lines[1]
-    assert "colocated wins" in verdicts({"disaggregated": slow, "colocated": fast})[0]
+    lines = verdicts({"disaggregated": [fast], "colocated": [slow], "least-latency": [ll],
+                      "round-robin": [rr]})
+    assert lines[0].startswith("skewed: P99 TTFT least-latency 300 vs round-robin 400 -> "
+                               "least-latency wins; throughput least-latency 100.0 vs "
+                               "round-robin 90.0 -> least-latency wins")
+    assert "P99 TPOT disaggregated 50.0 vs colocated 90.0 -> disaggregated wins" in lines[1]
+    assert "colocated wins" in verdicts({"disaggregated": [slow], "colocated": [fast]})[0]
+
+
+def test_repeated_runs_compare_medians_and_count_wins():
+    def run(p99, tok_s):
+        return {"ttft_ms": {"p99": p99}, "output_tokens_per_s": tok_s}
+
+    ll = [run(900.0, 200.0), run(700.0, 201.0), run(800.0, 199.0)]
+    rr = [run(800.0, 199.0), run(950.0, 200.0), run(850.0, 198.0)]
+    line = verdicts({"least-latency": ll, "round-robin": rr})[0]
+    # medians 800 vs 850: least-latency wins although it lost the first pair
+    assert "P99 TTFT least-latency 800 vs round-robin 850 -> least-latency wins" in line
+    assert "900 vs 800 / 700 vs 950 / 800 vs 850; least-latency won 2 of 3" in line
+    assert "throughput least-latency 200.0 vs round-robin 199.0 -> least-latency wins" in line

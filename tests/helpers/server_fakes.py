@@ -91,7 +91,7 @@ class FakeEngine:
         return FakeStats(num_running=len(self._aborts), num_waiting=self.waiting)
 
     def load(self):
-        return EngineLoad(sum(self._prefill.values()), self.delay, None, 64, len(self.requests))
+        return EngineLoad(sum(self._prefill.values()), 64, len(self.requests), step_time_s=self.delay)
 
     def health_problem(self):
         return "fake engine died" if self.dead else self.unhealthy

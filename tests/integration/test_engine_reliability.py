@@ -11,13 +11,13 @@ import threading
 import time
 
 import pytest
-import torch
 
 from slimserve.runtime.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.engine import LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.sequence import OutputAccumulator, SamplingParams
+from slimserve.runtime.step_cost import MIN_STEPS
 
 from tests.helpers import DEMO_MODEL
 
@@ -222,7 +222,7 @@ def test_load_reports_queued_prefill_and_measured_step_times(engine_config):
         fresh = engine.load()
         await engine.start()
         try:
-            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            params = SamplingParams(max_tokens=MIN_STEPS + 2, temperature=0, ignore_eos=True)
             gen = engine.generate(PROMPT * 4, params, "r0")
             task = asyncio.ensure_future(gen.__anext__())
             await asyncio.sleep(0)
@@ -232,13 +232,18 @@ def test_load_reports_queued_prefill_and_measured_step_times(engine_config):
             await task
             async for _ in gen:
                 pass
-            return fresh, queued, engine.load()
+            return fresh, queued, engine.load(), len(engine.tokenizer(PROMPT * 4).input_ids)
         finally:
             await engine.shutdown()
 
-    fresh, queued, after = asyncio.run(run())
+    fresh, queued, after, n_tokens = asyncio.run(run())
     assert fresh.steps == 0 and fresh.step_time_s is None and fresh.prefill_s_per_token is None
     assert fresh.max_num_batched_tokens == engine_config.max_num_batched_tokens
     assert queued > 32  # the prompt, until its first output
-    assert after.queued_prefill_tokens == 0 and after.steps == 6
-    assert after.step_time_s > 0 and after.prefill_s_per_token > 0
+    assert fresh.step_cost is None and fresh.chars_per_token is None
+    assert after.queued_prefill_tokens == 0 and after.steps == MIN_STEPS + 2  # 1 prefill + decodes
+    assert after.num_decoding == 0 and after.decoding_context_tokens == 0  # finished
+    cost = after.step_cost
+    assert cost is not None and cost.per_prefill_token_s > 0
+    assert after.step_time_s == cost.base_s and after.prefill_s_per_token == cost.per_prefill_token_s
+    assert after.chars_per_token == pytest.approx(len(PROMPT * 4) / n_tokens)

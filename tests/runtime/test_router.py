@@ -6,6 +6,7 @@ official openai client, client disconnects, replicas failing, added and removed 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -27,14 +28,18 @@ from slimserve.runtime.router.policy import (
     Random,
     ReplicaState,
     RoundRobin,
+    fleet_cost,
     ids_prompt,
     make_policy,
+    new_tokens,
     predicted_ttft,
     prompt_info,
+    reported_cost,
     text_prompt,
 )
 from slimserve.runtime.router.replicas import Replica
 from slimserve.runtime.server.app import build_app
+from slimserve.runtime.step_cost import StepCost
 
 from tests.helpers.live_server import serve_in_thread, wait_for
 from tests.helpers.server_fakes import FakeEngine, chat_messages
@@ -133,6 +138,80 @@ def test_kv_pressure_inflates_the_prediction():
     a.kv_cache_usage = 0.99
     assert predicted_ttft(a, text_prompt("x" * 400)) > 2 * predicted_ttft(b, text_prompt("x" * 400))
     assert LeastLatency().choose([a, b], text_prompt("x")) is b
+
+
+COST = StepCost(0.01, 5e-4, 5e-4, 1e-5)
+
+
+def test_least_latency_counts_the_decode_load_through_the_step_cost():
+    """Equal prefill queues: the replica decoding long sequences steps slower (its attention
+    reads more), which a moving average of past steps would only notice later."""
+    a, b = _replicas(step_cost=COST)
+    a.num_decoding, a.decoding_context_tokens = 16, 16 * 700
+    b.num_decoding, b.decoding_context_tokens = 16, 16 * 100
+    p = text_prompt("x" * 400)  # 100 tokens at the default 4 characters a token
+    assert LeastLatency().choose([a, b], p) is b
+    # by hand: one step decoding 16 rows of 700 tokens, plus 100 prefill tokens
+    assert predicted_ttft(a, p) == pytest.approx(COST.step_s(0, 16, 16 * 700) + 100 * 5e-4)
+    # a prefill longer than a step's budget (512 less the 16 decoding rows) takes two steps
+    long = text_prompt("x" * 2400)  # 600 tokens
+    b.max_num_batched_tokens = 512
+    assert predicted_ttft(b, long) == pytest.approx(2 * COST.step_s(0, 16, 1600) + 600 * 5e-4)
+
+
+def test_text_prompts_count_in_the_replicas_own_tokens():
+    a, b = _replicas(step_cost=COST)
+    a.chars_per_token = 2.0  # its tokenizer: 2 characters a token; b has not reported one
+    p = text_prompt(SYSTEM + "q" * 400)
+    assert new_tokens(a, p) == round(len(SYSTEM + "q" * 400) / 2) and new_tokens(b, p) == p.tokens
+    a.prefixes.insert(p.prefix_hashes)  # 4 cached chunks of 256 characters: 512 of its tokens
+    assert new_tokens(a, p) == round(len(SYSTEM + "q" * 400) / 2) - 4 * CHUNK_CHARS // 2
+    r = Replica("http://r")
+    r.mark_up()
+    r.state.chars_per_token = 2.0
+    assert r.dispatch(text_prompt("x" * 400)).prefill_tokens == 200
+
+
+def test_the_polled_queue_drains_at_the_replicas_own_rate():
+    r = Replica("http://r")
+    r.mark_up()
+    r.state_polled({"queued_prefill_tokens": 1000, "step_cost": COST.as_dict(),
+                    "max_num_batched_tokens": 512}, sent_at=time.monotonic())
+    at, p = r.state.answered_at, text_prompt("x" * 400)
+    rate = 512 / COST.step_s(512, 0, 0)  # prefill tokens a second with nothing decoding
+    left = 1000 - 0.2 * rate
+    assert predicted_ttft(r.state, p, now=at + 0.2) == pytest.approx(
+        math.ceil((left + 100) / 512) * COST.step_s(0, 0, 0) + (left + 100) * 5e-4)
+    idle = ReplicaState("http://idle", step_cost=COST)
+    assert predicted_ttft(r.state, p, now=at + 10) == pytest.approx(predicted_ttft(idle, p))
+    # what the router sent after the poll left is added whole, and decodes while this waits
+    r.dispatch(text_prompt("y" * 800))
+    assert predicted_ttft(r.state, p, now=at + 10) == pytest.approx(
+        COST.step_s(0, 1, 200) + 300 * 5e-4)
+
+
+def test_a_replica_without_a_fit_costs_the_fleet_mean():
+    a, b, c = _replicas(3)
+    a.step_cost, b.step_cost = COST, StepCost(0.03, 1.5e-3, 1.5e-3, 3e-5)
+    mean = fleet_cost([a, b, c])
+    assert mean.as_dict() == pytest.approx(StepCost(0.02, 1e-3, 1e-3, 2e-5).as_dict())
+    assert predicted_ttft(c, text_prompt("x" * 400), mean) == pytest.approx(0.02 + 100 * 1e-3)
+    # an older server's step time and prefill cost stand in for a fit
+    c.step_time_s, c.prefill_s_per_token = 0.05, 2e-3
+    assert reported_cost(c) == StepCost(0.05, 2e-3)
+    assert fleet_cost([c]) == StepCost(0.05, 2e-3)
+
+
+def test_state_polls_read_the_cost_and_tokenizer_fields():
+    r = Replica("http://r")
+    r.apply_state({"step_cost": COST.as_dict(), "chars_per_token": 3.0, "num_decoding": 4,
+                   "decoding_context_tokens": 999})
+    s = r.state
+    assert (s.step_cost, s.chars_per_token, s.num_decoding, s.decoding_context_tokens) == \
+        (COST, 3.0, 4, 999)
+    r.apply_state({"step_cost": {"base_s": -1}, "chars_per_token": 0})
+    assert (s.step_cost, s.chars_per_token, s.num_decoding) == (None, None, 0)
+    assert r.describe()["step_cost"] is None
 
 
 def test_prompt_info_reads_completions_chat_and_token_ids():
@@ -430,8 +509,9 @@ def test_queued_work_is_the_poll_plus_what_was_sent_after_it():
     short = idle.dispatch(text_prompt("x" * 400))  # sent after the poll: added to it
     assert idle.state.prefill_sent_since_poll == 100
     other = text_prompt("z" * 400)  # no prefix either holds
-    assert predicted_ttft(busy.state, other) == pytest.approx(0.02 + (50 + 100) * 1e-3)
-    assert predicted_ttft(idle.state, other) == pytest.approx(0.02 + (100 + 100) * 1e-3)
+    at = busy.state.answered_at  # as the poll answered: nothing prefilled since
+    assert predicted_ttft(busy.state, other, now=at) == pytest.approx(0.02 + (50 + 100) * 1e-3)
+    assert predicted_ttft(idle.state, other, now=at) == pytest.approx(0.02 + (100 + 100) * 1e-3)
     short.first_token()
     assert idle.state.prefill_sent_since_poll == 0
     long.done()
