@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from slimserve.runtime.config import DEFAULT_STEP_WATCHDOG_S, EngineConfig
-from slimserve.runtime.disagg.segment import sweep_orphans
+from slimserve.runtime.disagg.segment import SegmentRegistry, sweep_orphans
 from slimserve.runtime.disagg.transfer import load_import
 from slimserve.runtime.distributed.rank_stats import RankStats
 from slimserve.runtime.engine import EngineStats, LLMEngine
@@ -196,6 +196,19 @@ class AsyncEngine:
             step_time_s=None if cost is None else cost.step_s(0, decoding, context),
             prefill_s_per_token=None if cost is None else cost.per_prefill_token_s,
             chars_per_token=self._chars_per_token)
+
+    @property
+    def kv_segments(self) -> SegmentRegistry:
+        """The KV segments this engine wrote or received and nobody has imported yet."""
+        return self.engine.kv_segments
+
+    def kv_segment_max_bytes(self) -> int:
+        """The largest KV segment a prompt of this engine's context fills: blocks of every layer
+        for max_model_len tokens, the prompt's ids in the header, and room for FP8 scales."""
+        layout = self.engine.kv_layout
+        per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * \
+            layout.torch_dtype.itemsize
+        return per_token * (self.max_model_len + layout.block_size) + 64 * self.max_model_len + 2**20
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (dead loop, or a step past the watchdog); None if healthy."""

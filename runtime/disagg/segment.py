@@ -12,20 +12,30 @@ it, so a reader never sees half a segment. The reader unlinks the segment as soo
 it (the memory is freed once the copy is made). A segment nobody reads (the decode side failed, the
 router gave up) is unlinked by its writer after `SEGMENT_TTL_S` (`SegmentRegistry.expire`), and at
 start a server removes the segments of writers that no longer run (`sweep_orphans`).
+
+Between hosts the same bytes travel over HTTP (runtime/router/app.py relays them): the prefill
+server hands a segment out once (`open_segment`: opened, then unlinked) and the decode server
+stores what it receives as a segment of its own (`receive_segment`: size-capped, atomic, and
+registered to expire like one it wrote), which it then imports as usual. Whether two servers
+share a segment folder is what `host_id` tells: the boot and the folder's filesystem, so two
+containers with their own /dev/shm differ even on one machine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import secrets
+import socket
 import struct
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -111,27 +121,33 @@ def write_segment(name: str, header: dict[str, Any], tensors: list[tuple[str, to
     return size
 
 
-def read_segment(name: str, directory: Path | None = None
-                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(header, tensors by name) of a segment, which is unlinked once read (whatever follows)."""
+def open_segment(name: str, directory: Path | None = None) -> tuple[BinaryIO, int]:
+    """(the open file, its size) of a segment, unlinked already: whoever opens it owns it, nobody
+    else may import it, and its memory goes when the file is closed."""
     path = (directory or segment_dir()) / check_name(name)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise KVSegmentMissing(f"KV segment {name} does not exist: it was imported already, "
                                f"expired (segments live {SEGMENT_TTL_S:g} s), or was written on "
-                               "another host (shared memory needs both replicas on one host)"
+                               "another host (shared memory needs both replicas on one host; "
+                               "through the router, replicas on other hosts get it over HTTP)"
                                ) from None
     try:
-        os.unlink(path)  # ours now: nobody else may import it, and it goes once read
-        size = os.fstat(fd).st_size
+        os.unlink(path)
+        return os.fdopen(fd, "rb", buffering=0), os.fstat(fd).st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_segment(name: str, directory: Path | None = None
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(header, tensors by name) of a segment, which is unlinked once read (whatever follows)."""
+    f, size = open_segment(name, directory)
+    with f:
         data = torch.empty(size, dtype=torch.uint8)
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            fd = -1
-            got = f.readinto(data.numpy().data)
-    finally:
-        if fd >= 0:
-            os.close(fd)
+        got = f.readinto(data.numpy().data)
     if got != size or size < len(MAGIC) + 8 or bytes(data[:len(MAGIC)].tolist()) != MAGIC:
         raise KVHandleError(f"KV segment {name} is not a slimserve KV segment (bad magic or "
                             "truncated); was it written by another version?")
@@ -153,6 +169,56 @@ def read_segment(name: str, directory: Path | None = None
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         raise KVHandleError(f"KV segment {name} is malformed: {e}") from None
     return header, tensors
+
+
+async def receive_segment(chunks: AsyncIterable[bytes], limit: int,
+                          registry: "SegmentRegistry | None" = None,
+                          directory: Path | None = None) -> str:
+    """Store a segment sent over HTTP under a new name of ours (`.part`, then renamed); refused
+    (KVHandleError) past `limit` bytes or without the segment magic. Registered in `registry`, it
+    expires like one this process wrote. The caller imports it by the returned name."""
+    directory = directory or segment_dir()
+    name = new_name()
+    part = directory / f"{name}.part"
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    size, head = 0, b""
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise KVHandleError(f"KV segment upload: more than {limit} bytes, the most a "
+                                        "prompt of this server's context can hold")
+                if len(head) < len(MAGIC):
+                    head += chunk[:len(MAGIC)]
+                    if head[:len(MAGIC)] != MAGIC[:len(head)]:
+                        raise KVHandleError("KV segment upload: not a slimserve KV segment (bad "
+                                            "magic); send what GET /kv_segments/NAME returned")
+                f.write(chunk)
+        if len(head) < len(MAGIC):
+            raise KVHandleError("KV segment upload: empty or truncated body")
+        os.rename(part, directory / name)
+    except BaseException:
+        try:
+            os.unlink(part)
+        except FileNotFoundError:
+            pass
+        raise
+    if registry is not None:
+        registry.add(name)
+    return name
+
+
+def host_id(directory: Path | None = None) -> str:
+    """Equal for two servers exactly when they share the segment folder: this boot of this
+    machine and the folder's filesystem and inode."""
+    directory = directory or segment_dir()
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    st = os.stat(directory)
+    return hashlib.sha256(f"{boot}:{st.st_dev}:{st.st_ino}".encode()).hexdigest()[:16]
 
 
 def unlink_quietly(name: str, directory: Path | None = None) -> bool:

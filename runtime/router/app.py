@@ -21,7 +21,11 @@ the prompt's KV (or its own error, relayed as is); then the same body goes to a 
 (`Policy.choose_decode`) with `X-Slimserve-KV: segments`, and its answer is relayed like any
 other (streams unbuffered). Refusals before starting move on to the next replica of the same
 role; failures give the same 502 / in-band error. Without both roles up, every replica up
-serves whole requests (any server can).
+serves whole requests (any server can). When the two replicas do not share shared memory
+(their /state `kv_host` differs: other hosts, or containers with their own /dev/shm), the
+router moves each segment itself before the decode request: GET /kv_segments/{name} from the
+prefill replica streamed into POST /kv_segments on the decode replica, which answers the name
+to send in `X-Slimserve-KV` (its bytes pass through the router once, never buffered whole).
 
 GET /v1/models is answered by a replica that is up; /health is 200 while at least one is;
 /metrics is the router's own (Prometheus, `slimserve_router:` prefix); POST /reset_prefix_cache
@@ -66,6 +70,7 @@ from slimserve.runtime.router.replicas import (
     ReplicaFailed,
     ReplicaSet,
     Ticket,
+    error_message,
 )
 from slimserve.runtime.server.http import (
     ClientGone,
@@ -140,6 +145,8 @@ class RouterMetrics:
                                "them.", registry=self.registry)
         self.handovers = Counter(P + "kv_handovers", "Requests prefilled on a prefill replica and "
                                  "continued on a decode replica.", registry=self.registry)
+        self.relayed = Counter(P + "kv_relayed_bytes", "KV segment bytes moved over HTTP between "
+                               "replicas on different hosts.", registry=self.registry)
         self.no_replica = Counter(P + "no_replica", "Requests refused with 503: no replica up.",
                                   registry=self.registry)
         self.registry.register(_ReplicaCollector(replicas))
@@ -231,13 +238,54 @@ class Router:
                                code="replica_failed") from None
             break
         self.metrics.handovers.inc()
-        kv = {**headers, KV_HEADER: ",".join(segments)}
-        tried = set()
+        prefill, tried = replica, set()
         while True:
             replica = self._next_replica(PromptInfo(1), tried, "decode")
+            relay = prefill.state.kv_host != replica.state.kv_host and None not in (
+                prefill.state.kv_host, replica.state.kv_host)  # an older server: one host
+            names = await self._move_segments(prefill, replica, segments, headers) if relay else segments
+            kv = {**headers, KV_HEADER: ",".join(names)}
             out = await self._attempt(request, replica, replica.dispatch(PromptInfo(1)), path, body, kv)
             if out is not None:
-                return out  # else refused before reading the segments: the next one may take it
+                return out
+            if relay:  # the prefill side handed its segments out to this one: nothing left to move
+                raise APIError(503, f"decode replica {replica.url} refused the request after its "
+                                    "KV was moved there; retry", code="no_replica",
+                               headers={"Retry-After": "1"})
+            # else refused before reading the segments: the next one may take it
+
+    async def _move_segments(self, source: Replica, target: Replica, names: list[str],
+                             headers: dict[str, str]) -> list[str]:
+        """Move KV segments from a prefill replica to a decode replica on another host (module
+        doc); the names they have there. A failure is a 502 naming the replica and the step."""
+        assert self.client is not None
+        auth = {k: v for k, v in headers.items() if k == "authorization"}
+        out = []
+        for name in names:
+            step = f"fetching KV segment {name} from prefill replica {source.url}"
+            try:
+                async with self.client.stream("GET", f"{source.url}/kv_segments/{name}",
+                                              headers=auth) as got:
+                    if got.status_code != 200:
+                        await got.aread()
+                        raise APIError(502, f"{step}: it answered {got.status_code}: "
+                                            f"{error_message(got)}", code="kv_relay_failed")
+                    step = f"sending KV segment {name} to decode replica {target.url}"
+                    put = await self.client.post(
+                        f"{target.url}/kv_segments", content=got.aiter_raw(),
+                        headers={**auth, "content-type": "application/octet-stream"})
+                    self.metrics.relayed.inc(got.num_bytes_downloaded)
+                if put.status_code != 201:
+                    raise APIError(502, f"{step}: it answered {put.status_code}: {error_message(put)}",
+                                   code="kv_relay_failed")
+                out.append(put.json()["kv_segment"])
+            except httpx.HTTPError as e:
+                raise APIError(502, f"{step} failed: {type(e).__name__}: {e}",
+                               code="kv_relay_failed") from None
+            except (ValueError, KeyError, TypeError):
+                raise APIError(502, f"{step}: the answer holds no segment name; is it a slimserve "
+                                    "server of this version?", code="kv_relay_failed") from None
+        return out
 
     def _next_replica(self, prompt: PromptInfo, tried: set[str], role: str | None = None) -> Replica:
         """The policy's pick among the replicas (of `role`) not tried yet, now counted as tried;

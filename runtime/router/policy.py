@@ -166,6 +166,7 @@ class ReplicaState:
     url: str
     up: bool = True
     role: str = "colocated"  # polled: colocated | prefill | decode (runtime/disagg/protocol.py)
+    kv_host: str | None = None  # polled: equal for replicas sharing KV segment memory (one host)
     # polled (GET /state of runtime/server/app.py); None: not reported
     queued_prefill_tokens: int = 0
     num_running: int = 0

@@ -149,6 +149,7 @@ class Replica:
         cpt = num("chars_per_token", None)
         s.chars_per_token = float(cpt) if cpt is not None and cpt > 0 else None
         s.max_num_batched_tokens = int(num("max_num_batched_tokens", s.max_num_batched_tokens))
+        s.kv_host = body.get("kv_host") if isinstance(body.get("kv_host"), str) else None
         role = body.get("role")
         s.role = role if role in ROLES else "colocated"  # an older server: colocated
 
@@ -184,7 +185,7 @@ class Replica:
         self.last_poll = time.monotonic()
         if r.status_code != 200:
             self.mark_down(f"{'/state' if self.has_state else '/health'} answered "
-                           f"{r.status_code}: {_message(r)}")
+                           f"{r.status_code}: {error_message(r)}")
             return
         if self.has_state:
             try:
@@ -196,7 +197,8 @@ class Replica:
 
     def describe(self) -> dict[str, Any]:
         s = self.state
-        return {"url": self.url, "role": s.role, "up": s.up, "problem": self.problem,
+        return {"url": self.url, "role": s.role, "kv_host": s.kv_host, "up": s.up,
+                "problem": self.problem,
                 "queued_prefill_tokens": s.queued_prefill_tokens, "num_running": s.num_running,
                 "num_decoding": s.num_decoding, "decoding_context_tokens": s.decoding_context_tokens,
                 "kv_cache_usage": s.kv_cache_usage,
@@ -206,7 +208,8 @@ class Replica:
                 "dispatched": s.dispatched, "prefixes_remembered": len(s.prefixes)}
 
 
-def _message(r: httpx.Response) -> str:
+def error_message(r: httpx.Response) -> str:
+    """The message of a replica's error answer (OpenAI-style body, /state's problem, or text)."""
     try:
         body = r.json()
         return str(body.get("problem") or body["error"]["message"])

@@ -25,7 +25,10 @@ Prefill/decode disaggregation (runtime/disagg/protocol.py): a request with
 `X-Slimserve-KV-Prefill: 1` is validated as usual, prefilled only, and answered with the names of
 the shared-memory segments holding its KV; one with `X-Slimserve-KV: names` continues from those
 segments and is answered as usual (each only on a server of that `--role`, which GET /state
-reports).
+reports). Between hosts the segments travel over HTTP: GET /kv_segments/{name} hands a prefill
+server's segment out once, POST /kv_segments stores one on a decode server under a name of its
+own (runtime/disagg/segment.py); /state's `kv_host` tells a router whether two servers share
+shared memory.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
 from slimserve.runtime.disagg.errors import KVTransferError
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER, ROLES, parse_kv_header
-from slimserve.runtime.disagg.segment import new_name
+from slimserve.runtime.disagg.segment import host_id, new_name, open_segment, receive_segment
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.profiler import ProfileError, ProfileStateError, ProfilingDisabled
 from slimserve.runtime.sequence import OutputAccumulator, RequestOutput, SamplingParams
@@ -78,6 +81,7 @@ from slimserve.runtime.server.responses import DONE, ChatFormat, CompletionForma
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # Retry-After (whole s) of a 503 for a full queue: the least there is
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
+SEGMENT_CHUNK_BYTES = 1 << 20  # a KV segment is sent in pieces of this size
 
 
 class RequestFailed(Exception):
@@ -112,9 +116,11 @@ class OpenAIServing:
     def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int | None,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
-                 role: str = "colocated") -> None:
+                 role: str = "colocated", kv_host: str | None = None) -> None:
         self.engine = engine
         self.role = role  # advertised in /state: a router sends prefill / decode work by it
+        # advertised in /state: equal for servers sharing the KV segment folder (one host)
+        self.kv_host = kv_host if kv_host is not None or role == "colocated" else host_id()
         self.metrics = metrics
         self.max_queue = max_queue  # refuse new requests while this many wait in the engine
         self.body_timeout_s = body_timeout_s
@@ -149,7 +155,8 @@ class OpenAIServing:
             return JSONResponse(error_body(f"engine is not running: {e}", "server_error",
                                            code="engine_dead"), 503)
         body: dict[str, Any] = {
-            "model": self.engine.model_name, "role": self.role, "healthy": problem is None,
+            "model": self.engine.model_name, "role": self.role, "kv_host": self.kv_host,
+            "healthy": problem is None,
             "problem": problem,
             "num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_pending": self.pending, "kv_cache_usage": s.kv_cache_usage,
@@ -157,6 +164,39 @@ class OpenAIServing:
             "capacity_tokens": s.capacity_tokens, "max_model_len": self.engine.max_model_len,
             **dataclasses.asdict(self.engine.load())}
         return JSONResponse(body, 200 if problem is None else 503)
+
+    def _require_role(self, role: str, what: str) -> None:
+        if self.role != role:
+            raise APIError(400, f"{what}: this server's role is {self.role}; it needs `runtime "
+                                f"serve --role {role}`", code="wrong_role")
+
+    async def send_segment(self, name: str) -> Response:
+        """GET /kv_segments/{name}: a KV segment this prefill server wrote, handed out once
+        (unlinked as it is opened; its memory goes when the answer is sent or abandoned)."""
+        self._require_role("prefill", "GET /kv_segments")
+        try:
+            f, size = open_segment(name)
+        except KVTransferError as e:
+            raise APIError(e.status, str(e), param="name", code=e.code) from None
+
+        async def body() -> AsyncIterator[bytes]:
+            with f:
+                while chunk := f.read(SEGMENT_CHUNK_BYTES):  # tmpfs: memory, no disk wait
+                    yield chunk
+
+        return ClosingStreamingResponse(body(), media_type="application/octet-stream",
+                                        headers={"Content-Length": str(size)})
+
+    async def receive_segment(self, request: Request) -> Response:
+        """POST /kv_segments: store a KV segment sent from a prefill server on another host
+        (body: what GET /kv_segments/{name} answered); answers its name here, for X-Slimserve-KV."""
+        self._require_role("decode", "POST /kv_segments")
+        try:
+            name = await receive_segment(request.stream(), self.engine.kv_segment_max_bytes(),
+                                         self.engine.kv_segments)
+        except KVTransferError as e:
+            raise APIError(e.status, str(e), code=e.code) from None
+        return JSONResponse({"kv_segment": name}, 201)
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -556,7 +596,7 @@ def _profile_options(body: bytes) -> dict[str, Any]:
 def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
-              role: str = "colocated") -> FastAPI:
+              role: str = "colocated", kv_host: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; the lifespan starts it and shuts it down.
 
     api_key: require `Authorization: Bearer <api_key>` on /v1/* and the profiler endpoints
@@ -567,6 +607,8 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
     role: colocated | prefill | decode, advertised in /state for a router (runtime/disagg/); a
     prefill server also answers prefill-only requests, a decode one continues handed-over ones
     (both serve ordinary requests too, so a router without the other role still works).
+    kv_host: what /state advertises as the KV segment host (default: runtime/disagg/segment.py
+    `host_id`); a router relays segments over HTTP between servers whose kv_host differs.
     """
     if role not in ROLES:
         raise ValueError(f"role {role!r}: choose one of {', '.join(ROLES)}")
@@ -581,7 +623,7 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
 
     app = FastAPI(title="slimserve", lifespan=lifespan)
     serving = OpenAIServing(engine, ServerMetrics(engine), max_queue, body_timeout_s,
-                            stream_timeout_s, role)
+                            stream_timeout_s, role, kv_host)
     app.state.serving = serving
     install_error_handlers(app)
     app.add_api_route("/health", serving.health, methods=["GET"])
@@ -592,6 +634,9 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
     app.add_api_route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"],
                       dependencies=auth)
     app.add_api_route("/stop_profile", serving.stop_profile, methods=["POST"], dependencies=auth)
+    app.add_api_route("/kv_segments/{name}", serving.send_segment, methods=["GET"],
+                      dependencies=auth)
+    app.add_api_route("/kv_segments", serving.receive_segment, methods=["POST"], dependencies=auth)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
     v1.add_api_route("/models", serving.models, methods=["GET"])
     v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])

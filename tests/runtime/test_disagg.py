@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation (runtime/disagg/): the shared-memory segments, the layout check,
 the engine hooks (same tokens as one engine, greedy and seeded), and live: a prefill and a decode
 replica of the demo model behind the router give the tokens one engine gives, plain, streamed
-and chat, and a mismatched or missing hand-over is a clear error."""
+and chat, and a mismatched or missing hand-over is a clear error; replicas on two hosts (their
+/state `kv_host` differs) get the segments moved over HTTP by the router."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from slimserve.runtime.disagg.errors import KVHandleError, KVLayoutError, KVSegm
 from slimserve.runtime.disagg.layout import KVLayout
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER, parse_kv_header
 from slimserve.runtime.disagg.segment import (
+    MAGIC,
     SegmentRegistry,
+    host_id,
     new_name,
     read_segment,
     sweep_orphans,
@@ -365,3 +368,97 @@ def test_bench_passes_prefill_replicas_to_serve():
     with pytest.raises(ValueError, match="--prefill-replicas 2 needs --data-parallel-size of at "
                                          "least 3"):
         BenchArgs(model=str(DEMO), data_parallel_size=2, prefill_replicas=2).validate()
+
+
+# -- between hosts: segments moved over HTTP -----------------------------------------------------
+
+def test_host_id_tells_whether_two_servers_share_the_segment_folder(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    assert host_id(a) == host_id(a) and host_id(a) != host_id(b)
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """A prefill and a decode replica advertising different KV hosts, so the router moves the
+    segments over HTTP (both folders are in fact this test's one, where every segment must be
+    gone once moved and imported)."""
+    with ExitStack() as stack:
+        cfg = dict(model=str(DEMO), device="cpu", kv_cache_memory=8 * 2**20)
+        p_url = stack.enter_context(serve_in_thread(build_app(
+            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="prefill", kv_host="host-a"), 60))
+        d_url = stack.enter_context(serve_in_thread(build_app(
+            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="decode", kv_host="host-b"), 60))
+        app = build_router_app([p_url, d_url], poll_interval_s=0.05)
+        r_url = stack.enter_context(serve_in_thread(app, 30))
+        wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
+        yield {"prefill": p_url, "decode": d_url, "router": r_url}
+
+
+def test_replicas_on_two_hosts_get_the_kv_over_http(two_hosts, kv_dir):
+    direct = openai.OpenAI(base_url=two_hosts["prefill"] + "/v1", api_key="x", max_retries=0)
+    routed = openai.OpenAI(base_url=two_hosts["router"] + "/v1", api_key="x", max_retries=0)
+    model = routed.models.list().data[0].id
+    kw = dict(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
+    ref = direct.completions.create(**kw)
+    assert routed.completions.create(**kw).choices[0].text == ref.choices[0].text
+    parts = list(routed.completions.create(**kw, stream=True))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == ref.choices[0].text
+    two = routed.completions.create(**{**kw, "max_tokens": 5}, n=2)
+    assert [c.text for c in two.choices] == [ref.choices[0].text[:len(two.choices[0].text)]] * 2
+    listed = httpx.get(two_hosts["router"] + "/router/replicas", trust_env=False).json()
+    assert {r["role"]: r["kv_host"] for r in listed["replicas"]} == {"prefill": "host-a",
+                                                                    "decode": "host-b"}
+    metrics = httpx.get(two_hosts["router"] + "/metrics", trust_env=False).text
+    moved = next(float(line.split()[1]) for line in metrics.splitlines()
+                 if line.startswith("slimserve_router:kv_relayed_bytes_total "))
+    assert "slimserve_router:kv_handovers_total 3.0" in metrics and moved > 4 * 4096
+    assert not list(kv_dir.glob("slimserve-kv-*"))  # handed out, received, imported: all gone
+
+
+def test_segment_endpoints_refuse_clearly(two_hosts, kv_dir):
+    p, d = two_hosts["prefill"], two_hosts["decode"]
+
+    def err(r, status):
+        assert r.status_code == status, r.text
+        return r.json()["error"]
+
+    assert err(httpx.get(p + "/kv_segments/passwd", trust_env=False), 400)["code"] == "bad_kv_handle"
+    assert err(httpx.get(p + f"/kv_segments/{new_name()}", trust_env=False), 410)["code"] == \
+        "kv_segment_missing"
+    assert "needs `runtime serve --role prefill`" in err(
+        httpx.get(d + f"/kv_segments/{new_name()}", trust_env=False), 400)["message"]
+    assert err(httpx.post(p + "/kv_segments", content=MAGIC, trust_env=False), 400)["code"] == \
+        "wrong_role"
+    assert "bad magic" in err(httpx.post(d + "/kv_segments", content=b"GIF89a" * 10,
+                                         trust_env=False), 400)["message"]
+    too_big = MAGIC + bytes(6 * 2**20)  # the demo model's whole context is ~5 MB of KV
+    assert "more than" in err(httpx.post(d + "/kv_segments", content=too_big, trust_env=False,
+                                         timeout=60), 400)["message"]
+    assert not list(kv_dir.iterdir())  # nothing half-written left behind
+    r = httpx.post(d + "/kv_segments", content=MAGIC + b"rest", trust_env=False)
+    assert r.status_code == 201 and (kv_dir / r.json()["kv_segment"]).exists()  # then expires
+    (kv_dir / r.json()["kv_segment"]).unlink()
+
+
+def test_a_failed_move_between_hosts_is_a_clear_502(two_hosts):
+    stub = FastAPI()
+
+    @stub.get("/state")
+    async def state():
+        return {"role": "decode", "kv_host": "host-z", "num_running": 0, "kv_cache_usage": 0.0}
+
+    @stub.post("/kv_segments")
+    async def receive(request: Request):
+        await request.body()
+        return JSONResponse({"error": {"message": "no room", "type": "server_error"}}, 507)
+
+    with serve_in_thread(stub) as d_url:
+        app = build_router_app([two_hosts["prefill"], d_url], poll_interval_s=0.05)
+        with serve_in_thread(app) as r_url:
+            wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
+            r = httpx.post(r_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
+                           trust_env=False, timeout=60)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "kv_relay_failed"
+    assert f"to decode replica {d_url}: it answered 507: no room" in r.json()["error"]["message"]
