@@ -33,7 +33,8 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -101,16 +102,25 @@ def write_segment(name: str, header: dict[str, Any], tensors: list[tuple[str, to
     head = json.dumps({**header, "tensors": entries}).encode()
     start = _pad(len(MAGIC) + 8 + len(head))
     size = start + offset
+    with _atomic_file(directory, name) as f:
+        f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+        f.write(b"\0" * (start - len(MAGIC) - 8 - len(head)))
+        for entry, raw in zip(entries, raws):
+            f.seek(start + entry["offset"])
+            f.write(raw.numpy().data)
+        f.truncate(size)
+    return size
+
+
+@contextmanager
+def _atomic_file(directory: Path, name: str) -> Iterator[BinaryIO]:
+    """A new file (mode 0600) that appears as `name` only once written whole: written as
+    `<name>.part`, renamed at the end, unlinked if anything fails."""
     part = directory / f"{name}.part"
     fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
-            f.write(b"\0" * (start - len(MAGIC) - 8 - len(head)))
-            for entry, raw in zip(entries, raws):
-                f.seek(start + entry["offset"])
-                f.write(raw.numpy().data)
-            f.truncate(size)
+            yield f
         os.rename(part, directory / name)
     except BaseException:
         try:
@@ -118,7 +128,6 @@ def write_segment(name: str, header: dict[str, Any], tensors: list[tuple[str, to
         except FileNotFoundError:
             pass
         raise
-    return size
 
 
 def open_segment(name: str, directory: Path | None = None) -> tuple[BinaryIO, int]:
@@ -179,31 +188,21 @@ async def receive_segment(chunks: AsyncIterable[bytes], limit: int,
     expires like one this process wrote. The caller imports it by the returned name."""
     directory = directory or segment_dir()
     name = new_name()
-    part = directory / f"{name}.part"
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     size, head = 0, b""
-    try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            async for chunk in chunks:
-                size += len(chunk)
-                if size > limit:
-                    raise KVHandleError(f"KV segment upload: more than {limit} bytes, the most a "
-                                        "prompt of this server's context can hold")
-                if len(head) < len(MAGIC):
-                    head += chunk[:len(MAGIC)]
-                    if head[:len(MAGIC)] != MAGIC[:len(head)]:
-                        raise KVHandleError("KV segment upload: not a slimserve KV segment (bad "
-                                            "magic); send what GET /kv_segments/NAME returned")
-                f.write(chunk)
+    with _atomic_file(directory, name) as f:
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise KVHandleError(f"KV segment upload: more than {limit} bytes, the most a "
+                                    "prompt of this server's context can hold")
+            if len(head) < len(MAGIC):
+                head += chunk[:len(MAGIC)]
+                if head[:len(MAGIC)] != MAGIC[:len(head)]:
+                    raise KVHandleError("KV segment upload: not a slimserve KV segment (bad "
+                                        "magic); send what GET /kv_segments/NAME returned")
+            f.write(chunk)
         if len(head) < len(MAGIC):
             raise KVHandleError("KV segment upload: empty or truncated body")
-        os.rename(part, directory / name)
-    except BaseException:
-        try:
-            os.unlink(part)
-        except FileNotFoundError:
-            pass
-        raise
     if registry is not None:
         registry.add(name)
     return name
