@@ -186,7 +186,8 @@ class AsyncEngine:
         return dataclasses.replace(s, num_waiting=s.num_waiting + self._queued)
 
     def load(self) -> EngineLoad:
-        """Queued prefill tokens and step-time averages (see EngineLoad); cheap, event loop only."""
+        """Queued prefill work, the decoding batch and the step-cost fit (see EngineLoad); cheap,
+        event loop only."""
         left = self._left  # replaced whole by the engine thread, never changed in place
         queued = sum(left.get(rid, n) for rid, n in self._prefill.items())
         decoding, context = self._decoding
