@@ -336,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = sorted(set(args.layers or (QUICK_LAYERS if args.quick else DEFAULT_LAYERS)[args.shape]))
     rows: list[Row] = []
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by each child's torch at start-up
+    if args.work_dir:
+        args.work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_memory-", dir=args.work_dir) as tmp:
         work = Path(tmp)
         os.environ["SLIMSERVE_SPILL_DIR"] = str(work)  # the children's layer spills: beside the checkpoint
