@@ -471,10 +471,12 @@ class AsyncEngine:
                     self._measure(time.monotonic() - started, seqs)
                     if self._profiler is not None:
                         self._after_profiled_step()
-                    for out in outputs:
-                        self._deliver(out, out.request_id)
+                    # the load snapshots first: whoever holds a request's final output
+                    # already sees the load without it
                     self._left = self._prefill_left()
                     self._decoding = self._decoding_now()
+                    for out in outputs:
+                        self._deliver(out, out.request_id)
                 self._stats = self.engine.stats()
         except BaseException as e:  # a bug or device failure: fail every open request loudly
             log.exception("engine loop died")
