@@ -44,6 +44,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -51,8 +52,9 @@ from pathlib import Path
 
 import httpx
 
+from slimserve.runtime.bench.driver import run_requests
 from slimserve.runtime.bench.server_process import ServerSpec, free_port, launched_servers
-from slimserve.runtime.bench.workload import latency_stats
+from slimserve.runtime.bench.workload import BenchRequest, RequestResult, latency_stats
 
 SYSTEM = ("You are a meticulous senior Python reviewer. Read the code below, explain what it "
           "does, point out every bug, and suggest a minimal fix. Answer in plain text. ") * 6
@@ -106,39 +108,6 @@ def interference_workload(args: argparse.Namespace) -> list[dict]:
     return sorted(reqs, key=lambda r: r["at"])
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, req: dict, t0: float) -> dict:
-    await asyncio.sleep(max(0.0, t0 + req["at"] - time.monotonic()))
-    sent = time.monotonic()
-    ttft, tokens, chunks, error = None, 0, 0, None
-    body = {"model": model, "prompt": req["prompt"], "max_tokens": req["max_tokens"],
-            "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        error = event["error"]["message"]
-                        break
-                    if event.get("usage"):
-                        tokens = int(event["usage"]["completion_tokens"])
-                    if event.get("choices") and event["choices"][0].get("text"):
-                        ttft = ttft if ttft is not None else time.monotonic() - sent
-                        chunks += 1
-    except httpx.HTTPError as e:
-        error = f"{type(e).__name__}: {e}"
-    e2e = time.monotonic() - sent
-    tokens = tokens or chunks
-    tpot = (e2e - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
-    return {"kind": req["kind"], "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e, "tokens": tokens,
-            "error": error or (None if ttft is not None else "no token")}
-
-
 def _ms(values: list[float]) -> dict | None:
     return latency_stats(values)  # mean, median, p99 in ms (numpy percentiles, as vLLM)
 
@@ -159,14 +128,19 @@ def summarize(results: list[dict], duration: float) -> dict:
     return out
 
 
+def _row(kind: str, res: RequestResult) -> dict:
+    """What summarize reads of one request (the serving benchmark's client measured it)."""
+    return {"kind": kind, "ttft_s": res.ttft_s if res.success else None,
+            "tpot_s": res.tpot_s if res.success else None, "e2e_s": res.latency_s,
+            "tokens": res.output_tokens, "error": res.error or None}
+
+
 async def run_load(url: str, model: str, requests: list[dict]) -> dict:
-    limits = httpx.Limits(max_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits,
-                                 trust_env=False) as client:
-        t0 = time.monotonic()
-        results = await asyncio.gather(*(_one(client, url, model, r, t0) for r in requests))
-        duration = time.monotonic() - t0
-    return summarize(list(results), duration)
+    """Each request streamed at its arrival time by `runtime bench`'s client (text prompts)."""
+    reqs = [BenchRequest([], r["prompt"], r["max_tokens"]) for r in requests]
+    results, duration = await run_requests(url, model, reqs, [r["at"] for r in requests],
+                                           text_prompts=True)
+    return summarize([_row(r["kind"], res) for r, res in zip(requests, results)], duration)
 
 
 def probe_capacity(args: argparse.Namespace, logs: Path) -> float:
@@ -228,17 +202,12 @@ def _line(r: dict) -> str:
             f" | done {r['completed']}/{r['requests']} | per replica {r['served_per_replica']}")
 
 
-def _median(values: list[float]) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
-
-
 def _compare(label: str, name_a: str, runs_a: list[dict], name_b: str, runs_b: list[dict],
              value, lower_wins: bool, fmt: str) -> str:
     """`label` of a against b over paired runs: the values, their medians, who wins each."""
     pairs = [(value(a), value(b)) for a, b in zip(runs_a, runs_b)]
     a_wins = sum((x < y) if lower_wins else (x > y) for x, y in pairs)
-    ma, mb = _median([x for x, _ in pairs]), _median([y for _, y in pairs])
+    ma, mb = statistics.median([x for x, _ in pairs]), statistics.median([y for _, y in pairs])
     winner = name_a if ((ma < mb) if lower_wins else (ma > mb)) else name_b
     text = f"{label} {name_a} {ma:{fmt}} vs {name_b} {mb:{fmt}} -> {winner} wins"
     if len(pairs) > 1:
@@ -261,8 +230,8 @@ def verdicts(results: dict[str, list[dict]]) -> list[str]:
         short = [(r["short"]["tpot_ms"] or {}).get("p99", float("nan")) for r in dis + co]
         lines.append("interference: " + _compare(
             "P99 TPOT", "disaggregated", dis, "colocated", co, lambda r: r["tpot_ms"]["p99"], True,
-            ".1f") + f" (short requests' P99 TPOT: {_median(short[:len(dis)]):.1f} vs "
-            f"{_median(short[len(dis):]):.1f} ms)")
+            ".1f") + f" (short requests' P99 TPOT: {statistics.median(short[:len(dis)]):.1f} vs "
+            f"{statistics.median(short[len(dis):]):.1f} ms)")
     return lines
 
 

@@ -402,22 +402,19 @@ class AsyncEngine:
         if prefill or decode:
             self._cost.add(seconds, prefill, decode, context)
 
-    def _decoding_now(self) -> tuple[int, int]:
-        """Engine thread: sequences past their prompt that the next step decodes, their tokens."""
+    def _snapshot_load(self) -> None:
+        """Engine thread, one pass over the requests: per request without a first token, the
+        prompt tokens it still has to compute (less those computed and, while it waits, those its
+        prefix-cache hit serves); the sequences past their prompt that the next step decodes and
+        their tokens. Each snapshot is replaced whole (load() reads them from the event loop)."""
+        bm, left = self.engine.block_manager, {}
         decoding = context = 0
         for rid, req in self.engine.requests.items():
             seq = req.seq
-            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                decoding, context = decoding + 1, context + seq.num_computed_tokens + 1
-        return decoding, context
-
-    def _prefill_left(self) -> dict[str, int]:
-        """Engine thread: per request without a first token, the prompt tokens it still has to
-        compute (less those computed and, while it waits, those its prefix-cache hit serves)."""
-        bm, left = self.engine.block_manager, {}
-        for rid, req in self.engine.requests.items():
-            seq = req.seq
             if seq.output_token_ids:
+                if seq.status is SequenceStatus.RUNNING and \
+                        seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    decoding, context = decoding + 1, context + seq.num_computed_tokens + 1
                 continue
             if self.engine.is_importing(rid):  # copied in, never computed here
                 left[rid] = 0
@@ -426,7 +423,7 @@ class AsyncEngine:
             if seq.status is SequenceStatus.WAITING and not seq.block_table:
                 done = bm.lookup_prefix(seq)
             left[rid] = max(0, seq.num_prompt_tokens - done)
-        return left
+        self._left, self._decoding = left, (decoding, context)
 
     def _after_profiled_step(self) -> None:
         try:
@@ -473,8 +470,7 @@ class AsyncEngine:
                         self._after_profiled_step()
                     # the load snapshots first: whoever holds a request's final output
                     # already sees the load without it
-                    self._left = self._prefill_left()
-                    self._decoding = self._decoding_now()
+                    self._snapshot_load()
                     for out in outputs:
                         self._deliver(out, out.request_id)
                 self._stats = self.engine.stats()

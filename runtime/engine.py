@@ -170,12 +170,11 @@ class LLMEngine:
         req = _Request(seq, gen, DetokenizerState.for_prompt(seq.num_prompt_tokens),
                        max_stop_len=max((len(s) for s in seq.params.stop), default=0),
                        kv_export=kv_export, kv_import=kv_import)
-        if kv_import is not None:
-            self.requests[seq.request_id] = req
-            self._imports.append(req)
-            return
         self.requests[seq.request_id] = req
-        self.scheduler.add(seq)
+        if kv_import is not None:
+            self._imports.append(req)  # enters the batch once blocks are free (_admit_imports)
+        else:
+            self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
         seq = self.make_sequence(request_id, prompt, params)
@@ -250,11 +249,7 @@ class LLMEngine:
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
             if req.error is None:
-                try:
-                    self._check_stop(req)
-                except Exception as e:  # a tokenizer/decoder failure is this request's alone
-                    log.exception("request %s failed while decoding its output", seq.request_id)
-                    req.error = f"decoding the output failed: {type(e).__name__}"
+                self._check_stop_or_fail(req)
         clock.next("output")
         outputs = imported
         for req in reqs:
@@ -302,11 +297,7 @@ class LLMEngine:
             if seq.params.logprobs is not None and imp.first_logprob is not None:
                 seq.output_logprobs.append(imp.first_logprob)
             seq.first_token_time = seq.last_token_time = time.monotonic()
-            try:
-                self._check_stop(req)
-            except Exception as e:
-                log.exception("request %s failed while decoding its output", seq.request_id)
-                req.error = f"decoding the output failed: {type(e).__name__}"
+            self._check_stop_or_fail(req)
             if req.error is not None:
                 seq.finish_reason, seq.stop_reason = "error", None
             if seq.finish_reason is None:
@@ -317,6 +308,14 @@ class LLMEngine:
                 self.requests.pop(seq.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    def _check_stop_or_fail(self, req: _Request) -> None:
+        """_check_stop; a tokenizer/decoder failure there fails this request alone."""
+        try:
+            self._check_stop(req)
+        except Exception as e:
+            log.exception("request %s failed while decoding its output", req.seq.request_id)
+            req.error = f"decoding the output failed: {type(e).__name__}"
 
     def _check_stop(self, req: _Request) -> None:
         seq, p = req.seq, req.seq.params

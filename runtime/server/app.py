@@ -165,10 +165,11 @@ class OpenAIServing:
             **dataclasses.asdict(self.engine.load())}
         return JSONResponse(body, 200 if problem is None else 503)
 
-    def _require_role(self, role: str, what: str) -> None:
+    def _require_role(self, role: str, what: str, param: str | None = None) -> None:
+        """A 400 `wrong_role` naming `what` unless this server was started with `--role role`."""
         if self.role != role:
             raise APIError(400, f"{what}: this server's role is {self.role}; it needs `runtime "
-                                f"serve --role {role}`", code="wrong_role")
+                                f"serve --role {role}`", param=param, code="wrong_role")
 
     async def send_segment(self, name: str) -> Response:
         """GET /kv_segments/{name}: a KV segment this prefill server wrote, handed out once
@@ -387,10 +388,8 @@ class OpenAIServing:
                            param=KV_HEADER)
         for asked, header, role in ((prefill, PREFILL_HEADER, "prefill"),
                                     (kv is not None, KV_HEADER, "decode")):
-            if asked and self.role != role:
-                raise APIError(400, f"{header}: this server's role is {self.role}; a KV "
-                                    f"hand-over of this kind needs `runtime serve --role {role}`",
-                               param=header, code="wrong_role")
+            if asked:
+                self._require_role(role, header, param=header)
         try:
             return prefill, None if kv is None else parse_kv_header(kv, n)
         except KVTransferError as e:

@@ -485,10 +485,12 @@ def test_load_counts_only_the_prefill_left_to_compute():
     while engine.has_unfinished():
         engine.step()
     engine.add_request("b", prefix + list(range(200, 244)), SamplingParams(max_tokens=1))
-    assert ae._prefill_left() == {"b": 140 - 96}  # waiting: its cached prefix is not work
+    ae._snapshot_load()
+    assert ae._left == {"b": 140 - 96}  # waiting: its cached prefix is not work
     engine.step()  # admitted: the prefix from the cache, then a 32-token chunk
-    assert ae._prefill_left() == {"b": 140 - 96 - 32}
-    ae._prefill, ae._left = {"b": 140, "queued": 50}, ae._prefill_left()
+    ae._snapshot_load()
+    assert ae._left == {"b": 140 - 96 - 32}
+    ae._prefill = {"b": 140, "queued": 50}
     assert ae.load().queued_prefill_tokens == 12 + 50  # not yet handed over: all of it
 
 
