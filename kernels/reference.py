@@ -10,6 +10,8 @@ the single cast matches the fake-quantized weight bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -276,18 +278,134 @@ def rope_and_write_kv(
     write_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
-def _gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
+_DECODE_BUCKET = 8  # decode rows per padded attention batch on the torch path
+
+
+@dataclass(frozen=True)
+class _DecodeBucket:
+    """Up to _DECODE_BUCKET one-token rows of similar context length, attended as one batch."""
+
+    rows: torch.Tensor  # int64 [n]: rows of query/out
+    blocks: torch.Tensor  # int64 [n * nblk]: the first nblk blocks of each row's table
+    length: int  # nblk * block_size: the padded context of the bucket
+    mask: torch.Tensor  # fp32 [n, 1, 1, length]: 0 for a key in the row's context, -inf past it
+
+
+@dataclass(frozen=True)
+class _PrefillSeq:
+    """One sequence with several new tokens: its own causal attention, unpadded."""
+
+    start: int  # its first row in query/out
+    q_len: int
+    ctx: int  # cached tokens after this step's writes (prefix + q_len)
+    blocks: torch.Tensor  # int64 [ceil(ctx / block_size)]
+    mask: torch.Tensor | None  # bool [q_len, ctx] when a prefix precedes the chunk; None: causal
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The index work of one step's torch paged attention, built once by `plan_attention` and
+    shared by every layer (only the caches and the query change from layer to layer)."""
+
+    decode: tuple[_DecodeBucket, ...]
+    prefill: tuple[_PrefillSeq, ...]
+
+
+def plan_attention(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                   block_tables: torch.Tensor, block_size: int) -> AttentionPlan:
+    """Plan `paged_attention` for a batch (the arguments of `paged_attention_prefill`).
+
+    One-token rows are sorted by context length and cut into buckets of _DECODE_BUCKET, so a
+    row is padded only to the longest context of its bucket (and the whole batch is not padded
+    to its longest context). Each sequence with several new tokens is attended alone, unpadded:
+    a step holds few of them, and padding prompt chunks to the longest one costs more than the
+    loop (5x on log-normal prompt lengths).
+    """
+    cu = cu_seqlens_q.tolist()
+    ctx = context_lens.tolist()
+    dev = block_tables.device
+    single, several = [], []
+    for b, c in enumerate(ctx):
+        n = cu[b + 1] - cu[b]
+        if n == 1:
+            single.append(b)
+        elif n > 1:
+            several.append(b)
+    buckets = []
+    single.sort(key=ctx.__getitem__)
+    for i in range(0, len(single), _DECODE_BUCKET):
+        part = single[i:i + _DECODE_BUCKET]
+        nblk = -(-ctx[part[-1]] // block_size)  # sorted: the last row has the longest context
+        seq = torch.tensor(part, dtype=torch.int64, device=dev)
+        rows = torch.tensor([cu[b] for b in part], dtype=torch.int64, device=dev)
+        lens = torch.tensor([ctx[b] for b in part], device=dev)
+        past = torch.arange(nblk * block_size, device=dev) >= lens.unsqueeze(1)
+        mask = torch.zeros(past.shape, device=dev).masked_fill_(past, float("-inf"))
+        buckets.append(_DecodeBucket(
+            rows, block_tables[seq, :nblk].long().flatten(), nblk * block_size,
+            mask.view(len(part), 1, 1, -1)))
+    seqs = []
+    for b in several:
+        n, c = cu[b + 1] - cu[b], ctx[b]
+        mask = None
+        if c > n:  # query i sits at position c - n + i and sees keys up to it
+            kpos = torch.arange(c, device=dev)
+            mask = kpos <= (c - n + torch.arange(n, device=dev)).unsqueeze(1)
+        seqs.append(_PrefillSeq(cu[b], n, c, block_tables[b, :-(-c // block_size)].long(), mask))
+    return AttentionPlan(tuple(buckets), tuple(seqs))
+
+
+def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, rows: int, length: int,
                scale: float | torch.Tensor) -> torch.Tensor:
-    """fp32 [B, length, Hkv, D]: the first `length` cached tokens of every sequence's blocks
-    (fp8 dequantized with its scale); slots past a sequence's context are masked by the caller."""
-    bs = cache.shape[1]
-    blocks = block_tables[:, : -(-length // bs)].long()  # [B, nblk]
-    kv = cache.index_select(0, blocks.flatten())  # [B * nblk, bs, Hkv, D]; faster than cache[blocks]
-    kv = kv.view(blocks.shape[0], -1, *cache.shape[2:])[:, :length].float()  # [B, length, Hkv, D]
-    return kv * float(scale) if cache.dtype == torch.float8_e4m3fn else kv
+    """fp32 [rows, Hkv, length, D] (a transposed view): the first `length` cached tokens of
+    `rows` block lists laid end to end (fp8 dequantized with its scale)."""
+    kv = cache.index_select(0, blocks)  # [rows * nblk, bs, Hkv, D]; faster than cache[blocks]
+    kv = kv.view(rows, -1, *cache.shape[2:])[:, :length].float()
+    if cache.dtype == torch.float8_e4m3fn:
+        kv = kv * float(scale)
+    return kv.transpose(1, 2)
 
 
-_ATTN_BUCKET = 32  # sequences per padded attention batch on the torch path
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention_prefill` of a planned batch (`plan_attention`): the CPU serving path.
+
+    key/value [T, Hkv, D]: this step's keys and values as just written to the cache (optional).
+    When the cache holds them exactly (same dtype: stored as they are), a chunk without a prefix
+    attends over them directly instead of gathering its blocks back.
+    """
+    out = torch.empty_like(query)
+    gqa = query.shape[1] != key_cache.shape[2]
+    fresh = key is not None and value is not None and key.dtype == key_cache.dtype
+    for b in plan.decode:
+        n = b.rows.shape[0]
+        q = query.index_select(0, b.rows).float().unsqueeze(2)  # [n, H, 1, D]
+        k = _gather_kv(key_cache, b.blocks, n, b.length, k_scale)
+        v = _gather_kv(value_cache, b.blocks, n, b.length, v_scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, b.rows, o.squeeze(2).to(query.dtype))
+    for s in plan.prefill:
+        rows = slice(s.start, s.start + s.q_len)
+        q = query[rows].float().transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if fresh and s.mask is None:
+            k = key[rows].float().transpose(0, 1).unsqueeze(0)
+            v = value[rows].float().transpose(0, 1).unsqueeze(0)
+        else:
+            k = _gather_kv(key_cache, s.blocks, 1, s.ctx, k_scale)
+            v = _gather_kv(value_cache, s.blocks, 1, s.ctx, v_scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, is_causal=s.mask is None,
+                                           scale=scale, enable_gqa=gqa)
+        out[rows] = o[0].transpose(0, 1).to(query.dtype)
+    return out
 
 
 def paged_attention_prefill(
@@ -307,48 +425,11 @@ def paged_attention_prefill(
     their K/V are already in the cache, so sequence b has context_lens[b] cached tokens and its
     j-th query sits at position context_lens[b] - q_len_b + j and sees positions <= that.
     GQA: query head h reads KV head h // (H / Hkv). fp32 scores and softmax; out [T, H, D] in
-    query's dtype. This is also the CPU serving path: sequences with one new token and those
-    with several are computed as two padded batches (so a long prefill chunk does not pad every
-    decode to its length), each with one fused SDPA call; tests/kernels check it against a
-    per-sequence loop.
+    query's dtype. The CPU serving path runs the same computation as `plan_attention` once per
+    step plus `paged_attention` per layer; tests/kernels check it against a per-sequence loop.
     """
-    out = torch.empty_like(query)
-    cu = cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]
-    single = q_lens == 1
-    ctx = context_lens.long()
-    for group in (single, ~single & (q_lens > 0)):
-        seqs = group.nonzero().flatten()
-        # sorted by context length and cut into buckets, so short contexts are not padded to
-        # the longest one (the gather and SDPA cost B x max context per bucket)
-        seqs = seqs[ctx[seqs].argsort()]
-        for part in seqs.split(_ATTN_BUCKET) if seqs.numel() else ():
-            _attend(query, out, key_cache, value_cache, block_tables[part], cu[:-1][part],
-                    q_lens[part], ctx[part], scale, k_scale, v_scale)
-    return out
-
-
-def _attend(query, out, key_cache, value_cache, block_tables, starts, q_lens, ctx, scale,
-            k_scale, v_scale) -> None:
-    """paged_attention_prefill for the sequences given (their rows start at `starts`)."""
-    heads, d = query.shape[1:]
-    nseq, max_q, max_ctx = q_lens.shape[0], int(q_lens.max()), int(ctx.max())
-    dev = query.device
-    seq_of = torch.repeat_interleave(torch.arange(nseq, device=dev), q_lens)  # token -> sequence
-    j = torch.arange(seq_of.shape[0], device=dev) - (q_lens.cumsum(0) - q_lens)[seq_of]
-    rows = starts[seq_of] + j  # rows of `query` / `out`
-    q = query.new_zeros((nseq, max_q, heads, d), dtype=torch.float32)
-    q[seq_of, j] = query[rows].float()
-    k = _gather_kv(key_cache, block_tables, max_ctx, k_scale)  # [B, ctx, Hkv, D]
-    v = _gather_kv(value_cache, block_tables, max_ctx, v_scale)
-    qpos = (ctx - q_lens).unsqueeze(1) + torch.arange(max_q, device=dev)  # [B, max_q]
-    kpos = torch.arange(max_ctx, device=dev).view(1, 1, -1)
-    allowed = (kpos <= qpos.unsqueeze(-1)) & (kpos < ctx.view(-1, 1, 1))  # [B, max_q, ctx]
-    allowed[..., 0] = True  # padded query rows see one key (their output is dropped): no NaN
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed.unsqueeze(1),
-        scale=scale, enable_gqa=heads != k.shape[2])  # [B, H, max_q, D]
-    out[rows] = o.transpose(1, 2)[seq_of, j].to(query.dtype)
+    plan = plan_attention(cu_seqlens_q, context_lens, block_tables, key_cache.shape[1])
+    return paged_attention(query, key_cache, value_cache, plan, scale, k_scale, v_scale)
 
 
 def paged_attention_decode(

@@ -24,7 +24,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from slimserve.kernels.reference import rope_tables
 from slimserve.runtime.artifact.weights import weight_files
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.distributed.group import TPGroup
@@ -129,11 +128,11 @@ def run_stage(model, batch: BatchInputs, kv_caches, x=None, residual=None):
     """This stage's layers over `batch`; (hidden, residual), or the sampled rows' fp32 logits on
     the last stage."""
     kops = model.kernel_ops(batch.input_ids.device)
-    cos, sin = rope_tables(batch.positions, model.inv_freq)
+    step = model.step_tables(batch, kv_caches, kops)
     if model.model.embed_tokens is not None:
         x, residual = model.model.embed_tokens(batch.input_ids), None
     for layer, kv in zip(model.model.layers, kv_caches):
-        x, residual = layer(x, residual, cos, sin, batch, kv, kops)
+        x, residual = layer(x, residual, step, batch, kv, kops)
     if model.lm_head is None:
         return x, residual
     x, _ = model.model.norm(x, residual, kops)

@@ -19,12 +19,15 @@ import torch
 
 from slimserve.kernels import reference
 from slimserve.kernels._launch import kernel_backend
+from slimserve.runtime.batch import BatchInputs
 
 
 @dataclass(frozen=True)
 class KernelOps:
-    """One backend's ops, with the signatures of the twins in kernels/reference.py (the
-    attention ops also take the host-side `max_context_len` / `max_q_len` bounds)."""
+    """One backend's ops, with the signatures of the twins in kernels/reference.py, plus the
+    step's attention: `plan_attention(batch, block_size)` once per step, then per layer
+    `attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale)` with k/v
+    the keys and values just written to the cache."""
 
     triton: bool
     rms_norm: Callable
@@ -32,27 +35,25 @@ class KernelOps:
     silu_and_mul: Callable
     rope_and_write_kv: Callable
     write_kv_cache: Callable
-    paged_attention_decode: Callable
-    paged_attention_prefill: Callable
+    plan_attention: Callable
+    attention: Callable
 
 
-def _torch_decode(query, key_cache, value_cache, block_tables, context_lens, scale, k_scale,
-                  v_scale, max_context_len=None):
-    return reference.paged_attention_decode(query, key_cache, value_cache, block_tables,
-                                            context_lens, scale, k_scale, v_scale)
+def _torch_plan(batch: BatchInputs, block_size: int) -> reference.AttentionPlan:
+    return reference.plan_attention(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+                                    block_size)
 
 
-def _torch_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                   k_scale, v_scale, max_q_len):
-    return reference.paged_attention_prefill(query, key_cache, value_cache, block_tables,
-                                             cu_seqlens_q, context_lens, scale, k_scale, v_scale)
+def _torch_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
+    return reference.paged_attention(q, key_cache, value_cache, plan, scale, k_scale, v_scale,
+                                     key=k, value=v)
 
 
 TORCH = KernelOps(
     triton=False, rms_norm=reference.rms_norm, fused_add_rms_norm=reference.fused_add_rms_norm,
     silu_and_mul=reference.silu_and_mul, rope_and_write_kv=reference.rope_and_write_kv,
-    write_kv_cache=reference.write_kv_cache, paged_attention_decode=_torch_decode,
-    paged_attention_prefill=_torch_prefill,
+    write_kv_cache=reference.write_kv_cache, plan_attention=_torch_plan,
+    attention=_torch_attention,
 )
 
 
@@ -61,23 +62,20 @@ def triton_ops() -> KernelOps:
     """The Triton table (imports triton and the kernel modules on first use)."""
     from slimserve.kernels import activation, kv_cache, paged_attention, rms_norm, rope_kv_cache
 
-    def decode(query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale,
-               max_context_len=None):
-        return paged_attention.paged_attention_decode(
-            query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale,
-            max_context_len=max_context_len)
-
-    def prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                k_scale, v_scale, max_q_len):
+    def attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
+        if batch.decode_only:
+            return paged_attention.paged_attention_decode(
+                q, key_cache, value_cache, batch.block_tables, batch.context_lens, scale, k_scale,
+                v_scale, max_context_len=batch.max_context_len)
         return paged_attention.paged_attention_prefill(
-            query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, scale,
-            k_scale, v_scale, max_q_len=max_q_len)
+            q, key_cache, value_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
+            scale, k_scale, v_scale, max_q_len=batch.max_q_len)
 
     return KernelOps(
         triton=True, rms_norm=rms_norm.rms_norm, fused_add_rms_norm=rms_norm.fused_add_rms_norm,
         silu_and_mul=activation.silu_and_mul, rope_and_write_kv=rope_kv_cache.rope_and_write_kv,
-        write_kv_cache=kv_cache.write_kv_cache, paged_attention_decode=decode,
-        paged_attention_prefill=prefill,
+        write_kv_cache=kv_cache.write_kv_cache, plan_attention=lambda batch, block_size: None,
+        attention=attention,
     )
 
 

@@ -93,6 +93,15 @@ def model_spec(config) -> ModelSpec:
     )
 
 
+@dataclass(frozen=True)
+class StepTables:
+    """Built once per step and read by every decoder layer (`CausalLM.step_tables`)."""
+
+    cos: torch.Tensor  # [T, D/2] fp32 RoPE tables (`rope_tables`)
+    sin: torch.Tensor
+    attention: object  # the backend's attention plan (`KernelOps.plan_attention`), or None
+
+
 class Fp32Buffers(nn.Module):
     """A module whose buffers named in `FP32_BUFFERS` stay float32 through every dtype cast of
     the module (`.to(dtype)`, `.half()`, `.bfloat16()`, ...); device moves still apply.
@@ -151,9 +160,8 @@ class Attention(Fp32Buffers):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
-    def forward(self, x, cos, sin, batch: BatchInputs, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                kops: KernelOps):
-        """cos/sin: the step's RoPE tables [T, D/2] fp32 (`rope_tables`, once per step)."""
+    def forward(self, x, step: StepTables, batch: BatchInputs,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], kops: KernelOps):
         t = x.shape[0]
         if hasattr(self, "qkv_proj"):  # fused at load (runtime/models/fuse.py)
             q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
@@ -167,16 +175,10 @@ class Attention(Fp32Buffers):
         key_cache, value_cache = kv_cache
         # q and k rotated in place (they are views of this step's projection output), the
         # rotated k and v stored in the paged cache: one launch on the kernel path
-        kops.rope_and_write_kv(q, k, v, cos, sin, key_cache, value_cache, batch.slot_mapping,
-                               self.k_scale, self.v_scale)
-        if batch.decode_only:
-            out = kops.paged_attention_decode(q, key_cache, value_cache, batch.block_tables,
-                                             batch.context_lens, self.scale, self.k_scale,
-                                             self.v_scale, batch.max_context_len)
-        else:
-            out = kops.paged_attention_prefill(q, key_cache, value_cache, batch.block_tables,
-                                              batch.cu_seqlens_q, batch.context_lens, self.scale,
-                                              self.k_scale, self.v_scale, batch.max_q_len)
+        kops.rope_and_write_kv(q, k, v, step.cos, step.sin, key_cache, value_cache,
+                               batch.slot_mapping, self.k_scale, self.v_scale)
+        out = kops.attention(q, k, v, key_cache, value_cache, batch, step.attention, self.scale,
+                             self.k_scale, self.v_scale)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -201,12 +203,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, residual, cos, sin, batch, kv_cache, kops: KernelOps):
+    def forward(self, x, residual, step: StepTables, batch, kv_cache, kops: KernelOps):
         if residual is None:
             residual, x = x, self.input_layernorm(x, kops=kops)
         else:
             x, residual = self.input_layernorm(x, residual, kops)
-        x = self.self_attn(x, cos, sin, batch, kv_cache, kops)
+        x = self.self_attn(x, step, batch, kv_cache, kops)
         x, residual = self.post_attention_layernorm(x, residual, kops)
         return self.mlp(x, kops), residual
 
@@ -248,13 +250,21 @@ class CausalLM(Fp32Buffers):
             cached = self._kops = (device, ops.select(device))
         return cached[1]
 
+    def step_tables(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                    kops: KernelOps) -> StepTables:
+        """What every layer of this step shares: RoPE cos/sin [T, D/2] fp32 and the attention
+        plan (the torch path's index work; None on the kernel path)."""
+        cos, sin = rope_tables(batch.positions, self.inv_freq)
+        plan = kops.plan_attention(batch, kv_caches[0][0].shape[1]) if kv_caches else None
+        return StepTables(cos, sin, plan)
+
     @torch.inference_mode()
     def forward(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """fp32 logits [S, vocab] for the rows batch.logits_indices selects."""
         kops = self.kernel_ops(batch.input_ids.device)
-        cos, sin = rope_tables(batch.positions, self.inv_freq)  # [T, D/2] fp32, for every layer
+        step = self.step_tables(batch, kv_caches, kops)
         x, residual = self.model.embed_tokens(batch.input_ids), None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, batch, kv, kops)
+            x, residual = layer(x, residual, step, batch, kv, kops)
         x, _ = self.model.norm(x, residual, kops)
         return self.lm_head(x[batch.logits_indices]).float()

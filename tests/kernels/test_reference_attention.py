@@ -44,3 +44,43 @@ def test_batched_reference_equals_per_sequence_loop(kv_dtype):
     want = _naive(query, kc, vc, tables, cu, ctx, 0.25, ks, vs)
     # same fp32 math in a different summation order: a few ulp of fp32 on |out| <= max|V| ~ 4
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_planned_attention_buckets_and_fresh_keys_equal_the_loop():
+    """More one-token rows than a bucket holds, in no order of context length, between chunks
+    with and without a prefix; the CPU serving path's variant that attends a prefix-free chunk
+    over the keys it has just written gives the same result as reading the cache."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, bs = 4, 2, 8, 4
+    q_lens = [1, 5, 1, 1, 4, 1, 1, 1, 1, 1, 1, 1, 1, 6, 1]
+    prefix = [12, 0, 3, 30, 2, 7, 0, 19, 5, 1, 25, 9, 14, 0, 4]
+    ctx = [p + n for p, n in zip(prefix, q_lens)]
+    width = max(-(-c // bs) for c in ctx)
+    nblocks = width * len(ctx)
+    perm = torch.randperm(nblocks, generator=g)
+    tables = perm.view(len(ctx), width).int()
+    kc = torch.randn(nblocks, bs, kv_heads, d, generator=g)
+    vc = torch.randn(nblocks, bs, kv_heads, d, generator=g)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    query = torch.randn(cu[-1], heads, d, generator=g)
+    # this step's keys/values: what the cache holds at each sequence's new positions
+    key = torch.empty(cu[-1], kv_heads, d)
+    value = torch.empty_like(key)
+    for b, (p, n) in enumerate(zip(prefix, q_lens)):
+        for i in range(n):
+            blk, off = int(tables[b, (p + i) // bs]), (p + i) % bs
+            key[cu[b] + i], value[cu[b] + i] = kc[blk, off], vc[blk, off]
+    cu_t, ctx_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
+    plan = reference.plan_attention(cu_t, ctx_t, tables, bs)
+    assert len(plan.decode) == 2 and len(plan.prefill) == 3
+    want = _naive(query, kc, vc, tables, cu, ctx, 0.3, 1.0, 1.0)
+    cached = reference.paged_attention(query, kc, vc, plan, 0.3)
+    fresh = reference.paged_attention(query, kc, vc, plan, 0.3, key=key, value=value)
+    torch.testing.assert_close(cached, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fresh, want, rtol=1e-5, atol=1e-5)
+    # an fp8 cache does not hold the keys exactly: the fresh keys are ignored there
+    k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+    torch.testing.assert_close(reference.paged_attention(query, k8, v8, plan, 0.3, key=key, value=value),
+                               _naive(query, k8, v8, tables, cu, ctx, 0.3, 1.0, 1.0), rtol=1e-5, atol=1e-5)
