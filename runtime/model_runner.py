@@ -31,6 +31,7 @@ from slimserve.runtime.distributed.pipeline import StageShard, pipeline_step
 from slimserve.runtime.distributed.rank_stats import RankStats, model_bytes, process_memory_bytes
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.layers.cpu_linear import pack_linears
 from slimserve.runtime.models.load import BuiltModel, build_model
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class ModelRunner:
         W4A16 kernel path repacks once and releases the buffers it replaces (one copy of the
         weights, not two: the repack used to happen on the first request, after the sizing);
         layers no kernel serves here (every one on CPU, and fp32 models) dequantize once.
+        On CPU the dense fp32 Linears are reordered for oneDNN (runtime/layers/cpu_linear.py).
         Then the CUDA allocator's cache is emptied, so the sizing sees what the fused q/k/v
         and the repack freed."""
         from slimserve.kernels._launch import kernel_backend
@@ -134,6 +136,8 @@ class ModelRunner:
                 m.prepare_kernel()
             else:
                 m.freeze_dense(self.dtype)
+        if self.device.type == "cpu":
+            pack_linears(self.model, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -8,7 +8,8 @@ The buffers have CT's on-disk names, so an artifact's safetensors load straight 
 - torch: the weight is rebuilt per forward in fp32 and cast once to the activation dtype, which
   reproduces the exporter's fake-quantized weight bit for bit; `freeze_dense()` keeps that
   weight instead (the serving engine's CPU path, where no int4 kernel exists and dequantizing
-  every step would dominate), trading the packed form's memory saving for speed.
+  every step would dominate), trading the packed form's memory saving for speed; on an fp32
+  CPU it is kept reordered for oneDNN (runtime/layers/cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from slimserve.kernels import reference
 from slimserve.kernels._launch import use_triton
 from slimserve.runtime.artifact.scheme import QuantScheme
+from slimserve.runtime.layers import cpu_linear
 
 PACKED = "pack-quantized"
 UNPACKED = ("naive-quantized", "int-quantized")
@@ -110,7 +112,11 @@ class QuantLinear(nn.Module):
 
     def freeze_dense(self, dtype: torch.dtype) -> None:
         """Keep the dequantized weight in `dtype` for the torch path (see the module docstring)."""
-        self._dense = self.dequantized_weight(dtype)
+        dense = self.dequantized_weight(dtype)
+        if dense.device.type == "cpu" and cpu_linear.available(dtype):
+            self._packed = cpu_linear.reorder(dense)
+        else:
+            self._dense = dense
 
     def prepare_kernel(self, release: bool = True) -> None:
         """Repack for the Triton W4A16 kernel now instead of on the first request and, with
@@ -167,6 +173,9 @@ class QuantLinear(nn.Module):
         if self.scheme.input_activations is not None:
             x = reference.fake_quantize_per_token_int8(x)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
+        packed = getattr(self, "_packed", None)
+        if packed is not None and x.dtype == packed.dtype:
+            return cpu_linear.linear(x, packed, bias)
         dense = getattr(self, "_dense", None)
         weight = dense.to(x.dtype) if dense is not None else self.dequantized_weight(x.dtype)
         return nn.functional.linear(x, weight, bias)

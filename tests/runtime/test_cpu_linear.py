@@ -1,0 +1,57 @@
+"""Dense Linears reordered for oneDNN on CPU (runtime/layers/cpu_linear.py): same results as
+F.linear, only plain fp32 Linears replaced, and the engine's tokens unchanged."""
+
+import pytest
+import torch
+from torch import nn
+
+from slimserve.runtime import model_runner
+from slimserve.runtime.layers import cpu_linear
+from slimserve.runtime.layers.cpu_linear import PackedLinear, pack_linears
+from slimserve.runtime.llm import LLM
+from slimserve.runtime.sequence import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.float32),
+                                reason="oneDNN's reordered Linear is not available in this torch")
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+def test_packed_linear_equals_f_linear(bias, rows):
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(96, 200, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(200, 96, generator=g))
+        if bias:
+            lin.bias.copy_(torch.randn(200, generator=g))
+    x = torch.randn(rows, 96, generator=g)
+    packed = PackedLinear(lin)
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-4)
+    strided = torch.randn(5, 192, generator=g)[:, ::2]  # a view, not contiguous
+    torch.testing.assert_close(packed(strided), lin(strided), rtol=1e-5, atol=1e-4)
+
+
+def test_pack_linears_replaces_plain_fp32_linears_only():
+    class Sub(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4), Sub(4, 4)), nn.ReLU())
+    assert pack_linears(model, torch.float32) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
+    assert type(model[1][1]) is Sub  # a subclass may compute something else: left alone
+    half = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert pack_linears(half, torch.bfloat16) == 0 and type(half[0]) is nn.Linear
+
+
+def test_engine_packs_its_linears_and_keeps_its_tokens(tiny_checkpoint, monkeypatch):
+    prompts = [[5, 17, 42, 99, 3, 250], [7] * 40, [300, 2, 11]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32")
+    model = llm.engine.runner.model
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 2 * 4 + 1  # qkv/o/gate_up/down + head
+    packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(model_runner, "pack_linears", lambda model, dtype: 0)
+    plain = LLM(str(tiny_checkpoint), device="cpu", dtype="float32")
+    assert any(type(m) is nn.Linear for m in plain.engine.runner.model.modules())
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == packed
