@@ -501,6 +501,13 @@ class OpenAIServing:
         """(choice index, delta output) as the engine produces them, until all finish. The
         queue holds one item per choice at most: while the stream's client is slow, the deltas
         wait merged in the engine's mailbox of each choice (runtime/async_engine.py)."""
+        if len(runs) == 1:  # one choice: no queue, no pump task (a token's path is short)
+            out = runs[0].first
+            yield 0, out
+            while not out.finished:
+                out = await _next(runs[0])
+                yield 0, out
+            return
         queue: asyncio.Queue = asyncio.Queue(maxsize=len(runs))
 
         async def pump(i: int, run: _Run) -> None:

@@ -42,14 +42,32 @@ class ClosingStreamingResponse(StreamingResponse):
         timeout = self.send_timeout
         if timeout is None:
             return await super().stream_response(send)
+        # One watch per response instead of a cancel scope around every send: a scope per
+        # token cost more event-loop time than the token's own formatting, and the loop's
+        # thread shares the GIL with the engine's. A send that is still blocked when the
+        # watch next looks (every timeout / 4) past `timeout` ends the response.
+        loop = asyncio.get_running_loop()
+        sending_since: list[float | None] = [None]
 
         async def timed_send(message: Any) -> None:
-            with anyio.move_on_after(timeout) as scope:
-                await send(message)
-            if scope.cancelled_caught:
-                raise StalledClient(f"the client read nothing for {timeout:g} s")
+            sending_since[0] = loop.time()
+            await send(message)
+            sending_since[0] = None
 
-        await super().stream_response(timed_send)
+        stream = asyncio.ensure_future(super().stream_response(timed_send))
+        try:
+            while True:
+                done, _ = await asyncio.wait({stream}, timeout=timeout / 4)
+                if done:
+                    return stream.result()
+                since = sending_since[0]
+                if since is not None and loop.time() - since >= timeout:
+                    raise StalledClient(f"the client read nothing for {timeout:g} s")
+        finally:
+            if not stream.done():
+                stream.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait({stream})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
