@@ -138,7 +138,7 @@ class _HomeThread:
         self._jobs.put(None)
 
 
-def _put_all(items: list[tuple["_Mailbox", RequestOutput]]) -> None:
+def _put_all(items: list[tuple["_Mailbox", Any]]) -> None:
     for box, out in items:
         box.put(out)
 
@@ -402,10 +402,7 @@ class AsyncEngine:
             if target is not None:
                 by_loop.setdefault(target[0], []).append((target[1], out))
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
+            self._post_all(loop, items)
 
     @staticmethod
     def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any,
@@ -422,12 +419,15 @@ class AsyncEngine:
             pass
 
     @staticmethod
-    def _post(target: tuple[asyncio.AbstractEventLoop, _Mailbox], out) -> None:
-        loop, box = target
+    def _post_all(loop: asyncio.AbstractEventLoop, items: list[tuple[_Mailbox, Any]]) -> None:
         try:
-            loop.call_soon_threadsafe(box.put, out)
+            loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    @classmethod
+    def _post(cls, target: tuple[asyncio.AbstractEventLoop, _Mailbox], out) -> None:
+        cls._post_all(target[0], [(target[1], out)])
 
     def _apply(self, cmd) -> bool:
         if cmd is _STOP:
