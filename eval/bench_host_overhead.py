@@ -50,6 +50,8 @@ class StubRunner:
     max_model_len: int
     block_size: int
     logits: torch.Tensor  # [max rows, vocab]
+    device: torch.device = torch.device("cpu")
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         try:  # the runner's cache of block-table tensors, where this checkout has one
@@ -61,7 +63,7 @@ class StubRunner:
     def prepare(self, token_chunks, starts, block_tables, sample):
         extra = (self._tables,) if self._tables is not None else ()
         return prepare_batch(token_chunks, starts, block_tables, sample, self.block_size,
-                             torch.device("cpu"), *extra)
+                             self.device, *extra)
 
     def execute(self, batch):
         return self.logits[: batch.logits_indices.shape[0]]

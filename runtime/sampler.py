@@ -13,8 +13,9 @@ results back:
    the lower ids); top-p then drops a token when the probability mass strictly before it
    (renormalized over the top-k set) already reaches top_p, so at least one token stays.
    Ranked rows rank only a window of K = the group's largest top-k tokens (`torch.topk` over
-   unique int64 rank keys: the float's order-preserving bits, then the reversed token id), so
-   with top-k set no row is sorted; a group holding a row with top-p but no top-k pays one
+   unique int64 rank keys: the float's order-preserving bits, then the reversed token id; on
+   the CPU, where building the keys costs ~10x the top-k, a float top-k with ties fixed up,
+   see `_ranked_by_value`), so with top-k set no row is sorted; a group holding a row with top-p but no top-k pays one
    stable sort of its rows instead. Plain rows keep vocabulary order: no ranking at all.
 3. Draws: inverse-transform sampling. Each sampled row takes u ~ U[0, 1) from its own
    torch.Generator (one float64 per row per step) and picks the first position whose float64
@@ -161,8 +162,33 @@ def _ranked(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, token ids) [n, window]: the first `window` tokens of each row's ranking."""
     if window >= x.shape[-1]:
         return x.sort(dim=-1, descending=True, stable=True)
-    ids = rank_keys(x).topk(window, dim=-1).indices
-    return x.gather(1, ids), ids
+    if x.device.type != "cpu":  # the keys are a few memory-bound passes on a GPU, and no sync
+        ids = rank_keys(x).topk(window, dim=-1).indices
+        return x.gather(1, ids), ids
+    return _ranked_by_value(x, window)
+
+
+def _ranked_by_value(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_ranked` for window < V from a float top-k, which is ~10x cheaper than building the
+    int64 keys on a CPU. The float top-k gets the window's values right but may break ties
+    either way, so: inside the window, ties are reordered by token id (an id sort, then a
+    stable value sort, both on [n, window]); across the window's edge (the window-th and the
+    next value equal, so which tied token is in is arbitrary), the row is ranked again by its
+    keys. Rows of random or trained logits rarely tie there; a row of -inf past its finite
+    tokens does."""
+    vals, ids = x.topk(window + 1, dim=-1)
+    edge_tied = vals[:, window - 1] == vals[:, window]
+    vals, ids = vals[:, :window], ids[:, :window]
+    by_id = ids.argsort(dim=-1)
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    by_value = vals.sort(dim=-1, descending=True, stable=True).indices
+    vals, ids = vals.gather(1, by_value), ids.gather(1, by_value)
+    if edge_tied.any():  # a host read, free on the CPU
+        rows = edge_tied.nonzero().squeeze(1)
+        exact = rank_keys(x.index_select(0, rows)).topk(window, dim=-1).indices
+        ids.index_copy_(0, rows, exact)
+        vals.index_copy_(0, rows, x.index_select(0, rows).gather(1, exact))
+    return vals, ids
 
 
 def _truncated_probs(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

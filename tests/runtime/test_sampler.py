@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from slimserve.runtime.sampler import SampleResult, sample, sampling_probs
+from slimserve.runtime.sampler import SampleResult, _ranked_by_value, rank_keys, sample, sampling_probs
 from slimserve.runtime.sequence import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -138,6 +138,25 @@ def test_top_p_boundary_and_ties_are_exact(device):
     zeros = torch.tensor([[0.0, -0.0, 0.0, -0.0, -5.0]])
     for p in (SamplingParams(top_k=2), SamplingParams(top_k=2, top_p=0.99), SamplingParams(top_p=0.45)):
         assert (sampling_probs(zeros.to(device), [p]).cpu() > 0).tolist() == [[1, 1, 0, 0, 0]]
+
+
+def test_cpu_float_topk_window_equals_the_exact_key_ranking():
+    # the CPU ranks a window with a float top-k and fixes ties up; it must give exactly the
+    # canonical first `window` tokens (values and ids) that the int64 keys give, on rows full of
+    # ties: bf16-rounded logits, a run of -inf, +-0.0, and a tie straddling the window's edge
+    torch.manual_seed(5)
+    vocab = 300
+    x = (torch.randn(16, vocab) * 2).bfloat16().float()
+    x[1, 40:] = float("-inf")
+    x[2, :] = 0.0
+    x[2, 1::2] = -0.0
+    x[3, :20] = 7.0
+    x[4] = x[4].round()
+    for window in (1, 2, 5, 19, 20, 21, 39, 40, 41, 64, vocab - 1):
+        got_vals, got_ids = _ranked_by_value(x, window)
+        want_ids = rank_keys(x).topk(window, dim=-1).indices
+        assert torch.equal(got_ids, want_ids), window
+        assert torch.equal(got_vals, x.gather(1, want_ids)), window
 
 
 @pytest.mark.parametrize("device", DEVICES)
