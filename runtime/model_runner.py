@@ -23,6 +23,7 @@ from torch.distributed import PrefixStore
 
 from slimserve.runtime.batch import BatchInputs, BlockTableCache, prepare_batch
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.cpu_malloc import keep_freed_memory
 from slimserve.runtime.cuda_graphs import DecodeGraphs
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.group import TPGroup
@@ -70,6 +71,8 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device: without this `cuda:1` would run on cuda:0
             torch.cuda.set_device(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations stay in the heap between steps (runtime/cpu_malloc.py)
         self._setup(config, built)
 
     def _setup(self, config: EngineConfig, built: BuiltModel | None) -> None:
