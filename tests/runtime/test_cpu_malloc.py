@@ -39,8 +39,3 @@ def test_cpu_runner_stops_refaulting_freed_activations():
     default, tuned = faults("default"), faults("tuned")
     assert tuned * 4 < default, (default, tuned)
 
-
-def test_keep_freed_memory_is_once_per_process():
-    from slimserve.runtime.cpu_malloc import keep_freed_memory
-
-    assert keep_freed_memory() is keep_freed_memory()
