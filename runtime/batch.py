@@ -52,6 +52,54 @@ class BlockTableCache:
         return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True)
 
 
+class StagingBuffer:
+    """One host buffer per step for every field of a batch, so a step's inputs reach the device
+    in ONE host-to-device copy instead of seven (ids, positions, slots, block tables, offsets,
+    context lengths, logits rows), from pinned memory and non-blocking on CUDA.
+
+    Two buffers alternate, each with the CUDA event recorded after its copy: a buffer is written
+    again only once its copy of two steps ago has completed (today the sampler's device-to-host
+    read already orders every step after the last, so the wait returns at once; it keeps the
+    buffer safe if the next step's host work is ever overlapped with this one's GPU work). The
+    buffers grow to the largest step seen and are kept.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._host: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+        self.copies = 0  # host-to-device copies made (one per step)
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        i = self._turn
+        if self._done[i] is not None:
+            self._done[i].synchronize()
+        if self._host[i].numel() < n:
+            size = max(n, 2 * self._host[i].numel())
+            self._host[i] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
+        return self._host[i]
+
+    def upload(self, fields: list[list[int]], table: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """int64 device views of `fields` (in order) and the int32 [B, W] `table` on the device."""
+        sizes = [len(f) for f in fields]
+        n = sum(sizes)
+        host = self._buffer(n + table.numel())
+        host[:n].copy_(torch.tensor([v for f in fields for v in f], dtype=torch.int64))
+        host[n: n + table.numel()].view(table.shape).copy_(table)
+        # copy=True: on the CPU (tests) the views must not alias a buffer that is reused
+        dev = host[: n + table.numel()].to(self.device, non_blocking=True, copy=True)
+        self.copies += 1
+        if self._pin:
+            event = torch.cuda.Event()
+            event.record()
+            self._done[self._turn] = event
+        self._turn ^= 1
+        parts = list(dev[:n].split(sizes))
+        return parts, dev[n:].view(table.shape).to(torch.int32)
+
+
 def prepare_batch(
     token_chunks: list[list[int]],
     starts: list[int],
@@ -60,13 +108,15 @@ def prepare_batch(
     block_size: int,
     device: torch.device,
     table_cache: BlockTableCache | None = None,
+    staging: StagingBuffer | None = None,
 ) -> BatchInputs:
     """Build BatchInputs on `device` from per-sequence new tokens.
 
     token_chunks[b]: the tokens to compute for sequence b; starts[b]: the position of the first
     one (= tokens already cached); block_tables[b]: its blocks, covering start + len(chunk)
     tokens; sample[b]: whether its last token's logits are needed. `table_cache` (the runner's)
-    makes the block-table tensor incremental across steps.
+    makes the block-table tensor incremental across steps; `staging` (the runner's, on a GPU)
+    sends every field in one copy.
     """
     ids, pos, slots, cu, ctx, logits_idx = [], [], [], [0], [], []
     for chunk, start, table, want in zip(token_chunks, starts, block_tables, sample):
@@ -81,18 +131,25 @@ def prepare_batch(
             logits_idx.append(cu[-1] - 1)
     tables = (table_cache or BlockTableCache()).table(block_tables)
     q_lens = [len(c) for c in token_chunks]
+    if staging is not None:
+        (ids_d, pos_d, slots_d, cu_d, ctx_d, logits_d), tables_d = staging.upload(
+            [ids, pos, slots, cu, ctx, logits_idx], tables)
+        cu_d, ctx_d = cu_d.to(torch.int32), ctx_d.to(torch.int32)
+    else:
+        def dev(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    def dev(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        ids_d, pos_d, slots_d = dev(ids, torch.int64), dev(pos, torch.int64), dev(slots, torch.int64)
+        cu_d, ctx_d, logits_d = dev(cu, torch.int32), dev(ctx, torch.int32), dev(logits_idx, torch.int64)
+        tables_d = tables.to(device, non_blocking=True)
     return BatchInputs(
-        input_ids=dev(ids, torch.int64),
-        positions=dev(pos, torch.int64),
-        slot_mapping=dev(slots, torch.int64),
-        block_tables=tables.to(device, non_blocking=True),
-        cu_seqlens_q=dev(cu, torch.int32),
-        context_lens=dev(ctx, torch.int32),
-        logits_indices=dev(logits_idx, torch.int64),
+        input_ids=ids_d,
+        positions=pos_d,
+        slot_mapping=slots_d,
+        block_tables=tables_d,
+        cu_seqlens_q=cu_d,
+        context_lens=ctx_d,
+        logits_indices=logits_d,
         max_q_len=max(q_lens),
         max_context_len=max(ctx),
         decode_only=all(n == 1 for n in q_lens),

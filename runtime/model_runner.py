@@ -21,7 +21,7 @@ import logging
 import torch
 from torch.distributed import PrefixStore
 
-from slimserve.runtime.batch import BatchInputs, BlockTableCache, prepare_batch
+from slimserve.runtime.batch import BatchInputs, BlockTableCache, StagingBuffer, prepare_batch
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.cpu_malloc import keep_freed_memory
 from slimserve.runtime.cuda_graphs import DecodeGraphs
@@ -96,6 +96,8 @@ class ModelRunner:
                           for _ in range(self.model.spec.num_layers)]  # this stage's layers
         self.max_model_len = self._max_model_len()
         self._tables = BlockTableCache()  # block tables as tensors, kept across steps
+        # a GPU step's inputs in one pinned copy; on CPU the tensors are already where they run
+        self._staging = StagingBuffer(self.device) if self.device.type != "cpu" else None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda" and self.group is None:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
@@ -209,7 +211,7 @@ class ModelRunner:
 
     def prepare(self, token_chunks, starts, block_tables, sample) -> BatchInputs:
         return prepare_batch(token_chunks, starts, block_tables, sample, self.block_size,
-                             self.device, self._tables)
+                             self.device, self._tables, self._staging)
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:

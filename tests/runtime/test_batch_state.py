@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from slimserve.runtime.batch import BlockTableCache, prepare_batch
+from slimserve.runtime.batch import BlockTableCache, StagingBuffer, prepare_batch
 from slimserve.runtime.sequence import SamplingParams, Sequence
 
 
@@ -68,3 +69,52 @@ def test_prepare_batch_with_and_without_the_cache_agree():
                  "context_lens", "logits_indices"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert b.slot_mapping.tolist() == [112, 113, 114, 9 * 16 + 4]
+
+
+FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q", "context_lens",
+          "logits_indices")
+
+
+def _staged_steps(device: torch.device):
+    """(direct, staged) batches of a few steps of growing size, through one StagingBuffer."""
+    staging = StagingBuffer(device)
+    rng = random.Random(3)
+    out = []
+    for step in range(6):
+        b = 1 + step * 3
+        chunks = [[rng.randrange(1, 500) for _ in range(rng.choice((1, 1, 5, 40)))] for _ in range(b)]
+        starts = [rng.randrange(0, 60) for _ in range(b)]
+        tables = [list(range(100 * i, 100 * i + (s + len(c)) // 16 + 1)) for i, (s, c) in
+                  enumerate(zip(starts, chunks))]
+        sample = [rng.random() < 0.8 for _ in range(b)]
+        args = (chunks, starts, tables, sample, 16, device)
+        out.append((prepare_batch(*args), prepare_batch(*args, None, staging)))
+    return staging, out
+
+
+def _check_staged(device):
+    staging, steps = _staged_steps(device)
+    for direct, staged in steps:
+        for name in FIELDS:
+            a, b = getattr(direct, name), getattr(staged, name)
+            assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b), name
+        assert (direct.max_q_len, direct.max_context_len, direct.decode_only) == \
+            (staged.max_q_len, staged.max_context_len, staged.decode_only)
+    assert staging.copies == len(steps)  # one upload per step
+
+
+def test_staged_batch_equals_the_field_by_field_one():
+    _check_staged(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_staged_batch_is_one_pinned_copy_on_cuda():
+    _check_staged(torch.device("cuda"))
+    staging = StagingBuffer(torch.device("cuda"))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        prepare_batch([[1, 2, 3], [4]], [0, 20], [[7], [2, 9]], [True, True], 16,
+                      torch.device("cuda"), None, staging)
+        torch.cuda.synchronize()
+    h2d = [e for e in prof.events() if "Memcpy HtoD" in e.name]
+    assert len(h2d) == 1, [e.name for e in prof.events()]
+    assert staging._host[0].is_pinned()
