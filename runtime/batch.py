@@ -21,6 +21,9 @@ class BatchInputs:
     max_q_len: int  # largest q_len_b (host int: sizes the prefill grid without a device sync)
     max_context_len: int  # largest context_lens[b] (host int: sizes the split-K decode grid)
     decode_only: bool  # every sequence has exactly one new token
+    # the leading sequences with one new token each (the engine puts them first): a mixed
+    # step's attention runs them on the decode kernel and the rest on the prefill kernel
+    num_decodes: int = 0
 
 
 class BlockTableCache:
@@ -153,4 +156,5 @@ def prepare_batch(
         max_q_len=max(q_lens),
         max_context_len=max(ctx),
         decode_only=all(n == 1 for n in q_lens),
+        num_decodes=next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens)),
     )

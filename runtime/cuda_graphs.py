@@ -70,7 +70,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             cu_seqlens_q=self.cu_seqlens_q[:size + 1], context_lens=self.context_lens[:size],
             logits_indices=self.logits_indices[:size], max_q_len=1,
-            max_context_len=self.max_blocks * self.block_size, decode_only=True)
+            max_context_len=self.max_blocks * self.block_size, decode_only=True, num_decodes=size)
 
     def can_run(self, batch: BatchInputs) -> bool:
         """A decode-only step whose every sequence samples, within the buffers' size."""

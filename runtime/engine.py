@@ -220,6 +220,9 @@ class LLMEngine:
         if not out.scheduled:
             clock.cancel()
             return imported
+        # one-token sequences first (stable): on a GPU a mixed step's attention runs them on the
+        # decode kernel and only the prompt chunks on the prefill kernel (BatchInputs.num_decodes)
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         items = out.scheduled
         composition = batch_composition(items)
         clock.next("prepare")

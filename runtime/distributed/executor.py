@@ -3,8 +3,8 @@
 The driver (the engine's process) is rank 0: its `ModelRunner` holds shard 0 and runs its
 forward too, as vLLM's driver worker does. Each step it sends the batch once:
 
-- a 9-int64 header over each worker's pipe (command, T, B, block-table width, S, max_q_len,
-  max_context_len, decode_only, payload length). Idle workers wait on the pipe, not in a
+- a 10-int64 header over each worker's pipe (command, T, B, block-table width, S, max_q_len,
+  max_context_len, decode_only, num_decodes, payload length). Idle workers wait on the pipe, not in a
   collective, so an idle server never runs into the collectives' timeout, and a worker sees
   the driver's death as the pipe's end-of-file;
 - one broadcast of a flat int64 tensor holding every field of `BatchInputs` (runtime/batch.py).

@@ -36,7 +36,8 @@ from slimserve.runtime.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 STEP, STOP = 1, 0
-HEADER = struct.Struct("<9q")  # command, T, B, table width, S, max_q_len, max_context_len, decode_only, payload
+# command, T, B, table width, S, max_q_len, max_context_len, decode_only, num_decodes, payload
+HEADER = struct.Struct("<10q")
 
 
 def pack_batch(batch: BatchInputs) -> tuple[bytes, torch.Tensor]:
@@ -46,15 +47,16 @@ def pack_batch(batch: BatchInputs) -> tuple[bytes, torch.Tensor]:
              batch.block_tables.reshape(-1), batch.cu_seqlens_q, batch.context_lens]
     payload = torch.cat([p.to(torch.int64) for p in parts])
     header = HEADER.pack(STEP, batch.input_ids.numel(), b, w, batch.logits_indices.numel(),
-                         batch.max_q_len, batch.max_context_len, int(batch.decode_only), payload.numel())
+                         batch.max_q_len, batch.max_context_len, int(batch.decode_only),
+                         batch.num_decodes, payload.numel())
     return header, payload
 
 
 def unpack_batch(header: tuple, payload: torch.Tensor) -> BatchInputs:
-    _, t, b, w, s, max_q, max_ctx, decode_only, _ = header
+    _, t, b, w, s, max_q, max_ctx, decode_only, num_decodes, _ = header
     ids, pos, slots, logits, tables, cu, ctx = payload.split([t, t, t, s, b * w, b + 1, b])
     return BatchInputs(ids, pos, slots, tables.to(torch.int32).reshape(b, w), cu.to(torch.int32),
-                       ctx.to(torch.int32), logits, max_q, max_ctx, bool(decode_only))
+                       ctx.to(torch.int32), logits, max_q, max_ctx, bool(decode_only), num_decodes)
 
 
 class StoreChannel:

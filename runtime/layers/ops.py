@@ -62,14 +62,23 @@ def triton_ops() -> KernelOps:
     """The Triton table (imports triton and the kernel modules on first use)."""
     from slimserve.kernels import activation, kv_cache, paged_attention, rms_norm, rope_kv_cache
 
+    def decode(q, key_cache, value_cache, batch, n, scale, k_scale, v_scale):
+        return paged_attention.paged_attention_decode(
+            q, key_cache, value_cache, batch.block_tables[:n], batch.context_lens[:n], scale,
+            k_scale, v_scale, max_context_len=batch.max_context_len)
+
     def attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
         if batch.decode_only:
-            return paged_attention.paged_attention_decode(
-                q, key_cache, value_cache, batch.block_tables, batch.context_lens, scale, k_scale,
-                v_scale, max_context_len=batch.max_context_len)
-        return paged_attention.paged_attention_prefill(
-            q, key_cache, value_cache, batch.block_tables, batch.cu_seqlens_q, batch.context_lens,
+            return decode(q, key_cache, value_cache, batch, q.shape[0], scale, k_scale, v_scale)
+        nd = batch.num_decodes  # the leading one-token sequences: tokens 0..nd-1
+        prefill = paged_attention.paged_attention_prefill(
+            q[nd:], key_cache, value_cache, batch.block_tables[nd:],
+            batch.cu_seqlens_q[nd:] - nd if nd else batch.cu_seqlens_q, batch.context_lens[nd:],
             scale, k_scale, v_scale, max_q_len=batch.max_q_len)
+        if not nd:
+            return prefill
+        return torch.cat([decode(q[:nd], key_cache, value_cache, batch, nd, scale, k_scale, v_scale),
+                          prefill])
 
     return KernelOps(
         triton=True, rms_norm=rms_norm.rms_norm, fused_add_rms_norm=rms_norm.fused_add_rms_norm,
