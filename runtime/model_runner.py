@@ -17,6 +17,7 @@ and collective time for /metrics (runtime/distributed/rank_stats.py).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch.distributed import PrefixStore
@@ -76,6 +77,7 @@ class ModelRunner:
         self._setup(config, built)
 
     def _setup(self, config: EngineConfig, built: BuiltModel | None) -> None:
+        clock = _Stopwatch()
         if built is None:
             dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model))
             driver = self.group is None or self.group.rank == 0  # the manifest and gate: checked once
@@ -85,16 +87,18 @@ class ModelRunner:
                                 shard=self._shard())
         self.built = built
         self.model, self.spec, self.dtype = built.model, built.spec, built.dtype
+        clock.lap("load")
         self._prepare_weights()
         self.weight_bytes = model_bytes(self.model)  # this rank's, in their run-time form
+        clock.lap("weights")
         self.kv_dtype = self._kv_dtype()
         self.block_size = config.block_size
+        self.activation_bytes = self._profile_activations()
+        clock.lap("profile")
         self.num_blocks = self._num_blocks()
-        shape = (self.num_blocks, self.block_size, self.kv_heads, self.spec.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                          for _ in range(self.model.spec.num_layers)]  # this stage's layers
+        self.kv_caches = self._allocate_kv(self.num_blocks)  # this stage's layers
         self.max_model_len = self._max_model_len()
+        clock.lap("kv_cache")
         self._tables = BlockTableCache()  # block tables as tensors, kept across steps
         # a GPU step's inputs in one pinned copy; on CPU the tensors are already where they run
         self._staging = StagingBuffer(self.device) if self.device.type != "cpu" else None
@@ -104,6 +108,54 @@ class ModelRunner:
                                        -(-self.max_model_len // self.block_size), self.block_size,
                                        self.device)
             self.graphs.capture()
+            clock.lap("cuda_graphs")
+        self.startup = clock.laps  # seconds per start-up part, in order (the start-up log)
+        log.info("start-up: %s", startup_line(self.startup, self.activation_bytes))
+
+    def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.block_size, self.kv_heads, self.spec.head_dim)
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+                for _ in range(self.model.spec.num_layers)]
+
+    def profile_batch(self) -> tuple[BatchInputs, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The largest step the scheduler can make and a scratch KV cache just big enough for it:
+        max_num_batched_tokens prompt tokens over min(max_num_seqs, tokens) sequences (more when
+        a sequence would pass the model's positions), each sampling its last token, so the
+        logits are as many rows as a step can have."""
+        tokens = self.config.max_num_batched_tokens
+        seqs = max(1, min(self.config.max_num_seqs, tokens))
+        seqs = max(seqs, -(-tokens // self.spec.max_position_embeddings))
+        sizes = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        tables, used = [], 0
+        for n in sizes:
+            blocks = max(1, -(-n // self.block_size))
+            tables.append(list(range(used, used + blocks)))
+            used += blocks
+        batch = prepare_batch([[0] * n for n in sizes], [0] * seqs, tables, [True] * seqs,
+                              self.block_size, self.device)
+        return batch, self._allocate_kv(used)
+
+    def _profile_activations(self) -> int:
+        """CUDA, one process: the bytes one forward of the largest step allocates at its peak
+        beyond the weights and its scratch KV cache (activations, logits, kernel workspaces),
+        measured by running it; the KV cache is then sized from what is left after them. It also
+        compiles the prefill kernels at their largest shapes before any request. 0 elsewhere and
+        when --kv-cache-memory fixes the cache."""
+        if self.device.type != "cuda" or self.group is not None or self.config.kv_cache_memory is not None:
+            return 0
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        batch, caches = self.profile_batch()
+        scratch = torch.cuda.memory_allocated(self.device) - base
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            self.model(batch, caches)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base - scratch
+        del batch, caches
+        torch.cuda.empty_cache()
+        return max(0, int(peak))
 
     def _shard(self):
         """What build_model loads on this rank: a tensor-parallel shard, a pipeline stage (whose
@@ -178,7 +230,7 @@ class ModelRunner:
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.memory_fraction)
+                budget = int(free * self.config.memory_fraction) - self.activation_bytes
             else:
                 budget = self.config.cpu_kv_cache_memory
         blocks = budget // per_block
@@ -260,3 +312,25 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.shutdown()
 
+
+
+class _Stopwatch:
+    """Seconds per named part of the start-up, each from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = now - self._t
+        self._t = now
+
+
+def startup_line(laps: dict[str, float], activation_bytes: int = 0) -> str:
+    """'load 2.31 s, weights 0.12 s, ..., total 2.6 s' (+ the profiled activation peak)."""
+    parts = [f"{name.replace('_', ' ')} {sec:.2f} s" for name, sec in laps.items()]
+    line = ", ".join(parts + [f"total {sum(laps.values()):.1f} s"])
+    if activation_bytes:
+        line += f"; peak activations {activation_bytes / 2**20:.0f} MiB kept free of the KV cache"
+    return line
