@@ -103,7 +103,9 @@ def _attend(q, k, v, s_mask, m_i, l_i, acc, qk_scale, P_DTYPE: tl.constexpr,
     return m_new, l_i, acc
 
 
-@triton.jit
+# ints that change from step to step are not specialized on (divisibility by 16, == 1): one
+# compiled variant per config instead of several, compiled by the first requests
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     out_ptr,  # [B, H, D] query dtype (unused when SPLIT)
     part_ptr, pm_ptr, pl_ptr,  # SPLIT: [B, H, S, D], [B, H, S], [B, H, S] fp32 partials
@@ -165,7 +167,7 @@ def _decode_kernel(
                  mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(out_ptr, part_ptr, pm_ptr, pl_ptr, ctx_ptr, num_splits,
                    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, SPLIT_TILE: tl.constexpr):
     """out[b, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the used partitions."""
@@ -194,7 +196,7 @@ def _reduce_kernel(out_ptr, part_ptr, pm_ptr, pl_ptr, ctx_ptr, num_splits,
     tl.store(out_ptr + row * HEAD_DIM + offs_d, round_to(out, dt).to(dt))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     out_ptr, q_ptr,  # [T, H, D] (out contiguous)
     kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, ks_ptr, vs_ptr,  # cu_seqlens_q int32 [B + 1]

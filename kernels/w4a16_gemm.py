@@ -113,7 +113,8 @@ def _dequant_tile(qw_ptr, s_ptr, z_ptr, gidx_ptr, offs_k, offs_n, k_mask, n_mask
     return (q - offset) * scale
 
 
-@triton.jit
+# M and the split change with the step: not specialized on (one variant per config)
+@triton.jit(do_not_specialize=["M", "k_tiles_per_split"])
 def _w4a16_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, gidx_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, group_size, k_tiles_per_split,
@@ -162,7 +163,7 @@ def _w4a16_gemm_kernel(
         tl.store(out_ptr + out_offs, _round(acc, xdt, INTERPRET), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN", "split"])
 def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, MN, N, split, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     """out[M, N] = sum over s of part[s, M, N] (+ bias), in a fixed order: deterministic."""

@@ -63,7 +63,8 @@ def default_config(m: int) -> W8A8Config:
     return next(cfg for bound, cfg in CONFIGS if m <= bound)
 
 
-@triton.jit
+# M changes with the step: not specialized on (one variant per config)
+@triton.jit(do_not_specialize=["M"])
 def _w8a8_gemm_kernel(
     a_ptr,  # [M, K] int8 activation codes, last dim contiguous
     as_ptr,  # [M] per-token scales (fp16/bf16/fp32)

@@ -223,7 +223,7 @@ class MultiprocExecutor:
         if self._closed:
             return
         self._closed = True
-        self._stop_workers(HEADER.pack(STOP, *([0] * 8)))
+        self._stop_workers(HEADER.pack(STOP, *([0] * (HEADER.size // 8 - 1))))  # int64 fields
         if self.threads is not None:  # the process may go on without tensor parallelism
             torch.set_num_threads(self._threads_before)
 

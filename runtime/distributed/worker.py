@@ -132,7 +132,7 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
             return  # the driver is gone
         if header[0] == STOP:
             return
-        payload = torch.empty(header[8], dtype=torch.int64, device=group.device)
+        payload = torch.empty(header[-1], dtype=torch.int64, device=group.device)  # its length
         try:
             group.broadcast(payload)
             runner.execute(unpack_batch(header, payload))

@@ -6,6 +6,7 @@ import torch
 
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.model_runner import ModelRunner, startup_line
+
 from tests.helpers import DEMO_MODEL
 
 
