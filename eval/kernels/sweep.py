@@ -16,7 +16,7 @@ def cfg_repr(c) -> str:
         return (f'W4A16Config("{c.path}", {c.block_m}, {c.block_n}, {c.block_k}, '
                 f"split_k={c.split_k}, num_warps={c.num_warps}, num_stages={c.num_stages})")
     return (f"W8A8Config({c.block_m}, {c.block_n}, {c.block_k}, group_m={c.group_m}, "
-            f"num_warps={c.num_warps}, num_stages={c.num_stages})")
+            f"num_warps={c.num_warps}, num_stages={c.num_stages}, split_k={c.split_k})")
 
 
 def suggest(times: dict, buckets: list) -> list[dict]:

@@ -138,6 +138,44 @@ def test_config_table():
         assert cfg.block_m <= next_pow2(bound)
     assert wg.default_config(1) is wg.CONFIGS[0][1]
     assert wg.default_config(4096) is wg.CONFIGS[-1][1]
-    tiles = {(v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"], v.constexprs["BLOCK_K"])
-             for v in wg.aot_variants()}
+    gemms = [v for v in wg.aot_variants() if v.kernel is wg._w8a8_gemm_kernel]
+    tiles = {(v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"], v.constexprs["BLOCK_K"]) for v in gemms}
     assert tiles == {(c.block_m, c.block_n, c.block_k) for _, c in wg.CONFIGS}
+    # the rows that may split compile their partial variant and the reduction its epilogues
+    partial = {v.constexprs["BLOCK_M"] for v in gemms if v.constexprs["PARTIAL"]}
+    assert partial == {c.block_m for _, c in wg.CONFIGS if c.split_k != 1}
+    assert sum(v.kernel is wg._w8a8_splitk_reduce_kernel for v in wg.aot_variants()) == 4
+
+
+SPLIT = wg.W8A8Config(16, 64, 32, group_m=1, split_k=3)  # forced split, slices of uneven length
+
+
+@pytest.mark.parametrize("out_dtype,with_bias", [(torch.int32, False), (torch.bfloat16, True),
+                                                 (torch.float32, False)])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 200), (5, 130, 256)])
+def test_split_k_is_bit_identical_to_unsplit(m, n, k, out_dtype, with_bias):
+    """int32 slices summed exactly, then the same epilogue: the split output equals the unsplit
+    kernel's bit for bit (and the twin's accumulators exactly)."""
+    a, a_s, w, w_s, bias = _operands(m, n, k, seed=3 * m + n, scale_dtype=torch.float32)
+    b = bias if with_bias else None
+    assert wg.split_k(SPLIT, m, n, k, torch.device(DEV))[0] == 3
+    split = wg.w8a8_gemm(a, a_s, w, w_s, b, out_dtype, config=SPLIT)
+    whole = wg.w8a8_gemm(a, a_s, w, w_s, b, out_dtype, config=wg.W8A8Config(16, 64, 32, group_m=1))
+    assert torch.equal(split, whole)
+    if out_dtype == torch.int32:
+        assert torch.equal(split, reference.w8a8_matmul_int32(a, w))
+
+
+def test_split_k_choice_fills_the_sms_at_small_m_only():
+    dev = torch.device("cpu")  # num_sms: the H200's 132 when no GPU is visible
+    small = wg.default_config(4)
+    assert small.split_k == 0  # the decode row splits on its own
+    n_split, per = wg.split_k(small, 4, 4096, 4096, dev)  # 64 tiles over 132 SMs
+    assert n_split > 1 and per >= wg.MIN_K_TILES_PER_SPLIT and n_split * per >= 4096 // 256
+    assert wg.split_k(small, 4, 4096, 256, dev)[0] == 1  # one K step: nothing to split
+    big = wg.default_config(4096)
+    assert wg.split_k(big, 4096, 4096, 4096, dev)[0] == 1  # split_k 1: never
+    # every slice holds at least one K step: no empty programs
+    for k in (300, 1000, 14336):
+        n_split, per = wg.split_k(SPLIT, 1, 64, k, dev)
+        assert (n_split - 1) * per < -(-k // SPLIT.block_k) <= n_split * per
