@@ -59,6 +59,7 @@ from slimserve.runtime.disagg.transfer import load_import
 from slimserve.runtime.distributed.rank_stats import RankStats
 from slimserve.runtime.engine import EngineStats, LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
+from slimserve.runtime.model_runner import startup_line
 from slimserve.runtime.profiler import (
     PROFILE_MAX_STEPS,
     ProfileError,
@@ -287,6 +288,11 @@ class AsyncEngine:
     def step_timing(self) -> StepTimingSnapshot:
         """The engine's per-phase and batch histograms so far (any thread; a consistent copy)."""
         return self.engine.step_timing.snapshot()
+
+    def startup_line(self) -> str:
+        """How long each part of the start-up took (runtime/model_runner.py, the start-up log)."""
+        runner = self.engine.runner
+        return startup_line(runner.startup, runner.activation_bytes)
 
     def rank_stats(self) -> list[RankStats]:
         """Per rank (rank 0 only without tensor/pipeline parallelism): weight, KV-cache and

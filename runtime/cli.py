@@ -273,7 +273,6 @@ def serve(
     import uvicorn
 
     from slimserve.runtime.async_engine import AsyncEngine
-    from slimserve.runtime.model_runner import startup_line
     from slimserve.runtime.server.app import build_app
 
     try:
@@ -282,9 +281,7 @@ def serve(
     except (ArtifactError, FileNotFoundError, ValueError) as e:
         _fail(e)
     s = engine.stats()
-    runner = engine.engine.runner
-    console.print(f"start-up: {startup_line(runner.startup, runner.activation_bytes)}",
-                  highlight=False, soft_wrap=True)
+    console.print(f"start-up: {engine.startup_line()}", highlight=False, soft_wrap=True)
     console.print(f"[bold]{escape(engine.model_name)}[/]: KV cache {s.num_blocks} blocks x "
                   f"{s.block_size} tokens = {s.capacity_tokens} tokens; max_model_len "
                   f"{engine.max_model_len}; "

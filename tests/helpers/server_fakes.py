@@ -79,6 +79,9 @@ class FakeEngine:
         self._aborts: dict[str, asyncio.Event] = {}
         self._prefill: dict[str, int] = {}  # request id -> prompt tokens, until its first token
 
+    def startup_line(self) -> str:
+        return "load 0.00 s, total 0.0 s"
+
     async def start(self):
         self.started = True
 
