@@ -284,22 +284,29 @@ def test_openai_client_through_the_router():
 
 
 def test_least_latency_spreads_concurrent_streams_and_keeps_prefixes_together():
-    with _cluster(policy="least-latency", delay=0.02) as (engines, _, url, router):
-        def one(prompt):
-            with httpx.Client(timeout=20, trust_env=False) as c:
+    # Each stream lasts ~2 s (20 tokens x 0.1 s) and all six start together, so none ends
+    # before the last is routed even on a loaded machine (at 0.4 s a stream, a late thread
+    # once found a replica already free and the split came out 4/2).
+    with _cluster(policy="least-latency", delay=0.1) as (engines, _, url, router):
+        start = threading.Barrier(6)
+
+        def one(prompt, max_tokens=20, barrier=None):
+            with httpx.Client(timeout=30, trust_env=False) as c:
+                if barrier is not None:
+                    barrier.wait(timeout=30)
                 r = c.post(url + "/v1/completions",
-                           json={"prompt": prompt, "max_tokens": 20, "stream": True})
+                           json={"prompt": prompt, "max_tokens": max_tokens, "stream": True})
                 assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
 
-        threads = [threading.Thread(target=one, args=(f"q{i} " * 100,)) for i in range(6)]
+        threads = [threading.Thread(target=one, args=(f"q{i} " * 100, 20, start)) for i in range(6)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(30)
+            t.join(60)
         assert sorted(len(e.requests) for e in engines) == [3, 3]
         # with both idle, follow-ups sharing a long prefix go where it went first
         for i in range(4):
-            one(SYSTEM + f"question {i}")
+            one(SYSTEM + f"question {i}", max_tokens=2)
         counts = [sum(1 for _, ids, _ in e.requests if len(ids) > len(SYSTEM)) for e in engines]
         assert sorted(counts) == [0, 4]
 
