@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,22 @@ def use_triton(t: torch.Tensor) -> bool:
     if backend == "triton":
         return True
     return t.is_cuda
+
+
+SPLIT_K_WAVES = 2  # split-K GEMMs aim at this many programs per SM (latency hiding for decode)
+MIN_K_TILES_PER_SPLIT = 2  # never split K finer than this many block_k steps
+
+
+def split_k_slices(asked: int, tiles: int, k_tiles: int, device: torch.device) -> int:
+    """K slices of a GEMM with `tiles` output tiles and `k_tiles` K steps (W4A16 and W8A8 at
+    decode sizes): `asked`, or for 0 as many as bring the programs up to SPLIT_K_WAVES per SM
+    with at least MIN_K_TILES_PER_SPLIT steps each; evened out so that no slice is empty."""
+    split = asked
+    if split == 0:
+        want = -(-SPLIT_K_WAVES * num_sms(device) // tiles)
+        split = max(1, min(want, k_tiles // MIN_K_TILES_PER_SPLIT))
+    per = -(-k_tiles // max(1, min(split, k_tiles)))
+    return -(-k_tiles // per)
 
 
 @functools.lru_cache(maxsize=None)

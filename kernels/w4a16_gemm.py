@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from slimserve.kernels._launch import AotVariant, check, check_tensor, num_sms, use_triton
+from slimserve.kernels._launch import AotVariant, check, check_tensor, split_k_slices, use_triton
 from slimserve.kernels.w4a16_layout import (  # noqa: F401  (prepare_w4a16: re-exported)
     SCALE_DTYPES,
     W4A16Weight,
@@ -61,8 +61,6 @@ DISPATCH: tuple[tuple[int | None, W4A16Config], ...] = (
     (512, W4A16Config("gemm", 128, 128, 64, split_k=0, num_warps=8, num_stages=3)),
     (None, W4A16Config("dequant", 0, 64, 128, num_warps=4, num_stages=1)),
 )
-SPLIT_K_WAVES = 2  # split-K aims at this many programs per SM (latency hiding for decode)
-MIN_K_TILES_PER_SPLIT = 2  # never split K finer than this many block_k steps
 _REDUCE_BLOCK = 1024  # elements of [M, N] per program of the split-K reduction
 _GROUP_M = 8  # M tiles that walk one N column together, so W tiles are reused from L2
 
@@ -245,14 +243,9 @@ def select_config(m: int) -> W4A16Config:
 
 
 def _split_k(cfg: W4A16Config, m: int, n: int, k_tiles: int, device: torch.device) -> int:
-    """K slices so that tiles * split ~ SPLIT_K_WAVES programs per SM; no empty slices."""
-    split = cfg.split_k
-    if split == 0:
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        want = triton.cdiv(SPLIT_K_WAVES * num_sms(device), tiles)
-        split = max(1, min(want, k_tiles // MIN_K_TILES_PER_SPLIT))
-    per = triton.cdiv(k_tiles, max(1, min(split, k_tiles)))
-    return triton.cdiv(k_tiles, per)
+    """K slices for this config and shape (kernels/_launch.py `split_k_slices`)."""
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    return split_k_slices(cfg.split_k, tiles, k_tiles, device)
 
 
 def w4a16_gemm(x: torch.Tensor, w: W4A16Weight, bias: torch.Tensor | None = None, *,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2, num_sms
+from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2, split_k_slices
 from slimserve.kernels._rounding import round_to
 from slimserve.kernels.act_quant import act_quant
 
@@ -65,8 +65,6 @@ CONFIGS: tuple[tuple[int, W8A8Config], ...] = (
 )
 
 
-SPLIT_K_WAVES = 2  # split-K aims at this many programs per SM (latency hiding for decode)
-MIN_K_TILES_PER_SPLIT = 2  # never split K finer than this many block_k steps
 _REDUCE_BLOCK = 1024  # elements of [M, N] per program of the split-K reduction
 
 
@@ -76,17 +74,12 @@ def default_config(m: int) -> W8A8Config:
 
 
 def split_k(cfg: W8A8Config, m: int, n: int, k: int, device: torch.device) -> tuple[int, int]:
-    """(slices, K tiles per slice): config.split_k, or for 0 as many slices as bring the
-    tiles up to SPLIT_K_WAVES programs per SM, each at least MIN_K_TILES_PER_SPLIT K steps; no
-    empty slice."""
+    """(slices, K tiles per slice) for this config and shape (kernels/_launch.py
+    `split_k_slices`: config.split_k, or for 0 enough to fill the SMs)."""
     k_tiles = triton.cdiv(k, cfg.block_k)
-    split = cfg.split_k
-    if split == 0:
-        tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-        want = triton.cdiv(SPLIT_K_WAVES * num_sms(device), tiles)
-        split = max(1, min(want, k_tiles // MIN_K_TILES_PER_SPLIT))
-    per = triton.cdiv(k_tiles, max(1, min(split, k_tiles)))
-    return triton.cdiv(k_tiles, per), per
+    split = split_k_slices(cfg.split_k, triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),
+                           k_tiles, device)
+    return split, triton.cdiv(k_tiles, split)
 
 
 @triton.jit

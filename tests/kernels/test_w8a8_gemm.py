@@ -12,7 +12,7 @@ import torch
 
 from slimserve.kernels import reference
 from slimserve.kernels import w8a8_gemm as wg
-from slimserve.kernels._launch import next_pow2
+from slimserve.kernels._launch import MIN_K_TILES_PER_SPLIT, next_pow2
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # Big tiles keep interpreter runs short (cost is per program and K step); the default table
@@ -171,7 +171,7 @@ def test_split_k_choice_fills_the_sms_at_small_m_only():
     small = wg.default_config(4)
     assert small.split_k == 0  # the decode row splits on its own
     n_split, per = wg.split_k(small, 4, 4096, 4096, dev)  # 64 tiles over 132 SMs
-    assert n_split > 1 and per >= wg.MIN_K_TILES_PER_SPLIT and n_split * per >= 4096 // 256
+    assert n_split > 1 and per >= MIN_K_TILES_PER_SPLIT and n_split * per >= 4096 // 256
     assert wg.split_k(small, 4, 4096, 256, dev)[0] == 1  # one K step: nothing to split
     big = wg.default_config(4096)
     assert wg.split_k(big, 4096, 4096, 4096, dev)[0] == 1  # split_k 1: never
