@@ -60,6 +60,7 @@ from slimserve.runtime.bench.workload import (
 )
 from slimserve.runtime.gguf import resolve_model
 from slimserve.runtime.router.policy import POLICIES
+from slimserve.runtime.server.protocol import error_message
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
@@ -210,7 +211,7 @@ def profile_request(url: str, action: str, args: BenchArgs) -> dict:
                          f"{e}") from None
     if r.status_code != 200:
         raise BenchError(f"--profile: POST {url}/{action}_profile answered HTTP {r.status_code}: "
-                         f"{_error_text(r.content)} (--profile needs a slimserve `runtime serve` "
+                         f"{error_message(r.content)} (--profile needs a slimserve `runtime serve` "
                          "started with --profile-dir)")
     return r.json()
 
@@ -228,13 +229,6 @@ def server_for(args: BenchArgs) -> Iterator[tuple[str, str | None]]:
         yield url, str(log)
 
 
-def _error_text(body: bytes) -> str:
-    try:
-        return str(json.loads(body)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        return body.decode(errors="replace").strip()[:200]
-
-
 async def send_one(client: httpx.AsyncClient, model: str | None, req: BenchRequest,
                    text_prompt: bool, start_s: float) -> RequestResult:
     """One streamed /v1/completions request, timed per token chunk (perf_counter)."""
@@ -247,7 +241,7 @@ async def send_one(client: httpx.AsyncClient, model: str | None, req: BenchReque
     try:
         async with client.stream("POST", "/v1/completions", json=payload) as resp:
             if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
+                res.error = f"HTTP {resp.status_code}: {error_message(await resp.aread())}"
                 return res
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):

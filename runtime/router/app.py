@@ -70,7 +70,6 @@ from slimserve.runtime.router.replicas import (
     ReplicaFailed,
     ReplicaSet,
     Ticket,
-    error_message,
 )
 from slimserve.runtime.server.http import (
     ClientGone,
@@ -80,7 +79,7 @@ from slimserve.runtime.server.http import (
     read_body,
     unless_disconnected,
 )
-from slimserve.runtime.server.protocol import APIError, error_body
+from slimserve.runtime.server.protocol import APIError, error_body, error_message
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
@@ -269,14 +268,14 @@ class Router:
                     if got.status_code != 200:
                         await got.aread()
                         raise APIError(502, f"{step}: it answered {got.status_code}: "
-                                            f"{error_message(got)}", code="kv_relay_failed")
+                                            f"{error_message(got.content)}", code="kv_relay_failed")
                     step = f"sending KV segment {name} to decode replica {target.url}"
                     put = await self.client.post(
                         f"{target.url}/kv_segments", content=got.aiter_raw(),
                         headers={**auth, "content-type": "application/octet-stream"})
                     self.metrics.relayed.inc(got.num_bytes_downloaded)
                 if put.status_code != 201:
-                    raise APIError(502, f"{step}: it answered {put.status_code}: {error_message(put)}",
+                    raise APIError(502, f"{step}: it answered {put.status_code}: {error_message(put.content)}",
                                    code="kv_relay_failed")
                 out.append(put.json()["kv_segment"])
             except httpx.HTTPError as e:

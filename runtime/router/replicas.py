@@ -24,6 +24,7 @@ import httpx
 
 from slimserve.runtime.disagg.protocol import ROLES
 from slimserve.runtime.router.policy import PromptInfo, ReplicaState, new_tokens
+from slimserve.runtime.server.protocol import error_message
 from slimserve.runtime.step_cost import StepCost
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class Replica:
         self.last_poll = time.monotonic()
         if r.status_code != 200:
             self.mark_down(f"{'/state' if self.has_state else '/health'} answered "
-                           f"{r.status_code}: {error_message(r)}")
+                           f"{r.status_code}: {error_message(r.content)}")
             return
         if self.has_state:
             try:
@@ -206,15 +207,6 @@ class Replica:
                 "step_time_s": s.step_time_s, "prefill_s_per_token": s.prefill_s_per_token,
                 "chars_per_token": s.chars_per_token, "inflight": s.inflight,
                 "dispatched": s.dispatched, "prefixes_remembered": len(s.prefixes)}
-
-
-def error_message(r: httpx.Response) -> str:
-    """The message of a replica's error answer (OpenAI-style body, /state's problem, or text)."""
-    try:
-        body = r.json()
-        return str(body.get("problem") or body["error"]["message"])
-    except Exception:
-        return r.text[:200]
 
 
 class ReplicaSet:

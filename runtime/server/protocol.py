@@ -66,6 +66,17 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def error_message(body: bytes | str, limit: int = 200) -> str:
+    """The message of an error answer read back (router, benchmark client): `error.message`
+    of an `error_body`, a /state answer's `problem`, else the text itself cut to `limit`."""
+    try:
+        data = json.loads(body)
+        return str(data.get("problem") or data["error"]["message"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        text = body.decode(errors="replace") if isinstance(body, bytes) else body
+        return text.strip()[:limit]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
