@@ -56,6 +56,7 @@ from prometheus_client.registry import Collector
 
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER
+from slimserve.runtime.disagg.relay import relay_segments
 from slimserve.runtime.router.policy import (
     Policy,
     PrefixIndex,
@@ -79,7 +80,7 @@ from slimserve.runtime.server.http import (
     read_body,
     unless_disconnected,
 )
-from slimserve.runtime.server.protocol import APIError, error_body, error_message
+from slimserve.runtime.server.protocol import APIError, error_body
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
@@ -242,7 +243,13 @@ class Router:
             replica = self._next_replica(PromptInfo(1), tried, "decode")
             relay = prefill.state.kv_host != replica.state.kv_host and None not in (
                 prefill.state.kv_host, replica.state.kv_host)  # an older server: one host
-            names = await self._move_segments(prefill, replica, segments, headers) if relay else segments
+            if relay:  # runtime/disagg/relay.py
+                assert self.client is not None
+                auth = {k: v for k, v in headers.items() if k == "authorization"}
+                names = await relay_segments(self.client, prefill.url, replica.url, segments, auth,
+                                             self.metrics.relayed.inc)
+            else:
+                names = segments
             kv = {**headers, KV_HEADER: ",".join(names)}
             out = await self._attempt(request, replica, replica.dispatch(PromptInfo(1)), path, body, kv)
             if out is not None:
@@ -252,39 +259,6 @@ class Router:
                                     "KV was moved there; retry", code="no_replica",
                                headers={"Retry-After": "1"})
             # else refused before reading the segments: the next one may take it
-
-    async def _move_segments(self, source: Replica, target: Replica, names: list[str],
-                             headers: dict[str, str]) -> list[str]:
-        """Move KV segments from a prefill replica to a decode replica on another host (module
-        doc); the names they have there. A failure is a 502 naming the replica and the step."""
-        assert self.client is not None
-        auth = {k: v for k, v in headers.items() if k == "authorization"}
-        out = []
-        for name in names:
-            step = f"fetching KV segment {name} from prefill replica {source.url}"
-            try:
-                async with self.client.stream("GET", f"{source.url}/kv_segments/{name}",
-                                              headers=auth) as got:
-                    if got.status_code != 200:
-                        await got.aread()
-                        raise APIError(502, f"{step}: it answered {got.status_code}: "
-                                            f"{error_message(got.content)}", code="kv_relay_failed")
-                    step = f"sending KV segment {name} to decode replica {target.url}"
-                    put = await self.client.post(
-                        f"{target.url}/kv_segments", content=got.aiter_raw(),
-                        headers={**auth, "content-type": "application/octet-stream"})
-                    self.metrics.relayed.inc(got.num_bytes_downloaded)
-                if put.status_code != 201:
-                    raise APIError(502, f"{step}: it answered {put.status_code}: {error_message(put.content)}",
-                                   code="kv_relay_failed")
-                out.append(put.json()["kv_segment"])
-            except httpx.HTTPError as e:
-                raise APIError(502, f"{step} failed: {type(e).__name__}: {e}",
-                               code="kv_relay_failed") from None
-            except (ValueError, KeyError, TypeError):
-                raise APIError(502, f"{step}: the answer holds no segment name; is it a slimserve "
-                                    "server of this version?", code="kv_relay_failed") from None
-        return out
 
     def _next_replica(self, prompt: PromptInfo, tried: set[str], role: str | None = None) -> Replica:
         """The policy's pick among the replicas (of `role`) not tried yet, now counted as tried;
