@@ -1,6 +1,6 @@
 """Scatter new tokens' keys and values into the paged KV cache, fp8 quantized or as they are.
 
-Twin: `reference.write_kv_cache`, matched bit for bit. Caches are
+Twin: `reference_attention.write_kv_cache`, matched bit for bit. Caches are
 [num_blocks, block_size, num_kv_heads, head_dim]; token t goes to slot slot_mapping[t] =
 block * block_size + offset, and a negative slot skips it (padding tokens of a CUDA graph).
 

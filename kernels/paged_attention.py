@@ -1,6 +1,6 @@
 """Paged attention over the block KV cache: decode (one query per sequence) and chunked prefill.
 
-Twins: `reference.paged_attention_decode` / `_prefill`. Caches [num_blocks, block_size, Hkv, D]
+Twins: `reference_attention.paged_attention_decode` / `_prefill`. Caches [num_blocks, block_size, Hkv, D]
 are fp16/bf16 or fp8 e4m3 codes with per-layer scales; block_tables int32 [B, max_blocks].
 
 A program owns one KV head of one sequence and every query head of its GQA group, so each KV

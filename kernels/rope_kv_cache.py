@@ -1,6 +1,6 @@
 """RoPE on q and k, in place, fused with the KV-cache write of k and v: one launch per layer.
 
-Twin: `reference.rope_and_write_kv`, matched bit for bit. It replaces, per layer, the eager
+Twin: `reference_attention.rope_and_write_kv`, matched bit for bit. It replaces, per layer, the eager
 rotate_half RoPE of q and of k (7 ops each) and the `write_kv_cache` launch.
 
 RoPE is transformers' rotate_half form computed in fp32 and rounded once to q's (k's) dtype:
@@ -111,7 +111,7 @@ def rope_and_write_kv(
     """Rotate query [T, H, D] and key [T, Hkv, D] in place with cos/sin [T, D/2] (fp32), and
     store the rotated key and value [T, Hkv, D] into key_cache/value_cache [num_blocks,
     block_size, Hkv, D] at slot_mapping int64 [T] (negative: no write). See the module
-    docstring; the twin is `reference.rope_and_write_kv`."""
+    docstring; the twin is `reference_attention.rope_and_write_kv`."""
     check_tensor("query", query, dtypes=_X_DTYPES, ndim=3, last_contiguous=True)
     dev, (t, h, d) = query.device, query.shape
     hkv = key.shape[1] if isinstance(key, torch.Tensor) and key.dim() == 3 else -1

@@ -1,7 +1,8 @@
 """The runtime's ops: the Triton kernels on CUDA (or when forced), the torch twins otherwise.
 
 `SLIMSERVE_KERNELS=auto|triton|torch` (kernels/_launch.py) picks the path; `auto` runs the
-kernels on CUDA tensors and the pure-torch twins in kernels/reference.py on CPU, so the CPU path
+kernels on CUDA tensors and the pure-torch twins in kernels/reference.py and
+kernels/reference_attention.py on CPU, so the CPU path
 is exactly the oracle the kernel tests compare against.
 
 The choice is resolved once, not per op: `select(device)` reads the environment and returns
@@ -17,14 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from slimserve.kernels import reference
+from slimserve.kernels import reference, reference_attention
 from slimserve.kernels._launch import kernel_backend
 from slimserve.runtime.batch import BatchInputs
 
 
 @dataclass(frozen=True)
 class KernelOps:
-    """One backend's ops, with the signatures of the twins in kernels/reference.py, plus the
+    """One backend's ops, with the signatures of the twins (kernels/reference.py,
+    kernels/reference_attention.py), plus the
     step's attention: `plan_attention(batch, block_size)` once per step, then per layer
     `attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale)` with k/v
     the keys and values just written to the cache."""
@@ -39,20 +41,20 @@ class KernelOps:
     attention: Callable
 
 
-def _torch_plan(batch: BatchInputs, block_size: int) -> reference.AttentionPlan:
-    return reference.plan_attention(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+def _torch_plan(batch: BatchInputs, block_size: int) -> reference_attention.AttentionPlan:
+    return reference_attention.plan_attention(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
                                     block_size)
 
 
 def _torch_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
-    return reference.paged_attention(q, key_cache, value_cache, plan, scale, k_scale, v_scale,
+    return reference_attention.paged_attention(q, key_cache, value_cache, plan, scale, k_scale, v_scale,
                                      key=k, value=v)
 
 
 TORCH = KernelOps(
     triton=False, rms_norm=reference.rms_norm, fused_add_rms_norm=reference.fused_add_rms_norm,
-    silu_and_mul=reference.silu_and_mul, rope_and_write_kv=reference.rope_and_write_kv,
-    write_kv_cache=reference.write_kv_cache, plan_attention=_torch_plan,
+    silu_and_mul=reference.silu_and_mul, rope_and_write_kv=reference_attention.rope_and_write_kv,
+    write_kv_cache=reference_attention.write_kv_cache, plan_attention=_torch_plan,
     attention=_torch_attention,
 )
 

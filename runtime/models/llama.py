@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slimserve.kernels.reference import rope_tables
+from slimserve.kernels.reference_attention import rope_tables
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import ops

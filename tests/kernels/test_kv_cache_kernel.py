@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from slimserve.kernels import reference
+from slimserve.kernels import reference_attention
 from slimserve.kernels.kv_cache import write_kv_cache
 
 FP8 = torch.float8_e4m3fn
@@ -18,7 +18,7 @@ def _bits(cache: torch.Tensor) -> torch.Tensor:
 def _run_both(key, value, kc, vc, slots, ks, vs):
     kc2, vc2 = kc.clone(), vc.clone()
     write_kv_cache(key, value, kc, vc, slots, ks, vs)
-    reference.write_kv_cache(key, value, kc2, vc2, slots, ks, vs)
+    reference_attention.write_kv_cache(key, value, kc2, vc2, slots, ks, vs)
     assert torch.equal(_bits(kc), _bits(kc2))
     assert torch.equal(_bits(vc), _bits(vc2))
 

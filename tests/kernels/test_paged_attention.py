@@ -12,7 +12,7 @@ or a missed tile moves outputs by O(max|V| / context) >> that.
 import pytest
 import torch
 
-from slimserve.kernels import reference
+from slimserve.kernels import reference_attention
 from slimserve.kernels.paged_attention import (
     AttentionConfig,
     paged_attention_decode,
@@ -57,7 +57,7 @@ def test_decode_matches_twin(dtypes, gqa):
     q = torch.randn(3, h, 32, generator=torch.Generator().manual_seed(1)).to(q_dtype)
     out = paged_attention_decode(q, kc, vc, tables, ctx, 0.2, K_SCALE, V_SCALE,
                                  config=AttentionConfig(block_n=64, split=False))
-    _assert_close(out, reference.paged_attention_decode(q, kc, vc, tables, ctx, 0.2, K_SCALE,
+    _assert_close(out, reference_attention.paged_attention_decode(q, kc, vc, tables, ctx, 0.2, K_SCALE,
                                                         V_SCALE), vc)
 
 
@@ -70,7 +70,7 @@ def test_split_decode_matches_twin(dtypes):
     q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(4)).to(q_dtype)
     cfg = AttentionConfig(block_n=32, partition=64, split=True)
     out = paged_attention_decode(q, kc, vc, tables, ctx, 0.125, K_SCALE, V_SCALE, config=cfg)
-    ref = reference.paged_attention_decode(q, kc, vc, tables, ctx, 0.125, K_SCALE, V_SCALE)
+    ref = reference_attention.paged_attention_decode(q, kc, vc, tables, ctx, 0.125, K_SCALE, V_SCALE)
     _assert_close(out[:3], ref[:3], vc)  # the twin leaves context 0 undefined (a padding row)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
 
@@ -83,7 +83,7 @@ def test_decode_other_block_sizes_and_strided_query(block_size):
     for split in (False, True):
         out = paged_attention_decode(q, kc, vc, tables, ctx, 0.3, max_context_len=33,
                                      config=AttentionConfig(block_n=32, partition=32, split=split))
-        _assert_close(out, reference.paged_attention_decode(q, kc, vc, tables, ctx, 0.3), vc)
+        _assert_close(out, reference_attention.paged_attention_decode(q, kc, vc, tables, ctx, 0.3), vc)
 
 
 def test_split_heuristic():
@@ -112,7 +112,7 @@ def test_prefill_matches_twin(dtypes, gqa):
     cfg = AttentionConfig(block_m=16, block_n=16)  # 16 // G query tokens per program
     out = paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.2, K_SCALE, V_SCALE, config=cfg,
                                   max_q_len=7)
-    ref = reference.paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.2, K_SCALE, V_SCALE)
+    ref = reference_attention.paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.2, K_SCALE, V_SCALE)
     _assert_close(out, ref, vc)
 
 
@@ -124,7 +124,7 @@ def test_prefill_long_chunk_default_grid_and_strided_query():
     q = torch.cat([q, q], dim=-1)[..., :64]  # row stride 2 * H * D, last dim contiguous
     cfg = AttentionConfig(block_m=32, block_n=32)
     out = paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.125, config=cfg)
-    _assert_close(out, reference.paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.125), vc)
+    _assert_close(out, reference_attention.paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.125), vc)
 
 
 def _decode_args(**over):

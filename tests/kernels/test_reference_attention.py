@@ -4,7 +4,7 @@ direct formulation: one sequence at a time, K/V gathered slot by slot, GQA by re
 import pytest
 import torch
 
-from slimserve.kernels import reference
+from slimserve.kernels import reference_attention
 
 
 def _naive(query, key_cache, value_cache, block_tables, cu, ctx, scale, k_scale, v_scale):
@@ -39,7 +39,7 @@ def test_batched_reference_equals_per_sequence_loop(kv_dtype):
         cu.append(cu[-1] + n)
     query = torch.randn(cu[-1], heads, d, generator=g)
     ks, vs = (0.7, 1.3) if kv_dtype == torch.float8_e4m3fn else (1.0, 1.0)
-    got = reference.paged_attention_prefill(query, kc, vc, tables, torch.tensor(cu, dtype=torch.int32),
+    got = reference_attention.paged_attention_prefill(query, kc, vc, tables, torch.tensor(cu, dtype=torch.int32),
                                             torch.tensor(ctx, dtype=torch.int32), 0.25, ks, vs)
     want = _naive(query, kc, vc, tables, cu, ctx, 0.25, ks, vs)
     # same fp32 math in a different summation order: a few ulp of fp32 on |out| <= max|V| ~ 4
@@ -73,14 +73,14 @@ def test_planned_attention_buckets_and_fresh_keys_equal_the_loop():
             blk, off = int(tables[b, (p + i) // bs]), (p + i) % bs
             key[cu[b] + i], value[cu[b] + i] = kc[blk, off], vc[blk, off]
     cu_t, ctx_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32)
-    plan = reference.plan_attention(cu_t, ctx_t, tables, bs)
+    plan = reference_attention.plan_attention(cu_t, ctx_t, tables, bs)
     assert len(plan.decode) == 2 and len(plan.prefill) == 3
     want = _naive(query, kc, vc, tables, cu, ctx, 0.3, 1.0, 1.0)
-    cached = reference.paged_attention(query, kc, vc, plan, 0.3)
-    fresh = reference.paged_attention(query, kc, vc, plan, 0.3, key=key, value=value)
+    cached = reference_attention.paged_attention(query, kc, vc, plan, 0.3)
+    fresh = reference_attention.paged_attention(query, kc, vc, plan, 0.3, key=key, value=value)
     torch.testing.assert_close(cached, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fresh, want, rtol=1e-5, atol=1e-5)
     # an fp8 cache does not hold the keys exactly: the fresh keys are ignored there
     k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    torch.testing.assert_close(reference.paged_attention(query, k8, v8, plan, 0.3, key=key, value=value),
+    torch.testing.assert_close(reference_attention.paged_attention(query, k8, v8, plan, 0.3, key=key, value=value),
                                _naive(query, k8, v8, tables, cu, ctx, 0.3, 1.0, 1.0), rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ write_kv_cache): bit for bit too, fp8 caches and padding slots included."""
 import pytest
 import torch
 
-from slimserve.kernels import reference
+from slimserve.kernels import reference_attention
 from slimserve.kernels.rope_kv_cache import rope_and_write_kv
 
 FP8 = torch.float8_e4m3fn
@@ -28,7 +28,7 @@ def _unfused(q, k, v, positions, inv_freq, kc, vc, slots, ks, vs):
         rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
         return (xf * cos + rotated * sin).to(x.dtype)
     q, k = rotate(q), rotate(k)
-    reference.write_kv_cache(k, v, kc, vc, slots, ks, vs)
+    reference_attention.write_kv_cache(k, v, kc, vc, slots, ks, vs)
     return q, k
 
 
@@ -57,13 +57,13 @@ def _split(qkv, h, hkv, d):
 def test_kernel_matches_twin_and_unfused_path_bit_for_bit(dtype, cache_dtype):
     qkv, pos, inv_freq, slots, kc, vc, (h, hkv, d) = _case(dtype, cache_dtype)
     ks, vs = (torch.tensor([0.05]), torch.tensor([0.02])) if cache_dtype == FP8 else (1.0, 1.0)
-    cos, sin = reference.rope_tables(pos, inv_freq)
+    cos, sin = reference_attention.rope_tables(pos, inv_freq)
 
     got_qkv, got_kc, got_vc = qkv.clone(), kc.clone(), vc.clone()
     rope_and_write_kv(*_split(got_qkv, h, hkv, d), cos, sin, got_kc, got_vc, slots, ks, vs)
 
     twin_qkv, twin_kc, twin_vc = qkv.clone(), kc.clone(), vc.clone()
-    reference.rope_and_write_kv(*_split(twin_qkv, h, hkv, d), cos, sin, twin_kc, twin_vc, slots,
+    reference_attention.rope_and_write_kv(*_split(twin_qkv, h, hkv, d), cos, sin, twin_kc, twin_vc, slots,
                                 ks, vs)
 
     old_kc, old_vc = kc.clone(), vc.clone()
@@ -89,11 +89,11 @@ def test_kernel_matches_twin_and_unfused_path_bit_for_bit(dtype, cache_dtype):
 def test_odd_head_counts_and_empty_batch():
     qkv, pos, inv_freq, slots, kc, vc, (h, hkv, d) = _case(torch.bfloat16, torch.bfloat16, t=5,
                                                            h=6, hkv=3, d=16, seed=3)
-    cos, sin = reference.rope_tables(pos, inv_freq)
+    cos, sin = reference_attention.rope_tables(pos, inv_freq)
     a, b = qkv.clone(), qkv.clone()
     kc2, vc2 = kc.clone(), vc.clone()
     rope_and_write_kv(*_split(a, h, hkv, d), cos, sin, kc, vc, slots)
-    reference.rope_and_write_kv(*_split(b, h, hkv, d), cos, sin, kc2, vc2, slots)
+    reference_attention.rope_and_write_kv(*_split(b, h, hkv, d), cos, sin, kc2, vc2, slots)
     assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(kc), _bits(kc2))
     empty = qkv[:0]
     before = kc.clone()
@@ -104,7 +104,7 @@ def test_odd_head_counts_and_empty_batch():
 def test_bad_arguments_are_named():
     qkv, pos, inv_freq, slots, kc, vc, (h, hkv, d) = _case(torch.float16, torch.float16)
     q, k, v = _split(qkv, h, hkv, d)
-    cos, sin = reference.rope_tables(pos, inv_freq)
+    cos, sin = reference_attention.rope_tables(pos, inv_freq)
     with pytest.raises(ValueError, match="cos"):
         rope_and_write_kv(q, k, v, cos.half(), sin, kc, vc, slots)
     with pytest.raises(ValueError, match="key has dtype"):

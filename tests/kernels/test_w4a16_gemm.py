@@ -17,7 +17,13 @@ import torch
 
 from slimserve.kernels import reference
 from slimserve.kernels.w4a16_gemm import (
-    DISPATCH, W4A16Config, _split_k, aot_variants, dequantize_w4a16, prepare_w4a16, select_config,
+    DISPATCH,
+    W4A16Config,
+    _split_k,
+    aot_variants,
+    dequantize_w4a16,
+    prepare_w4a16,
+    select_config,
     w4a16_gemm,
 )
 
