@@ -85,22 +85,24 @@ def eval_cmd(
     verify: str = typer.Option("strict", "--verify", help="strict: a slimserve artifact must have a "
                                "slimserve.json matching every file (plain checkpoints load as they are) "
                                "| none: skip the manifest check"),
+    memory: str = typer.Option("auto", "--memory", help="layers: read a local unquantized checkpoint's "
+                               "decoder layers one at a time | whole: load the float32 model | auto: "
+                               "layers when the float32 model would not fit in memory"),
 ) -> None:
     """Perplexity of a model or artifact on a dataset (non-overlapping windows)."""
-    import torch
-
     from slimserve.compress.datasets import load_token_documents, parse_dataset
     from slimserve.compress.devices import resolve_device
-    from slimserve.compress.layerwise_eval import perplexity_on_device
-    from slimserve.runtime.loader import load_model
+    from slimserve.compress.layerwise_eval import MEMORY_MODES, model_perplexity
 
+    if memory not in MEMORY_MODES:
+        _fail(f"--memory {memory!r}: use one of {', '.join(MEMORY_MODES)}")
     try:
         dev = resolve_device(device, "--device")
         spec = parse_dataset(dataset, Path.cwd())  # a bad spec fails before the model loads
-        loaded = load_model(model, dtype=torch.float32, trust_remote_code=trust_remote_code, verify=verify)
-        ids = load_token_documents(spec, loaded.tokenizer)
-        res = perplexity_on_device(loaded.model, ids, seq_len, max_windows, batch_size, dev, not as_json,
-                                   note=lambda m: None if as_json else console.print(m, highlight=False))
+        res = model_perplexity(model, lambda tok: load_token_documents(spec, tok), seq_len, max_windows,
+                               batch_size, dev, memory=memory, verify=verify,
+                               trust_remote_code=trust_remote_code, progress=not as_json,
+                               note=lambda m: None if as_json else console.print(m, highlight=False))
     except _user_errors() as e:
         _fail(str(e))
     if as_json:

@@ -4,21 +4,29 @@ The same computation as perplexity.evaluate_perplexity (same windows, same ops, 
 reordered: every evaluation window's hidden states pass layer 0, then layer 1, ... (kept on the
 CPU between layers: windows x seq_len x hidden x 4 bytes), then the final norm and lm_head run
 batch by batch on the device. `perplexity_on_device` (the pipeline's and `compress eval`'s
-measurement) uses it when the whole float32 model does not fit.
+measurement) uses it when the whole float32 model does not fit on the device.
+
+`model_perplexity` (`compress eval`) goes one step further when the float32 model does not fit
+in host memory either: a local unquantized safetensors checkpoint is read as a skeleton
+(runtime/loader.py `load_skeleton`) and each decoder layer comes from disk just before its turn
+(compress/layer_store.py), so the host holds one layer, not the model.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from slimserve.compress.calibration import LayerInputs, capture_first_layer_inputs, layer_on_device, move_trunk, replay
-from slimserve.compress.mappings import decoder_layers, mapping_for
+from slimserve.compress.layer_store import LayerStore
+from slimserve.compress.mappings import ARCHITECTURES, decoder_layers, mapping_for
 from slimserve.compress.perplexity import (
     PerplexityResult,
     eval_windows,
@@ -27,6 +35,13 @@ from slimserve.compress.perplexity import (
     window_nll,
 )
 from slimserve.compress.progress import counting_bar
+from slimserve.runtime.artifact.importers import read_quant_config
+from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.gguf import resolve_model
+from slimserve.runtime.lazy_weights import CheckpointTensors, available_memory
+from slimserve.runtime.loader import load_config, load_model, load_skeleton
+
+MEMORY_MODES = ("auto", "layers", "whole")  # model_perplexity(memory=)
 
 
 class LayerReader(Protocol):
@@ -117,3 +132,59 @@ def perplexity_on_device(model: nn.Module, token_ids: torch.Tensor, seq_len: int
         return layerwise_perplexity(model, token_ids, seq_len, max_windows, batch_size, device, progress)
     with model_on(model, device):
         return evaluate_perplexity(model, token_ids, seq_len, max_windows, batch_size, progress=progress)
+
+
+def layers_plan(source: str, memory: str, trust_remote_code: bool = False) -> str:
+    """Why `model_perplexity` holds the whole model in float32 ('' when it reads one decoder
+    layer at a time): "whole" asked for, not a local folder, quantized, an architecture without a
+    layer mapping, or (memory "auto") a float32 model that fits in 90% of available memory."""
+    if memory == "whole":
+        return "memory 'whole' was asked for"
+    path = Path(source)
+    if not path.is_dir():
+        return f"{source} is not a local checkpoint folder"
+    if read_quant_config(path):
+        return f"{source} is quantized (layer-by-layer reading takes unquantized checkpoints)"
+    config = load_config(path, trust_remote_code)
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        return f"architecture {getattr(config, 'model_type', None)!r} has no layer mapping (compress/mappings.py)"
+    if memory == "auto":
+        need, free = 4 * _checkpoint_params(path), available_memory()
+        if free is None or need <= 0.9 * free:
+            return "the float32 model fits in memory"
+    return ""
+
+
+def _checkpoint_params(path: Path) -> int:
+    """Elements of the folder's weight files, from their headers (no tensor is read)."""
+    return sum(math.prod(e.shape) for e in CheckpointTensors(path).entries.values())
+
+
+def model_perplexity(source: str, tokens: Callable[[object], torch.Tensor], seq_len: int,
+                     max_windows: int | None, batch_size: int, device: torch.device, *,
+                     memory: str = "auto", verify: str = "strict", trust_remote_code: bool = False,
+                     progress: bool = False, note: Callable[[str], None] = lambda m: None) -> PerplexityResult:
+    """Perplexity of a model or artifact (`compress eval`). memory: "layers" reads a local
+    unquantized checkpoint's decoder layers one at a time (an error says why it cannot), "whole"
+    loads the float32 model, "auto" the first only when the second would not fit in memory.
+    tokens(tokenizer) -> the evaluation token ids. Both paths give the same number."""
+    if memory not in MEMORY_MODES:
+        raise ValueError(f"--memory {memory!r}: use one of {', '.join(MEMORY_MODES)}")
+    source = resolve_model(source)
+    why_whole = layers_plan(source, memory, trust_remote_code)
+    if why_whole and memory == "layers":
+        raise ArtifactError(f"{source} cannot be evaluated layer by layer: {why_whole}; use --memory whole")
+    if not why_whole:
+        config = load_config(source, trust_remote_code)
+        mapping = ARCHITECTURES[config.model_type]
+        skeleton = load_skeleton(source, mapping.layers, verify, trust_remote_code)
+        note(f"memory: decoder layers are read from {source} one at a time")
+        store = LayerStore(skeleton.model, mapping, skeleton.checkpoint, {})
+        try:
+            return perplexity_on_device(skeleton.model, tokens(skeleton.tokenizer), seq_len, max_windows,
+                                        batch_size, device, progress, note, layers=store)
+        finally:
+            store.close()
+    loaded = load_model(source, dtype=torch.float32, trust_remote_code=trust_remote_code, verify=verify)
+    return perplexity_on_device(loaded.model, tokens(loaded.tokenizer), seq_len, max_windows, batch_size,
+                                device, progress, note)

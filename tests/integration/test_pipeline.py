@@ -91,6 +91,8 @@ def test_cli_bad_recipe_one_line_exit_2(tmp_path):
     (["eval", "/no/such/model"], "/no/such/model"),
     (["eval", "x", "--dataset", "bogus"], "bogus"),
     (["eval", "x", "--device", "tpu"], "--device: 'tpu' is not a device"),
+    (["eval", "x", "--memory", "bogus"], "--memory 'bogus': use one of auto, layers, whole"),
+    (["eval", "/no/such/model", "--memory", "layers"], "cannot be evaluated layer by layer"),
 ])
 def test_cli_user_errors(args, needle):
     r = _cli(*args)
