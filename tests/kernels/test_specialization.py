@@ -20,7 +20,8 @@ PER_STEP = {
     "paged_attention._prefill_kernel": {"stride_bt"},
     "w4a16_gemm._w4a16_gemm_kernel": {"M", "k_tiles_per_split"},
     "w4a16_gemm._splitk_reduce_kernel": {"MN", "split"},
-    "w8a8_gemm._w8a8_gemm_kernel": {"M"},
+    "w8a8_gemm._w8a8_gemm_kernel": {"M", "k_tiles_per_split"},
+    "w8a8_gemm._w8a8_splitk_reduce_kernel": {"M", "split"},
 }
 
 PROBE = r"""
