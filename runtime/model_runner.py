@@ -313,7 +313,6 @@ class ModelRunner:
             self.executor.shutdown()
 
 
-
 class _Stopwatch:
     """Seconds per named part of the start-up, each from the end of the one before."""
 
