@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from slimserve.eval.kernels.common import BF16, DT, F16, FP8, Ctx, fmt, gen, print_table, randn, run_check, twin
-from slimserve.kernels import reference as R  # pure torch: no @triton.jit
+from slimserve.kernels import reference_attention as RA
 
 
 def make_paged_kv(ctxs, hkv, d, bs, kv_dtype, dev, seed):
@@ -55,7 +55,7 @@ def checks_attn(ctx: Ctx) -> None:
                 q = randn((len(p.dec_ctx), h, d), dev, qdt, seed=4)
                 out = PA.paged_attention_decode(q, kc, vc, bt, cl, scale, ks, vs,
                                                 config=replace(dec, split=split))
-                ref = twin(R.paged_attention_decode, q, kc, vc, bt, cl, scale, ks, vs)
+                ref = twin(RA.paged_attention_decode, q, kc, vc, bt, cl, scale, ks, vs)
                 return _attn_close(out, ref, vc, vs)
             run_check(ctx, "paged_attention_decode", f"{tag} {'split' if split else 'one pass'} "
                       f"ctx {min(p.dec_ctx)}..{max(p.dec_ctx)}", decode)
@@ -68,7 +68,7 @@ def checks_attn(ctx: Ctx) -> None:
             q = randn((sum(q_lens), h, d), dev, qdt, seed=6)
             out = PA.paged_attention_prefill(q, kc, vc, bt, cu, cl, scale, ks, vs, config=pre,
                                              max_q_len=max(q_lens))
-            ref = twin(R.paged_attention_prefill, q, kc, vc, bt, cu, cl, scale, ks, vs)
+            ref = twin(RA.paged_attention_prefill, q, kc, vc, bt, cu, cl, scale, ks, vs)
             return _attn_close(out, ref, vc, vs)
         run_check(ctx, "paged_attention_prefill", f"{tag} q {p.prefill[0]} ctx {p.prefill[1]}",
                   prefill)

@@ -8,6 +8,7 @@ import torch
 
 from slimserve.eval.kernels.common import BF16, DT, F16, FP8, Ctx, fmt, gen, print_table, randn, run_check, ulp_ok
 from slimserve.kernels import reference as R  # pure torch: no @triton.jit
+from slimserve.kernels import reference_attention as RA
 
 
 def checks_norm(ctx: Ctx) -> None:
@@ -28,7 +29,7 @@ def checks_norm(ctx: Ctx) -> None:
             kc, vc = torch.zeros(nblk, bs, hkv, d, dtype=cdt), torch.zeros(nblk, bs, hkv, d, dtype=cdt)
             kc_d, vc_d = kc.to(dev), vc.to(dev)
             write_kv_cache(key.to(dev), val.to(dev), kc_d, vc_d, slots.to(dev), 0.5, 0.25)
-            R.write_kv_cache(key, val, kc, vc, slots, 0.5, 0.25)
+            RA.write_kv_cache(key, val, kc, vc, slots, 0.5, 0.25)
             view = torch.uint8 if cdt == FP8 else torch.int16
             bad = sum((a.cpu().view(view) != b.view(view)).sum().item() for a, b in ((kc_d, kc), (vc_d, vc)))
             return bad == 0, float(bad), "mismatched codes (bit exact)"
@@ -42,7 +43,7 @@ def checks_norm(ctx: Ctx) -> None:
             qkv = (torch.randn(n, (h + 2 * hkv) * d, generator=g) * 4).to(kdt)  # one fused projection
             pos = torch.randint(0, 8192, (n,), generator=g)
             inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d))
-            cos, sin = R.rope_tables(pos, inv_freq)
+            cos, sin = RA.rope_tables(pos, inv_freq)
             nblk = 2 * -(-n // bs) + 1
             slots = torch.randperm(nblk * bs, generator=g)[:n]
             slots[::10] = -1
@@ -55,7 +56,7 @@ def checks_norm(ctx: Ctx) -> None:
             ref, out = qkv.clone(), qkv.to(dev)
             kc_d, vc_d = kc.to(dev), vc.to(dev)
             rope_and_write_kv(*split(out), cos.to(dev), sin.to(dev), kc_d, vc_d, slots.to(dev), 0.5, 0.25)
-            R.rope_and_write_kv(*split(ref), cos, sin, kc, vc, slots, 0.5, 0.25)
+            RA.rope_and_write_kv(*split(ref), cos, sin, kc, vc, slots, 0.5, 0.25)
             view = torch.uint8 if cdt == FP8 else torch.int16
             bad = sum((a.cpu().view(view) != b.view(view)).sum().item() for a, b in ((kc_d, kc), (vc_d, vc)))
             bad += (out.cpu().view(torch.int16) != ref.view(torch.int16)).sum().item()
@@ -110,7 +111,7 @@ def _row_cases(ctx: Ctx) -> list[tuple]:
         cases.append((f"write_kv_cache -> {DT[cdt]}", f"[{t}, {hkv}, {d}] x2",
                       2 * kvb * (2 + kc.element_size()) + 8 * t,
                       lambda kc=kc, vc=vc: write_kv_cache(key, val, kc, vc, slots, sc, sc),
-                      lambda kc=kc, vc=vc: R.write_kv_cache(key, val, kc, vc, slots, 0.5, 0.5)))
+                      lambda kc=kc, vc=vc: RA.write_kv_cache(key, val, kc, vc, slots, 0.5, 0.5)))
     n = t * hidden
     cases += [
         ("rms_norm", f"[{t}, {hidden}]", 4 * n, lambda: RN.rms_norm(x, w, 1e-6),
