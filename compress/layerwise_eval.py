@@ -134,10 +134,11 @@ def perplexity_on_device(model: nn.Module, token_ids: torch.Tensor, seq_len: int
         return evaluate_perplexity(model, token_ids, seq_len, max_windows, batch_size, progress=progress)
 
 
-def layers_plan(source: str, memory: str, trust_remote_code: bool = False) -> str:
+def layers_plan(source: str, memory: str, config=None) -> str:
     """Why `model_perplexity` holds the whole model in float32 ('' when it reads one decoder
     layer at a time): "whole" asked for, not a local folder, quantized, an architecture without a
-    layer mapping, or (memory "auto") a float32 model that fits in 90% of available memory."""
+    layer mapping (`config`: the folder's, read by the caller), or (memory "auto") a float32
+    model that fits in 90% of available memory."""
     if memory == "whole":
         return "memory 'whole' was asked for"
     path = Path(source)
@@ -145,7 +146,6 @@ def layers_plan(source: str, memory: str, trust_remote_code: bool = False) -> st
         return f"{source} is not a local checkpoint folder"
     if read_quant_config(path):
         return f"{source} is quantized (layer-by-layer reading takes unquantized checkpoints)"
-    config = load_config(path, trust_remote_code)
     if getattr(config, "model_type", None) not in ARCHITECTURES:
         return f"architecture {getattr(config, 'model_type', None)!r} has no layer mapping (compress/mappings.py)"
     if memory == "auto":
@@ -171,11 +171,11 @@ def model_perplexity(source: str, tokens: Callable[[object], torch.Tensor], seq_
     if memory not in MEMORY_MODES:
         raise ValueError(f"--memory {memory!r}: use one of {', '.join(MEMORY_MODES)}")
     source = resolve_model(source)
-    why_whole = layers_plan(source, memory, trust_remote_code)
+    config = load_config(source, trust_remote_code) if memory != "whole" and Path(source).is_dir() else None
+    why_whole = layers_plan(source, memory, config)
     if why_whole and memory == "layers":
         raise ArtifactError(f"{source} cannot be evaluated layer by layer: {why_whole}; use --memory whole")
     if not why_whole:
-        config = load_config(source, trust_remote_code)
         mapping = ARCHITECTURES[config.model_type]
         skeleton = load_skeleton(source, mapping.layers, verify, trust_remote_code)
         note(f"memory: decoder layers are read from {source} one at a time")

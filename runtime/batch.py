@@ -85,7 +85,7 @@ class StagingBuffer:
         return self._host[i]
 
     def upload(self, fields: list[list[int]], table: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """int64 device views of `fields` (in order) and the int32 [B, W] `table` on the device."""
+        """int64 device views of `fields` (in order) and of the [B, W] `table`."""
         sizes = [len(f) for f in fields]
         n = sum(sizes)
         host = self._buffer(n + table.numel())
@@ -100,7 +100,7 @@ class StagingBuffer:
             self._done[self._turn] = event
         self._turn ^= 1
         parts = list(dev[:n].split(sizes))
-        return parts, dev[n:].view(table.shape).to(torch.int32)
+        return parts, dev[n:].view(table.shape)
 
 
 def prepare_batch(
@@ -137,7 +137,8 @@ def prepare_batch(
     if staging is not None:
         (ids_d, pos_d, slots_d, cu_d, ctx_d, logits_d), tables_d = staging.upload(
             [ids, pos, slots, cu, ctx, logits_idx], tables)
-        cu_d, ctx_d = cu_d.to(torch.int32), ctx_d.to(torch.int32)
+        # the int32 fields travel as int64 in the one buffer
+        cu_d, ctx_d, tables_d = (t.to(torch.int32) for t in (cu_d, ctx_d, tables_d))
     else:
         def dev(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
