@@ -28,6 +28,10 @@ from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 
+# The RTN comparison in the report is estimated on at most this many evenly spaced rows of a
+# Linear (GPTQ's own loss comes from its loop, over every row, at no cost).
+RTN_LOSS_ROWS = 1024
+
 
 class GptqOptions(WeightQuantOptions):
     """Options of the `gptq` stage: the shared weight options plus GPTQ's own."""
@@ -114,7 +118,7 @@ class GptqStage(Stage):
         results = gptq_shared(ws, h, args, state.storage_dtype, opts.block_size, opts.dampening_frac)
         for name, lin, w, res in zip(names, lins, ws, results):
             rtn = quantize_weight(w.cpu(), args, state.storage_dtype)  # RTN's min/max runs on CPU only
-            rtn_loss = output_loss(w, rtn.dequantize(torch.float32).to(w.device), h)
+            rtn_loss = output_loss(w, rtn.dequantize(torch.float32).to(w.device), h, RTN_LOSS_ROWS)
             self._losses[name] = {"gptq_loss": res.loss, "rtn_loss": rtn_loss, "damp": res.damp}
             if res.fallback:
                 self._fallbacks[name] = res.fallback
@@ -131,6 +135,8 @@ class GptqStage(Stage):
         d["modules_quantized"] = len(self.report.modules)
         d["losses"] = self._losses
         d["loss_ratio"] = _ratio_summary(self._losses)
+        d["rtn_loss_rows"] = (f"rtn_loss of a Linear with more than {RTN_LOSS_ROWS} output rows is the mean "
+                              f"over every ceil(rows / {RTN_LOSS_ROWS})-th row")
         d["fallbacks"] = self._fallbacks
         d["notes"] = self._notes
         self.report.seconds = time.perf_counter() - self._t0
