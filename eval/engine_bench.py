@@ -10,6 +10,9 @@ work per token does not depend on the values. On CPU, `--shape demo` gives a qui
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
+import shutil
 import tempfile
 import time
 from dataclasses import replace
@@ -79,10 +82,19 @@ def quantize_randomly(model: CausalLM, group_size: int = 128, seed: int = 0,
     return count
 
 
+@functools.cache
+def _model_folder() -> str:
+    """The folder a random model's EngineConfig names (it must exist; nothing is read from it):
+    one per process, removed at exit (one per engine, never removed, piled up in /tmp)."""
+    folder = tempfile.mkdtemp(prefix="slimserve-random-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def build_engine(spec: ModelSpec, *, quant: bool | str, kv_cache_dtype: str, device: str,
                  dtype: torch.dtype, **engine_args) -> LLMEngine:
     """quant: False (dense), True / "W4A16" (int4 group 128) or "W8A8" (int8 per channel)."""
-    folder = tempfile.mkdtemp(prefix="slimserve-random-")
+    folder = _model_folder()
     model = random_model(spec, dtype, torch.device(device))
     if quant:
         quantize_randomly(model, scheme_name="W4A16" if quant is True else quant)
