@@ -48,6 +48,9 @@ class LayerContext:
     state: CompressionState  # pipeline state (quantized weights are recorded there)
     device: torch.device  # compute device
     extra: dict[str, Any] = field(default_factory=dict)  # per-layer scratch space for the stage
+    # The layer's outputs on `inputs` (per batch, CPU), when the stage computed them with the
+    # layer's final weights: run_layerwise then feeds them to the next layer without a replay.
+    outputs: list[torch.Tensor] | None = None
 
     def forward(self, module: nn.Module | None = None,
                 stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
@@ -270,7 +273,7 @@ def run_layerwise(state: CompressionState, stage: Stage, batch_size: int = 8,
             with layer_on_device(layer, device, dtype):
                 ctx = LayerContext(i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device)
                 stage.compress_layer(ctx)
-                inputs = LayerInputs(ctx.forward(), inputs.kwargs)
+                inputs = LayerInputs(ctx.outputs if ctx.outputs is not None else ctx.forward(), inputs.kwargs)
             if source is not None:
                 source.done(i)
             if on_layer:

@@ -32,6 +32,10 @@ class ArchMapping:
     o_proj: str = "self_attn.o_proj"
     attention: str = "self_attn"
     final_norm: str = "model.norm"  # the norm between the last decoder layer and lm_head
+    # The decoder layer returns the input of this module (the residual stream after attention)
+    # plus the output of the last Linear of `sequential` (down_proj), so a stage holding that
+    # Linear's inputs can finish the layer's outputs without replaying it; None: it cannot.
+    mlp_residual: str | None = "post_attention_layernorm"
 
 
 _LLAMA = ArchMapping(

@@ -6,7 +6,9 @@ calibration inputs are replayed (each batch stops once the group's inputs are se
 quantized and written back as fake-quant weights, and only then is the next group's H collected,
 so it sees the already-quantized earlier groups. Linears that read one input (q/k/v, gate/up)
 share one H, one factorization and one GPTQ column loop (compress/quant/gptq.py `gptq_shared`).
-The calibration engine then feeds the compressed layer's outputs to the next layer.
+The calibration engine then feeds the compressed layer's outputs to the next layer; when the
+mapping says the layer ends in `residual + down_proj(x)` (ArchMapping.mlp_residual), the stage
+computes them itself from the inputs kept while down_proj's H was collected, skipping a replay.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from slimserve.compress.quant.stages import WeightQuantOptions, write_quantized
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
+from slimserve.runtime.lazy_weights import available_memory
 
 # The RTN comparison in the report is estimated on at most this many evenly spaced rows of a
 # Linear (GPTQ's own loss comes from its loop, over every row, at no cost).
@@ -95,12 +98,17 @@ class GptqStage(Stage):
 
     @torch.no_grad()
     def compress_layer(self, ctx: LayerContext) -> None:
-        for group in self._groups(ctx):
-            for readers, h, count in _collect_hessians(ctx, group):
+        groups = self._groups(ctx)
+        finisher = _finishing_linear(ctx, groups)
+        for group in groups:
+            keep = finisher if group == [finisher] else None
+            for readers, h, count in _collect_hessians(ctx, group, keep):
                 names = [f"{ctx.prefix}.{rel}" for rel in readers]
                 if count == 0:
                     self._notes += [f"{n} received no calibration tokens; its H is 0, so GPTQ = RTN" for n in names]
                 self._quantize(ctx.state, names, [ctx.module(rel) for rel in readers], h)
+            if keep:
+                ctx.outputs = _finish_outputs(ctx, keep, ctx.extra.pop(_KEPT))
 
     def _groups(self, ctx: LayerContext) -> list[list[str]]:
         """This layer's targeted Linears (relative names) in true-sequential groups."""
@@ -143,11 +151,17 @@ class GptqStage(Stage):
         return self.report
 
 
+_KEPT = "gptq_kept_inputs"  # ctx.extra key of the finishing Linear's kept inputs
+_KEEP_FRACTION = 0.125  # keep them when they take at most this share of the available memory
+_KEEP_DEFAULT_BYTES = 8 * 2**30  # the available memory assumed where the OS does not say
+
+
 class _Collected(Exception):
     """Raised by the last Hessian pre-hook of a replay: nothing after those inputs is needed."""
 
 
-def _collect_hessians(ctx: LayerContext, rels: list[str]) -> list[tuple[list[str], torch.Tensor, int]]:
+def _collect_hessians(ctx: LayerContext, rels: list[str],
+                      keep: str | None = None) -> list[tuple[list[str], torch.Tensor, int]]:
     """Replay the layer up to the inputs of `rels`: (readers, H [K, K] fp32, tokens) per input.
 
     Linears that read one tensor (q/k/v after the input norm, gate/up: the mapping's smooth
@@ -155,6 +169,10 @@ def _collect_hessians(ctx: LayerContext, rels: list[str]) -> list[tuple[list[str
     needs a Linear's input, so each batch stops in a pre-hook as soon as every input of the group
     has been seen: the group's own Linears and everything after them never run (the q/k/v replay
     is the input norm alone, the down_proj one skips down_proj).
+
+    With `keep` (the layer's finishing Linear, `_finishing_linear`), each batch's input of that
+    Linear and of the mapping's `mlp_residual` module are also kept on the CPU, in
+    ctx.extra[_KEPT], for `_finish_outputs`.
     """
     owner = {rel: rel for rel in rels}
     for m in ctx.mapping.smooth:
@@ -165,6 +183,11 @@ def _collect_hessians(ctx: LayerContext, rels: list[str]) -> list[tuple[list[str
     counts: dict[str, int] = {}
     pending: set[str] = set()
     handles = []
+    kept: dict[str, list[torch.Tensor]] = {"residual": [], "input": []}
+    if keep:
+        ctx.extra[_KEPT] = kept
+        handles.append(ctx.module(ctx.mapping.mlp_residual).register_forward_pre_hook(
+            lambda _mod, args: kept["residual"].append(args[0].detach().to("cpu", copy=True))))
     for rel in dict.fromkeys(owner.values()):
         lin = ctx.module(rel)
         hessians[rel] = torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32,
@@ -172,6 +195,8 @@ def _collect_hessians(ctx: LayerContext, rels: list[str]) -> list[tuple[list[str
         counts[rel] = 0
 
         def hook(_mod, args, rel=rel):
+            if rel == keep:
+                kept["input"].append(args[0].detach().to("cpu", copy=True))
             counts[rel] = accumulate_hessian(hessians[rel], args[0].detach(), counts[rel])
             pending.discard(rel)
             if not pending:
@@ -190,6 +215,36 @@ def _collect_hessians(ctx: LayerContext, rels: list[str]) -> list[tuple[list[str
         for handle in handles:
             handle.remove()
     return [([r for r in rels if owner[r] == first], hessians[first], counts[first]) for first in hessians]
+
+
+def _finishing_linear(ctx: LayerContext, groups: list[list[str]]) -> str | None:
+    """The Linear whose quantization finishes the layer, when its outputs can be computed from
+    that Linear's inputs (see ArchMapping.mlp_residual) and keeping those fits in memory; else None.
+
+    The layer's outputs are then `residual + down_proj(x)` with the inputs kept while down_proj's
+    H was collected: bit-identical to replaying the quantized layer (the same operations on the
+    same tensors, tests/integration/test_gptq_stage.py) at the cost of one Linear instead of a
+    whole layer forward (the calibration engine's replay for the next layer's inputs).
+    """
+    m = ctx.mapping
+    if m.mlp_residual is None or not groups or groups[-1] != [m.sequential[-1][-1]] or len(m.sequential[-1]) != 1:
+        return None
+    rel, hidden = groups[-1][0], ctx.inputs.hidden
+    if not hidden:
+        return None
+    # The residual is as wide as the layer's input, and both are kept in the replay's dtype.
+    need = sum(h.shape[:-1].numel() for h in hidden) * hidden[0].element_size() * (
+        ctx.module(rel).in_features + hidden[0].shape[-1])
+    free = available_memory()
+    return rel if need <= (free if free is not None else _KEEP_DEFAULT_BYTES) * _KEEP_FRACTION else None
+
+
+def _finish_outputs(ctx: LayerContext, rel: str, kept: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The layer's outputs per batch (CPU): residual + Linear `rel` (now quantized) on its kept inputs."""
+    lin, outs = ctx.module(rel), []
+    for residual, x in zip(kept["residual"], kept["input"]):
+        outs.append((residual.to(ctx.device) + lin(x.to(ctx.device))).cpu())
+    return outs
 
 
 def _on_device(obj, device: torch.device):

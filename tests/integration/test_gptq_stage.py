@@ -94,9 +94,9 @@ def _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype="auto", **opt
     log = []  # (group collected, modules already quantized at that moment)
     real = gptq_stage._collect_hessians
 
-    def spy(ctx, rels):
+    def spy(ctx, rels, keep=None):
         log.append(([f"{ctx.prefix}.{r}" for r in rels], set(state.quantized)))
-        return real(ctx, rels)
+        return real(ctx, rels, keep)
 
     monkeypatch.setattr(gptq_stage, "_collect_hessians", spy)
     stage = gptq_stage.GptqStage(gptq_stage.GptqOptions(**options))
@@ -140,8 +140,8 @@ def test_shared_input_hessians_and_bf16_replay(tiny_checkpoint, monkeypatch):
     seen = {}
     real = gptq_stage._collect_hessians
 
-    def keep(ctx, rels):
-        out = real(ctx, rels)
+    def keep(ctx, rels, kept=None):
+        out = real(ctx, rels, kept)
         if ctx.index == 0 and "self_attn.q_proj" in rels:
             h = {r: hess for readers, hess, _ in out for r in readers}
             counts = {r: n for readers, _, n in out for r in readers}
@@ -159,3 +159,53 @@ def test_shared_input_hessians_and_bf16_replay(tiny_checkpoint, monkeypatch):
     assert h16[q] is h16[k] and h16[q] is h16[v] and len({id(h) for h in h16.values()}) == 1
     assert c16[q] == c16[k] == c16[v] == 4 * 32 and c32 == c16
     torch.testing.assert_close(h16[q], h32[q], rtol=0.02, atol=0.02 * h32[q].abs().max().item())
+
+
+@pytest.mark.parametrize("calibration_dtype", ["float32", "auto"])
+def test_layer_outputs_from_kept_down_proj_inputs(tiny_checkpoint, monkeypatch, calibration_dtype):
+    """After down_proj, the layer's outputs come from down_proj's kept inputs plus the residual
+    (no replay of the layer): bit-identical to replaying the quantized layer, in the replay's
+    dtype, so the whole run is the one without the shortcut (ArchMapping.mlp_residual None)."""
+    from dataclasses import replace
+
+    from slimserve.compress import mappings
+    from slimserve.compress.calibration import LayerContext
+    from slimserve.compress.quant import gptq_stage
+
+    compared = []
+    real = gptq_stage.GptqStage.compress_layer
+
+    def check(self, ctx: LayerContext):
+        real(self, ctx)
+        assert ctx.outputs is not None and not ctx.extra
+        full = ctx.forward()
+        assert len(full) == len(ctx.outputs) == 1  # 4 calibration sequences: one batch of 8
+        for a, b in zip(ctx.outputs, full):
+            assert a.dtype == b.dtype and a.device.type == "cpu" and torch.equal(a, b)
+        compared.append(ctx.index)
+
+    monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", check)
+    with_shortcut, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, group_size=32)
+    assert compared == [0, 1]
+    monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", real)
+    monkeypatch.setitem(mappings.ARCHITECTURES, "llama", replace(mappings.ARCHITECTURES["llama"], mlp_residual=None))
+    without, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, group_size=32)
+    assert with_shortcut.quantized.keys() == without.quantized.keys()
+    for name, qw in with_shortcut.quantized.items():
+        assert torch.equal(qw.codes, without.quantized[name].codes) and torch.equal(qw.scale, without.quantized[name].scale)
+
+
+def test_no_shortcut_when_kept_inputs_would_not_fit(tiny_checkpoint, monkeypatch):
+    from slimserve.compress.quant import gptq_stage
+
+    monkeypatch.setattr(gptq_stage, "available_memory", lambda: 1000)  # bytes: nothing fits
+    seen = []
+    real = gptq_stage.GptqStage.compress_layer
+
+    def spy(self, ctx):
+        real(self, ctx)
+        seen.append(ctx.outputs)
+
+    monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", spy)
+    _stage_on_tiny(tiny_checkpoint, monkeypatch, "float32", group_size=32)
+    assert seen == [None, None]
