@@ -161,8 +161,8 @@ def test_shared_input_hessians_and_bf16_replay(tiny_checkpoint, monkeypatch):
     torch.testing.assert_close(h16[q], h32[q], rtol=0.02, atol=0.02 * h32[q].abs().max().item())
 
 
-@pytest.mark.parametrize("calibration_dtype", ["float32", "auto"])
-def test_layer_outputs_from_kept_down_proj_inputs(tiny_checkpoint, monkeypatch, calibration_dtype):
+@pytest.mark.parametrize("calibration_dtype, scheme", [("float32", "W4A16"), ("auto", "W4A16"), ("float32", "W8A8")])
+def test_layer_outputs_from_kept_down_proj_inputs(tiny_checkpoint, monkeypatch, calibration_dtype, scheme):
     """After down_proj, the layer's outputs come from down_proj's kept inputs plus the residual
     (no replay of the layer): bit-identical to replaying the quantized layer, in the replay's
     dtype, so the whole run is the one without the shortcut (ArchMapping.mlp_residual None)."""
@@ -185,11 +185,12 @@ def test_layer_outputs_from_kept_down_proj_inputs(tiny_checkpoint, monkeypatch, 
         compared.append(ctx.index)
 
     monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", check)
-    with_shortcut, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, group_size=32)
+    options = {"group_size": 32} if scheme == "W4A16" else {"scheme": scheme}  # W8A8: input quant hooks too
+    with_shortcut, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, **options)
     assert compared == [0, 1]
     monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", real)
     monkeypatch.setitem(mappings.ARCHITECTURES, "llama", replace(mappings.ARCHITECTURES["llama"], mlp_residual=None))
-    without, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, group_size=32)
+    without, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, **options)
     assert with_shortcut.quantized.keys() == without.quantized.keys()
     for name, qw in with_shortcut.quantized.items():
         assert torch.equal(qw.codes, without.quantized[name].codes) and torch.equal(qw.scale, without.quantized[name].scale)
