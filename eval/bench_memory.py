@@ -19,7 +19,7 @@ to end on random-init Llama checkpoints with N decoder layers written to disk in
   multiply bf16 several times slower than float32; on CUDA they run in bf16 (`auto`).
 
 Each checkpoint goes through a GPTQ W4A16 g128 recipe (the gate is wide open: the weights are
-random) in its own child process (one torch thread unless `--threads`), so its wall time and
+random) in its own child process (`--threads`: demo 1, 8b every core), so its wall time and
 peak RSS (`os.wait4`) are its alone; with `--device cuda` the child also reports the GPU's peak
 allocated memory. The verdict: the deepest run's peak RSS within `--tolerance` (default 10%)
 of the shallowest's, and below the size of its bf16 checkpoint. Exit code 1 when
@@ -312,9 +312,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="demo: 16 x 256 calibration tokens, 2 eval windows; "
                    "both shapes: shallower default depths")
     p.add_argument("--device", default="cpu", help="the recipes' device: cpu or cuda[:N]")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads of each child (OMP_NUM_THREADS); GPTQ's column loop runs "
-                        "tiny ops that extra threads only slow down")
+    p.add_argument("--threads", type=int,
+                   help="torch intra-op threads of each child (OMP_NUM_THREADS; default: demo 1, since GPTQ's "
+                        "column loop runs tiny ops there that extra threads only slow down; 8b every core, "
+                        "where the factorizations and products are large)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
                    help="allowed growth of peak RSS, deepest vs shallowest (fraction)")
     p.add_argument("--json-out", type=Path, help="also write the table's data as JSON here")
@@ -322,6 +323,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "folder; a 32-layer 8b checkpoint needs 16 GB, its spill files as much again)")
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: the measured child
     args = p.parse_args(argv)
+    if args.threads is None:
+        args.threads = (os.cpu_count() or 1) if args.shape == "8b" else 1
     if args.threads < 1:
         p.error(f"--threads {args.threads}: must be at least 1")
     if args.layers and min(args.layers) < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 
 import pytest
@@ -170,7 +171,9 @@ def test_table_states_hardware_model_workload_and_verdict():
 def test_parse_args_defaults_and_rejects_bad_values():
     a = parse_args([])
     assert (a.layers, a.quick, a.threads, a.shape, a.device) == (None, False, 1, "demo", "cpu")
-    assert parse_args(["--layers", "8", "32", "--shape", "8b"]).layers == [8, 32]
+    a = parse_args(["--layers", "8", "32", "--shape", "8b"])
+    assert a.layers == [8, 32] and a.threads == (os.cpu_count() or 1)
+    assert parse_args(["--shape", "8b", "--threads", "1"]).threads == 1
     for bad in (["--layers", "0"], ["--threads", "0"], ["--shape", "70b"], ["--device", "tpu"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
