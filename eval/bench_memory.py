@@ -156,7 +156,7 @@ def verdict(rows: list[Row], tolerance: float = TOLERANCE) -> Verdict:
     """Compare the peak RSS of the deepest ok run with the shallowest's, and the deepest with its
     checkpoint. Only the deepest run is held to its checkpoint's size: a shallow model's bf16 weights
     can be smaller than the fixed cost (embeddings, lm_head, one layer's float32 math; 8.1 GB
-    against 2.2 GB at one Llama-3-8B-shaped layer), which is what a flat peak means."""
+    against 2.5 GB at one Llama-3-8B-shaped layer), which is what a flat peak means."""
     ok = sorted((r for r in rows if r.status == "ok" and r.peak_rss_mb is not None), key=lambda r: r.layers)
     if len(ok) < 2 or ok[0].layers == ok[-1].layers:
         return Verdict(None, None, None, None, [], "undecided: fewer than two depths ran")
