@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -101,14 +102,14 @@ class GptqStage(Stage):
         groups = self._groups(ctx)
         finisher = _finishing_linear(ctx, groups)
         for group in groups:
-            keep = finisher if group == [finisher] else None
+            keep = _KeptInputs(finisher) if group == [finisher] else None
             for readers, h, count in _collect_hessians(ctx, group, keep):
                 names = [f"{ctx.prefix}.{rel}" for rel in readers]
                 if count == 0:
                     self._notes += [f"{n} received no calibration tokens; its H is 0, so GPTQ = RTN" for n in names]
                 self._quantize(ctx.state, names, [ctx.module(rel) for rel in readers], h)
             if keep:
-                ctx.outputs = _finish_outputs(ctx, keep, ctx.extra.pop(_KEPT))
+                ctx.outputs = _finish_outputs(ctx, keep)
 
     def _groups(self, ctx: LayerContext) -> list[list[str]]:
         """This layer's targeted Linears (relative names) in true-sequential groups."""
@@ -151,9 +152,17 @@ class GptqStage(Stage):
         return self.report
 
 
-_KEPT = "gptq_kept_inputs"  # ctx.extra key of the finishing Linear's kept inputs
 _KEEP_FRACTION = 0.125  # keep them when they take at most this share of the available memory
 _KEEP_DEFAULT_BYTES = 8 * 2**30  # the available memory assumed where the OS does not say
+
+
+@dataclass(slots=True)
+class _KeptInputs:
+    """Per batch, on the CPU: the finishing Linear's inputs and the residual beside them."""
+
+    rel: str  # the finishing Linear (`_finishing_linear`)
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    residual: list[torch.Tensor] = field(default_factory=list)  # inputs of ArchMapping.mlp_residual
 
 
 class _Collected(Exception):
@@ -161,7 +170,7 @@ class _Collected(Exception):
 
 
 def _collect_hessians(ctx: LayerContext, rels: list[str],
-                      keep: str | None = None) -> list[tuple[list[str], torch.Tensor, int]]:
+                      keep: _KeptInputs | None = None) -> list[tuple[list[str], torch.Tensor, int]]:
     """Replay the layer up to the inputs of `rels`: (readers, H [K, K] fp32, tokens) per input.
 
     Linears that read one tensor (q/k/v after the input norm, gate/up: the mapping's smooth
@@ -170,9 +179,8 @@ def _collect_hessians(ctx: LayerContext, rels: list[str],
     has been seen: the group's own Linears and everything after them never run (the q/k/v replay
     is the input norm alone, the down_proj one skips down_proj).
 
-    With `keep` (the layer's finishing Linear, `_finishing_linear`), each batch's input of that
-    Linear and of the mapping's `mlp_residual` module are also kept on the CPU, in
-    ctx.extra[_KEPT], for `_finish_outputs`.
+    With `keep`, each batch's input of its Linear and of the mapping's `mlp_residual` module are
+    also kept there, for `_finish_outputs`.
     """
     owner = {rel: rel for rel in rels}
     for m in ctx.mapping.smooth:
@@ -183,11 +191,9 @@ def _collect_hessians(ctx: LayerContext, rels: list[str],
     counts: dict[str, int] = {}
     pending: set[str] = set()
     handles = []
-    kept: dict[str, list[torch.Tensor]] = {"residual": [], "input": []}
     if keep:
-        ctx.extra[_KEPT] = kept
         handles.append(ctx.module(ctx.mapping.mlp_residual).register_forward_pre_hook(
-            lambda _mod, args: kept["residual"].append(args[0].detach().to("cpu", copy=True))))
+            lambda _mod, args: keep.residual.append(args[0].detach().to("cpu", copy=True))))
     for rel in dict.fromkeys(owner.values()):
         lin = ctx.module(rel)
         hessians[rel] = torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32,
@@ -195,8 +201,8 @@ def _collect_hessians(ctx: LayerContext, rels: list[str],
         counts[rel] = 0
 
         def hook(_mod, args, rel=rel):
-            if rel == keep:
-                kept["input"].append(args[0].detach().to("cpu", copy=True))
+            if keep and rel == keep.rel:
+                keep.inputs.append(args[0].detach().to("cpu", copy=True))
             counts[rel] = accumulate_hessian(hessians[rel], args[0].detach(), counts[rel])
             pending.discard(rel)
             if not pending:
@@ -227,7 +233,7 @@ def _finishing_linear(ctx: LayerContext, groups: list[list[str]]) -> str | None:
     whole layer forward (the calibration engine's replay for the next layer's inputs).
     """
     m = ctx.mapping
-    if m.mlp_residual is None or not groups or groups[-1] != [m.sequential[-1][-1]] or len(m.sequential[-1]) != 1:
+    if m.mlp_residual is None or not groups or len(groups[-1]) != 1 or tuple(groups[-1]) != m.sequential[-1]:
         return None
     rel, hidden = groups[-1][0], ctx.inputs.hidden
     if not hidden:
@@ -239,10 +245,10 @@ def _finishing_linear(ctx: LayerContext, groups: list[list[str]]) -> str | None:
     return rel if need <= (free if free is not None else _KEEP_DEFAULT_BYTES) * _KEEP_FRACTION else None
 
 
-def _finish_outputs(ctx: LayerContext, rel: str, kept: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The layer's outputs per batch (CPU): residual + Linear `rel` (now quantized) on its kept inputs."""
-    lin, outs = ctx.module(rel), []
-    for residual, x in zip(kept["residual"], kept["input"]):
+def _finish_outputs(ctx: LayerContext, kept: _KeptInputs) -> list[torch.Tensor]:
+    """The layer's outputs per batch (CPU): residual + the kept Linear (now quantized) on its inputs."""
+    lin, outs = ctx.module(kept.rel), []
+    for residual, x in zip(kept.residual, kept.inputs):
         outs.append((residual.to(ctx.device) + lin(x.to(ctx.device))).cpu())
     return outs
 
