@@ -197,7 +197,8 @@ def paged_attention(
     """
     out = torch.empty_like(query)
     gqa = query.shape[1] != key_cache.shape[2]
-    fresh = key is not None and value is not None and key.dtype == key_cache.dtype
+    # A cache of the keys' dtype or fp32 holds them exactly; fp8 does not.
+    fresh = key is not None and value is not None and key_cache.dtype in (key.dtype, torch.float32)
     for b in plan.decode:
         n = b.rows.shape[0]
         q = query.index_select(0, b.rows).float().unsqueeze(2)  # [n, H, 1, D]

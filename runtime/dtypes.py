@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import platform
 from pathlib import Path
 
 import torch
@@ -25,11 +27,39 @@ def checkpoint_dtype(model: str | Path) -> torch.dtype | None:
     return torch_dtype(getattr(AutoConfig.from_pretrained(model), "dtype", None))
 
 
+# /proc/cpuinfo flags of CPUs with bf16 dot-product instructions (x86: AVX512-BF16, AMX; Arm: the
+# BF16 extension), on which oneDNN runs bf16 matmuls natively instead of emulating them.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (Linux: its /proc/cpuinfo flags; False elsewhere)."""
+    if platform.system() != "Linux":
+        return False
+    try:
+        return native_bf16_in(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+def native_bf16_in(cpuinfo: str) -> bool:
+    """Whether the first flags line of a /proc/cpuinfo text (`flags` on x86, `Features` on
+    aarch64) names a native bf16 extension (NATIVE_BF16_FLAGS)."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return not NATIVE_BF16_FLAGS.isdisjoint(value.split())
+    return False
+
+
 def resolve_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on CUDA; fp32 on CPU (bf16 matmuls are slow on most CPUs)."""
+    """`auto`: the checkpoint's dtype on CUDA (bf16 for an fp32 one); on CPU bf16 where the CPU
+    multiplies bf16 natively (`cpu_has_native_bf16`: its Linears run 1.3-2.3x faster than fp32),
+    else fp32 (emulated bf16 matmuls are slower than fp32)."""
     if name == "auto":
         if device.type == "cpu":
-            return torch.float32
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     if name not in DTYPES:
         raise ValueError(f"dtype: {name!r} is not one of auto, {', '.join(DTYPES)}")

@@ -178,13 +178,13 @@ class ModelRunner:
         W4A16 kernel path repacks once and releases the buffers it replaces (one copy of the
         weights, not two: the repack used to happen on the first request, after the sizing);
         layers no kernel serves here (every one on CPU, and fp32 models) dequantize once.
-        On CPU the dense fp32 Linears are reordered for oneDNN (runtime/layers/cpu_linear.py).
+        On CPU the dense fp32 (and natively supported bf16) Linears are reordered for oneDNN
+        (runtime/layers/cpu_linear.py).
         Then the CUDA allocator's cache is emptied, so the sizing sees what the fused q/k/v
         and the repack freed."""
-        from slimserve.kernels._launch import kernel_backend
         from slimserve.runtime.layers.quant_linear import QuantLinear
 
-        triton_on = kernel_backend() == "triton" or (kernel_backend() == "auto" and self.device.type == "cuda")
+        triton_on = self._triton_on()
         half = self.dtype in (torch.float16, torch.bfloat16)  # what the kernels take
         for m in self.model.modules():
             if not isinstance(m, QuantLinear):
@@ -198,14 +198,25 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def _triton_on(self) -> bool:
+        """Whether the Triton kernels serve this runner (the backend asked for, or `auto` on CUDA)."""
+        from slimserve.kernels._launch import kernel_backend
+
+        return kernel_backend() == "triton" or (kernel_backend() == "auto" and self.device.type == "cuda")
+
     def _kv_dtype(self) -> torch.dtype:
-        """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV."""
+        """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV; else the
+        compute dtype, except fp32 where the CPU's torch attention serves."""
         if self.config.kv_cache_dtype == "fp8_e4m3" or (self.config.kv_cache_dtype == "auto"
                                                         and self.built.has_kv_scales):
             if self.config.kv_cache_dtype == "fp8_e4m3" and not self.built.has_kv_scales:
                 log.warning("kv_cache_dtype fp8_e4m3 without calibrated scales: using scale 1.0 "
                             "(run the kv_cache stage of `compress` for calibrated scales)")
             return torch.float8_e4m3fn
+        if self.device.type == "cpu" and not self._triton_on():
+            # The torch attention reads K/V in fp32: an fp32 cache stores bf16/fp16
+            # K/V exactly and spares every step's upcast of each gathered context (2x the bytes).
+            return torch.float32
         return self.dtype
 
     @property

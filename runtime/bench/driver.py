@@ -64,7 +64,7 @@ from slimserve.runtime.server.protocol import error_message
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
-                "device", "verify", "tensor_parallel_size", "pipeline_parallel_size",
+                "device", "dtype", "verify", "tensor_parallel_size", "pipeline_parallel_size",
                 "distributed_executor_backend", "data_parallel_size", "prefill_replicas",
                 "router_policy")  # BenchArgs fields passed to `runtime serve` as --flags when set
 
@@ -97,6 +97,7 @@ class BenchArgs:
     kv_cache_dtype: str | None = None
     kv_cache_memory: str | None = None
     device: str | None = None
+    dtype: str | None = None  # engine flag (compute dtype); the HF baseline runs at what it resolves to
     verify: str | None = None  # engine flag (strict | none), also used by the HF baseline's loader
     tensor_parallel_size: int | None = None  # engine flag: ranks the served model is split over
     pipeline_parallel_size: int | None = None  # engine flag: pipeline stages (x the TP ranks)
@@ -358,7 +359,7 @@ def run_bench(args: BenchArgs) -> dict:
                 runs.append({"router_policy": policy, **measure_rate(url, model, requests, rate, args,
                                                                      desc if args.progress else None)})
     baseline = (hf_baseline(requests, args.model, args.hf_batch_size, args.hf_device,
-                            args.progress, verify=args.verify or "strict")
+                            args.progress, verify=args.verify or "strict", dtype=baseline_dtype(args))
                 if args.baseline == "hf" else None)
     engine_flags = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     server_log = server_logs[0] if len(server_logs) == 1 else server_logs
@@ -368,6 +369,16 @@ def run_bench(args: BenchArgs) -> dict:
               "workload": describe_workload(args, requests), "runs": runs, "baseline": baseline,
               "args": {**asdict(args), "api_key": "(set)" if args.api_key else None}}
     return finish_result(result, args)
+
+
+def baseline_dtype(args: BenchArgs):
+    """The HF baseline's compute dtype: what the engine's --dtype (auto unless given) resolves to
+    on the baseline's device, so both sides compute alike (bf16 on a CPU with native bf16)."""
+    import torch
+
+    from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
+
+    return resolve_dtype(args.dtype or "auto", torch.device(args.hf_device), checkpoint_dtype(args.model))
 
 
 def measure_rate(url: str, model: str | None, requests: list[BenchRequest], rate: float,
@@ -466,6 +477,8 @@ def bench_main(
     kv_cache_dtype: Annotated[Optional[str], Opt(help="engine flag: auto | fp8_e4m3")] = None,
     kv_cache_memory: Annotated[Optional[str], Opt(help="engine flag, e.g. 512MiB")] = None,
     device: Annotated[Optional[str], Opt(help="engine flag: auto | cpu | cuda")] = None,
+    dtype: Annotated[Optional[str], Opt(help="engine flag and HF baseline: auto | float16 | "
+                                        "bfloat16 | float32")] = None,
     verify: Annotated[Optional[str], Opt(help="engine flag and HF baseline: strict (default) | "
                                          "none (skip the slimserve.json check)")] = None,
     allow_failed_gate: Annotated[bool, Opt("--allow-failed-gate", help="engine flag: serve an "
@@ -509,7 +522,7 @@ def bench_main(
             sweep=parse_rates(sweep), plot_out=plot_out, baseline=baseline,
             hf_batch_size=hf_batch_size, hf_device=hf_device, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-            kv_cache_memory=kv_cache_memory, device=device, verify=verify,
+            kv_cache_memory=kv_cache_memory, device=device, dtype=dtype, verify=verify,
             tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
             prefill_replicas=prefill_replicas,
             pipeline_parallel_size=pipeline_parallel_size,

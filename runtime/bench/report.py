@@ -98,7 +98,8 @@ def caption(result: dict) -> str:
         skew = ""
     policies = (f"; routing policies compared, fresh replicas each: "
                 f"{', '.join(wl['router_policies'])}" if wl.get("router_policies") else "")
-    lines = [f"hardware: {hw['cpu']}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}; "
+    isa = f" ({hw['isa']})" if hw.get("isa") else ""
+    lines = [f"hardware: {hw['cpu']}{isa}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}; "
              f"load average {load or '?'} (1 min, start -> end)",
              f"model: {m['name']}{params}; {where}",
              f"workload: {wl['num_prompts']} prompts from {wl['dataset']} sent as "
@@ -108,7 +109,7 @@ def caption(result: dict) -> str:
              f"{wl['max_concurrency'] or 'unlimited'}; goodput SLOs: {', '.join(slos) or 'none'}"]
     if hf := result["baseline"]:
         lines.append(f"HF: transformers generate, static batches of {hf['batch_size']}, left "
-                     f"padding, greedy, EOS off, float32 on {hf['device']}; "
+                     f"padding, greedy, EOS off, {hf.get('dtype', 'float32')} on {hf['device']}; "
                      f"{hf['padding_waste']:.0%} of its generated tokens ran past a request's length")
     return "\n".join(lines)
 

@@ -258,15 +258,17 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
 
 
 def hf_baseline(requests: list[BenchRequest], model_path: str, batch_size: int, device: str,
-                progress: bool = True, verify: str = "strict") -> dict:
+                progress: bool = True, verify: str = "strict", dtype=None) -> dict:
     """transformers `generate` over static batches in request order, every row to the batch's
-    longest requested output; only the requested tokens count as output."""
+    longest requested output, computing in `dtype` (fp32 when None); only the requested tokens
+    count as output."""
     import torch
     from tqdm.auto import tqdm
 
     from slimserve.runtime.loader import load_model
 
-    loaded = load_model(model_path, dtype=torch.float32, device=device, verify=verify)
+    dtype = dtype or torch.float32
+    loaded = load_model(model_path, dtype=dtype, device=device, verify=verify)
     model, cfg = loaded.model, loaded.model.config
     pad = next((t for t in (cfg.pad_token_id, cfg.eos_token_id, 0) if isinstance(t, int)), 0)
 
@@ -296,7 +298,8 @@ def hf_baseline(requests: list[BenchRequest], model_path: str, batch_size: int, 
             ends += [time.perf_counter() - t0] * len(batch)
         duration = time.perf_counter() - t0
     total_in = sum(r.prompt_len for r in requests)
-    return {"batch_size": batch_size, "device": device, "completed": len(requests), "failed": 0,
+    return {"batch_size": batch_size, "device": device, "dtype": str(dtype).removeprefix("torch."),
+            "completed": len(requests), "failed": 0,
             "duration_s": duration, "total_output_tokens": useful,
             "generated_tokens": generated,  # including rows run past their request (waste)
             "padding_waste": 1 - useful / max(generated, 1),

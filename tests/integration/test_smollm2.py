@@ -65,7 +65,7 @@ def test_engine_greedy_tokens_match_transformers(reference):
     from slimserve.runtime.sequence import SamplingParams
 
     _, model, tok = reference
-    llm = LLM(MODEL, device="cpu")
+    llm = LLM(MODEL, device="cpu", dtype="float32")  # as the transformers reference computes
     prompts = [_chat(tok, q) for q in QUESTIONS] + ["def fibonacci(n):\n"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=N, temperature=0.0), use_tqdm=False)
     for prompt, out in zip(prompts, outs):

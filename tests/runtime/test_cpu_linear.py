@@ -1,5 +1,6 @@
 """Dense Linears reordered for oneDNN on CPU (runtime/layers/cpu_linear.py): same results as
-F.linear, only plain fp32 Linears replaced, and the engine's tokens unchanged."""
+F.linear, only plain fp32 Linears replaced (and bf16 ones on a CPU with native bf16), and the
+engine's tokens unchanged."""
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def test_packed_linear_equals_f_linear(bias, rows):
     torch.testing.assert_close(packed(strided), lin(strided), rtol=1e-5, atol=1e-4)
 
 
-def test_pack_linears_replaces_plain_fp32_linears_only():
+def test_pack_linears_replaces_plain_fp32_linears_only(monkeypatch):
     class Sub(nn.Linear):
         pass
 
@@ -39,8 +40,27 @@ def test_pack_linears_replaces_plain_fp32_linears_only():
     assert pack_linears(model, torch.float32) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
     assert type(model[1][1]) is Sub  # a subclass may compute something else: left alone
-    half = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
-    assert pack_linears(half, torch.bfloat16) == 0 and type(half[0]) is nn.Linear
+    monkeypatch.setattr(cpu_linear, "cpu_has_native_bf16", lambda: False)
+    cpu_linear.available.cache_clear()
+    try:  # emulated bf16 (no native instructions) stays on F.linear; fp16 always does
+        for dtype in (torch.bfloat16, torch.float16):
+            half = nn.Sequential(nn.Linear(8, 8)).to(dtype)
+            assert pack_linears(half, dtype) == 0 and type(half[0]) is nn.Linear
+    finally:
+        cpu_linear.available.cache_clear()
+
+
+@pytest.mark.skipif(not cpu_linear.available(torch.bfloat16), reason="this CPU has no native bf16")
+def test_packed_bf16_linear_equals_f_linear():
+    g = torch.Generator().manual_seed(0)
+    lin = nn.Linear(96, 200, bias=True).to(torch.bfloat16)
+    x = torch.randn(9, 96, generator=g).to(torch.bfloat16)
+    model = nn.Sequential(lin)
+    want = lin(x)
+    assert pack_linears(model, torch.bfloat16) == 1 and isinstance(model[0], PackedLinear)
+    got = model(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=2e-2)  # bf16 rounding
 
 
 def test_engine_packs_its_linears_and_keeps_its_tokens(tiny_checkpoint, monkeypatch):

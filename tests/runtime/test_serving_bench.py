@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 import typer
 import uvicorn
 from fastapi import Body, FastAPI
@@ -314,6 +315,18 @@ def test_serve_command_passes_only_given_engine_flags():
     assert cmd[1:] == ["-m", "slimserve.runtime.cli", "serve", "m", "--host", "127.0.0.1",
                        "--port", "1234", "--max-num-seqs", "16", "--kv-cache-memory", "256MiB"]
     assert serve_command(BenchArgs(model="m", allow_failed_gate=True), 1)[-1] == "--allow-failed-gate"
+    assert serve_command(BenchArgs(model="m", dtype="float32"), 1)[-2:] == ["--dtype", "float32"]
+
+
+def test_hf_baseline_computes_in_the_engines_resolved_dtype(monkeypatch):
+    from slimserve.runtime import dtypes
+    from slimserve.runtime.bench.driver import baseline_dtype
+
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: True)
+    assert baseline_dtype(BenchArgs(model=str(DEMO))) is torch.bfloat16  # auto, as the engine does
+    assert baseline_dtype(BenchArgs(model=str(DEMO), dtype="float32")) is torch.float32
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: False)
+    assert baseline_dtype(BenchArgs(model=str(DEMO))) is torch.float32
 
 
 def test_bench_passes_pipeline_and_executor_flags_to_serve(monkeypatch):
@@ -357,6 +370,7 @@ def test_hf_baseline_charges_static_batch_padding():
     reqs = [BenchRequest([5, 6, 7, 8, 9], "", 2), BenchRequest(list(range(10, 17)), "", 6),
             BenchRequest([3, 4, 5], "", 3)]
     hf = hf_baseline(reqs, str(DEMO), batch_size=2, device="cpu", progress=False)
+    assert hf["dtype"] == "float32"  # none given
     # batch 1 runs both rows to 6 tokens (12 generated, 8 asked for); batch 2 runs 3 of 3
     assert (hf["generated_tokens"], hf["total_output_tokens"]) == (15, 11)
     assert hf["padding_waste"] == pytest.approx(4 / 15)
