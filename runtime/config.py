@@ -38,7 +38,7 @@ class EngineConfig:
     model: str  # artifact or HF checkpoint folder, or a GGUF checkpoint (its cached conversion, runtime/gguf.py)
     served_model_name: str | None = None  # name in /v1/models; default: the folder's name
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1"
-    dtype: str = "auto"  # compute dtype: auto (config's on CUDA; on CPU bf16 where native, else fp32), float16, bfloat16, float32
+    dtype: str = "auto"  # auto (config's on CUDA; CPU: bf16 if native, else fp32), float16, bfloat16, float32
     max_num_seqs: int = 256  # sequences in one batch at most (vLLM's default)
     max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step at most
     max_model_len: int | None = None  # prompt + output tokens per request; default: config's

@@ -6,8 +6,9 @@ an AVX2 EPYC, 1.3-2x at decoding batch sizes (M = 4..64, the demo model's shapes
 prefill sizes, with the same fp32 math in another summation order (measured when this was
 added, `torch.ops.mkldnn` against `F.linear`). It is what torch.compile's CPU freezing pass does
 with Linears. On a CPU with native bf16 (AVX512-BF16, AMX) the same ops take bf16 weights,
-1.3-2.3x faster than fp32 at the demo model's shapes (Zen 4, 2 threads). The two ops are private torch API, so `available` tries them once and the
-engine keeps `F.linear` when they are missing or disagree with it.
+1.3-2.3x faster than fp32 at the demo model's shapes (Zen 4, 2 threads). The two ops are
+private torch API, so `available` tries them once and the engine keeps `F.linear` when they are
+missing or disagree with it.
 """
 
 from __future__ import annotations
