@@ -192,12 +192,11 @@ def paged_attention(
     """`paged_attention_prefill` of a planned batch (`plan_attention`): the CPU serving path.
 
     key/value [T, Hkv, D]: this step's keys and values as just written to the cache (optional).
-    When the cache holds them exactly (same dtype: stored as they are), a chunk without a prefix
-    attends over them directly instead of gathering its blocks back.
+    When the cache holds them exactly (their own dtype, or fp32; fp8 does not), a chunk without a
+    prefix attends over them directly instead of gathering its blocks back.
     """
     out = torch.empty_like(query)
     gqa = query.shape[1] != key_cache.shape[2]
-    # A cache of the keys' dtype or fp32 holds them exactly; fp8 does not.
     fresh = key is not None and value is not None and key_cache.dtype in (key.dtype, torch.float32)
     for b in plan.decode:
         n = b.rows.shape[0]

@@ -44,13 +44,17 @@ def cpu_has_native_bf16() -> bool:
 
 
 def native_bf16_in(cpuinfo: str) -> bool:
-    """Whether the first flags line of a /proc/cpuinfo text (`flags` on x86, `Features` on
-    aarch64) names a native bf16 extension (NATIVE_BF16_FLAGS)."""
+    """Whether a /proc/cpuinfo text's flags (`cpu_flags`) name a native bf16 extension."""
+    return not NATIVE_BF16_FLAGS.isdisjoint(cpu_flags(cpuinfo))
+
+
+def cpu_flags(cpuinfo: str) -> frozenset[str]:
+    """The first flags line of a /proc/cpuinfo text (`flags` on x86, `Features` on aarch64)."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
-            return not NATIVE_BF16_FLAGS.isdisjoint(value.split())
-    return False
+            return frozenset(value.split())
+    return frozenset()
 
 
 def resolve_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:

@@ -18,17 +18,17 @@ def hardware_info() -> dict:
 
     import torch
 
+    from slimserve.runtime.dtypes import cpu_flags
+
     cpu, isa = platform.processor() or platform.machine(), "unknown"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                isa = next((f for f in _ISA_FLAGS if f in flags), "none of " + "/".join(_ISA_FLAGS))
-                break
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        text = ""
+    cpu = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                if line.startswith("model name")), cpu)
+    if flags := cpu_flags(text):
+        isa = next((f for f in _ISA_FLAGS if f in flags), "none of " + "/".join(_ISA_FLAGS))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return {"cpu": cpu, "isa": isa, "cores": cores, "gpu": gpu, "torch": version("torch"),
