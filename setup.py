@@ -9,4 +9,5 @@ LAYERS = ("kernels", "runtime", "compress", "eval")
 setup(
     package_dir={f"slimserve.{layer}": layer for layer in LAYERS},
     packages=[f"slimserve.{p}" for p in find_packages(include=[*LAYERS, *(f"{x}.*" for x in LAYERS)])],
+    package_data={"slimserve.kernels": ["*.c"]},  # C sources compiled at first use (kernels/cpu_attention.py)
 )

@@ -19,11 +19,17 @@ def main(wheel: str, repo: str) -> int:
     root = Path(repo)
     in_repo = {f"slimserve/{p.relative_to(root).as_posix()}" for layer in LAYERS
                for p in (root / layer).rglob("*.py") if "__pycache__" not in p.parts}
-    in_wheel = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    names = set(zipfile.ZipFile(wheel).namelist())
+    in_wheel = {n for n in names if n.endswith(".py")}
     missing = sorted(in_repo - in_wheel)
     for name in missing:
         print(f"wheel check: {name} is in the repository but not in the wheel "
               "(a folder without __init__.py?)")
+    # C sources the package compiles at run time (kernels/cpu_attention.py): package_data in setup.py
+    sources = {f"slimserve/{p.relative_to(root).as_posix()}" for layer in LAYERS for p in (root / layer).rglob("*.c")}
+    for name in sorted(sources - names):
+        missing.append(name)
+        print(f"wheel check: {name} is in the repository but not in the wheel (setup.py package_data)")
     failed = []
     for name in sorted(in_wheel):
         module = name[:-3].replace("/", ".").removesuffix(".__init__")

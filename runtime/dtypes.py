@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
-import platform
 from pathlib import Path
 
 import torch
+
+from slimserve.kernels.cpu_info import cpu_flags, host_cpu_flags
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -32,29 +32,14 @@ def checkpoint_dtype(model: str | Path) -> torch.dtype | None:
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
-@functools.cache
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (Linux: its /proc/cpuinfo flags; False elsewhere)."""
-    if platform.system() != "Linux":
-        return False
-    try:
-        return native_bf16_in(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        return False
+    return not NATIVE_BF16_FLAGS.isdisjoint(host_cpu_flags())
 
 
 def native_bf16_in(cpuinfo: str) -> bool:
     """Whether a /proc/cpuinfo text's flags (`cpu_flags`) name a native bf16 extension."""
     return not NATIVE_BF16_FLAGS.isdisjoint(cpu_flags(cpuinfo))
-
-
-def cpu_flags(cpuinfo: str) -> frozenset[str]:
-    """The first flags line of a /proc/cpuinfo text (`flags` on x86, `Features` on aarch64)."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
 
 
 def resolve_dtype(name: str, device: torch.device, config_dtype: torch.dtype | None) -> torch.dtype:

@@ -52,11 +52,11 @@ from typing import Callable
 
 import torch
 
+from slimserve.kernels.cache_dir import CACHE_ENV, cache_root
 from slimserve.runtime.errors import ArtifactError
 
 GGUF_SUFFIX = ".gguf"
 PACKAGE_PREFIX = "pkg:"
-CACHE_ENV = "SLIMSERVE_CACHE"
 SOURCE_FILE = "gguf_source.json"  # provenance written beside the converted checkpoint
 CONVERTER_VERSION = 1  # part of the cache key: bump when the converted folder's content changes
 _KEY_PREFIX_BYTES = 16 << 20
@@ -119,13 +119,6 @@ def converted_folder(src: Path, log: Callable[[str], None] | None = None) -> Pat
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
     log(f"converted {src.name} in {seconds:.1f}s")
     return dest
-
-
-def cache_root() -> Path:
-    """$SLIMSERVE_CACHE, else $XDG_CACHE_HOME/slimserve, else ~/.cache/slimserve."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "slimserve"
 
 
 def cache_key(src: Path) -> str:

@@ -22,6 +22,7 @@ import time
 import torch
 from torch.distributed import PrefixStore
 
+from slimserve.kernels import cpu_attention
 from slimserve.runtime.batch import BatchInputs, BlockTableCache, StagingBuffer, prepare_batch
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.cpu_malloc import keep_freed_memory
@@ -33,7 +34,8 @@ from slimserve.runtime.distributed.pipeline import StageShard, pipeline_step
 from slimserve.runtime.distributed.rank_stats import RankStats, model_bytes, process_memory_bytes
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.layers.cpu_linear import pack_linears
+from slimserve.runtime.layers import ops
+from slimserve.runtime.layers.cpu_linear import pack_linears, warm_up
 from slimserve.runtime.models.load import BuiltModel, build_model
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,8 @@ class ModelRunner:
         self._prepare_weights()
         self.weight_bytes = model_bytes(self.model)  # this rank's, in their run-time form
         clock.lap("weights")
+        if self.device.type == "cpu" and warm_up(self.model, max(config.max_num_batched_tokens, config.max_num_seqs)):
+            clock.lap("linear_warmup")  # oneDNN's GEMM primitives (runtime/layers/cpu_linear.py)
         self.kv_dtype = self._kv_dtype()
         self.block_size = config.block_size
         self.activation_bytes = self._profile_activations()
@@ -206,7 +210,8 @@ class ModelRunner:
 
     def _kv_dtype(self) -> torch.dtype:
         """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV; else the
-        compute dtype, except fp32 where the CPU's torch attention serves."""
+        compute dtype, except fp32 where the CPU's torch twin attends (no compiled CPU kernel,
+        or SLIMSERVE_KERNELS=torch)."""
         if self.config.kv_cache_dtype == "fp8_e4m3" or (self.config.kv_cache_dtype == "auto"
                                                         and self.built.has_kv_scales):
             if self.config.kv_cache_dtype == "fp8_e4m3" and not self.built.has_kv_scales:
@@ -214,8 +219,10 @@ class ModelRunner:
                             "(run the kv_cache stage of `compress` for calibrated scales)")
             return torch.float8_e4m3fn
         if self.device.type == "cpu" and not self._triton_on():
-            # The torch attention reads K/V in fp32: an fp32 cache stores bf16/fp16
-            # K/V exactly and spares every step's upcast of each gathered context (2x the bytes).
+            if ops.select(self.device) is ops.CPU and cpu_attention.supports(self.dtype):
+                return self.dtype  # the compiled kernel reads bf16 in place: half the bytes of fp32
+            # The torch twin reads K/V in fp32: an fp32 cache stores bf16/fp16 K/V exactly and
+            # spares every step's upcast of each gathered context (2x the bytes).
             return torch.float32
         return self.dtype
 

@@ -18,7 +18,7 @@ def hardware_info() -> dict:
 
     import torch
 
-    from slimserve.runtime.dtypes import cpu_flags
+    from slimserve.kernels.cpu_info import cpu_flags
 
     cpu, isa = platform.processor() or platform.machine(), "unknown"
     try:

@@ -1,9 +1,11 @@
 """The runtime's ops: the Triton kernels on CUDA (or when forced), the torch twins otherwise.
 
 `SLIMSERVE_KERNELS=auto|triton|torch` (kernels/_launch.py) picks the path; `auto` runs the
-kernels on CUDA tensors and the pure-torch twins in kernels/reference.py and
-kernels/reference_attention.py on CPU, so the CPU path
-is exactly the oracle the kernel tests compare against.
+kernels on CUDA tensors and, on CPU, the pure-torch twins in kernels/reference.py and
+kernels/reference_attention.py except for the decode rows' attention, which runs the compiled
+CPU kernel (kernels/cpu_attention.py: it reads the paged cache in place where the twin gathers
+each context first) wherever it builds. `torch` is the twins alone: the oracle the kernel tests
+compare against.
 
 The choice is resolved once, not per op: `select(device)` reads the environment and returns
 one of two `KernelOps` tables of plain functions (the kernel modules are imported when the
@@ -12,13 +14,14 @@ Triton table is first built), which the model resolves at its first forward and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from slimserve.kernels import reference, reference_attention
+from slimserve.kernels import cpu_attention, reference, reference_attention
 from slimserve.kernels._launch import kernel_backend
 from slimserve.runtime.batch import BatchInputs
 
@@ -57,6 +60,43 @@ TORCH = KernelOps(
     write_kv_cache=reference_attention.write_kv_cache, plan_attention=_torch_plan,
     attention=_torch_attention,
 )
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """A step's attention on the CPU table: the leading one-token sequences go to the compiled
+    kernel as they are, the rest (prompt chunks, and any one-token sequence after them) to the
+    torch twin, planned once here."""
+
+    decodes: int
+    rest: reference_attention.AttentionPlan | None  # of the sequences after the decodes
+
+
+def _cpu_plan(batch: BatchInputs, block_size: int) -> CpuPlan:
+    nd = batch.block_tables.shape[0] if batch.decode_only else batch.num_decodes
+    if nd == batch.block_tables.shape[0]:
+        return CpuPlan(nd, None)
+    cu = batch.cu_seqlens_q[nd:]
+    return CpuPlan(nd, reference_attention.plan_attention(cu - cu[0], batch.context_lens[nd:],
+                                                          batch.block_tables[nd:], block_size))
+
+
+def _cpu_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
+    nd = plan.decodes
+    if not cpu_attention.supports(key_cache.dtype):  # not a cache dtype the runner makes on CPU
+        return _torch_attention(q, k, v, key_cache, value_cache, batch,
+                                _torch_plan(batch, key_cache.shape[1]), scale, k_scale, v_scale)
+    decoded = cpu_attention.paged_attention_decode(
+        q[:nd], key_cache, value_cache, batch.block_tables[:nd], batch.context_lens[:nd], scale,
+        k_scale, v_scale)
+    if plan.rest is None:
+        return decoded
+    rest = reference_attention.paged_attention(q[nd:], key_cache, value_cache, plan.rest, scale,
+                                               k_scale, v_scale, key=k[nd:], value=v[nd:])
+    return torch.cat([decoded, rest]) if nd else rest
+
+
+CPU = dataclasses.replace(TORCH, plan_attention=_cpu_plan, attention=_cpu_attention)
 
 
 @functools.cache
@@ -99,4 +139,7 @@ def triton_enabled(device: torch.device) -> bool:
 def select(device: torch.device) -> KernelOps:
     """The ops for tensors on `device` under the current SLIMSERVE_KERNELS; resolve once and
     keep the result (the model does so at its first forward)."""
-    return triton_ops() if triton_enabled(device) else TORCH
+    if triton_enabled(device):
+        return triton_ops()
+    native = kernel_backend() == "auto" and torch.device(device).type == "cpu"
+    return CPU if native and cpu_attention.available() else TORCH

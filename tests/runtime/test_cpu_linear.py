@@ -75,3 +75,33 @@ def test_engine_packs_its_linears_and_keeps_its_tokens(tiny_checkpoint, monkeypa
     plain = LLM(str(tiny_checkpoint), device="cpu", dtype="float32")
     assert any(type(m) is nn.Linear for m in plain.engine.runner.model.modules())
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == packed
+
+
+def test_row_buckets_pad_little_and_stay_few():
+    assert [cpu_linear.bucket_rows(r) for r in (1, 8, 9, 64, 65, 256, 257, 1024, 1025)] == \
+        [8, 8, 16, 64, 80, 256, 288, 1024, 1152]
+    padded = [cpu_linear.bucket_rows(r) for r in range(1, 2049)]
+    assert all(p >= r for r, p in zip(range(1, 2049), padded))
+    assert all(a <= b for a, b in zip(padded, padded[1:]))
+    assert all(p - r < max(8, r // 4) for r, p in zip(range(1, 2049), padded))  # under 25% past 32 rows
+    assert len(set(padded)) <= 60  # oneDNN primitives per Linear shape, far below its cache of 1,024
+
+
+def test_padded_rows_leave_the_result_unchanged():
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(96, 200)
+    packed = PackedLinear(lin)
+    x = torch.randn(2, 5, 96, generator=g)  # 10 rows, padded to 16
+    got = packed(x)
+    assert got.shape == (2, 5, 200)
+    torch.testing.assert_close(got, lin(x), rtol=1e-5, atol=1e-4)
+
+
+def test_warm_up_runs_each_shape_once_per_bucket():
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16))
+    assert pack_linears(model, torch.float32) == 3
+    buckets = len({cpu_linear.bucket_rows(r) for r in range(1, 101)})
+    assert cpu_linear.warm_up(model, 100) == 2 * buckets  # two distinct shapes
+    cap = len({cpu_linear.bucket_rows(r) for r in range(1, cpu_linear.WARM_UP_ROWS + 1)})
+    assert cpu_linear.warm_up(model, 100_000) == 2 * cap
+    assert cpu_linear.warm_up(nn.Sequential(nn.ReLU()), 100) == 0

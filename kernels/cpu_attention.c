@@ -1,0 +1,209 @@
+/* Paged decode attention for the CPU: one new query token per sequence, read straight from the
+ * paged KV cache (no gather of each sequence's context into a contiguous copy first).
+ *
+ * Built and loaded by kernels/cpu_attention.py (which documents the contract); the pure-torch
+ * twin and test oracle is `paged_attention_decode` in kernels/reference_attention.py.
+ *
+ * Layouts: query and out fp32 [n, H, D]; caches [num_blocks, block_size, Hkv, D] of fp32,
+ * bf16 (raw uint16) or float8_e4m3fn codes (uint8, value = code * scale); block tables int32
+ * [n, bt_stride]; context lengths int32 [n]. Query head h reads KV head h / (H / Hkv).
+ * One task per (sequence, KV head) handles that KV head's group of query heads, so each cached
+ * key and value is read once per group; scores, softmax and the weighted sum are fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2 };
+
+static float fp8_e4m3_values[256];
+
+static float fp8_e4m3_decode(unsigned code) {
+    unsigned sign = code >> 7, exp = (code >> 3) & 15u, man = code & 7u;
+    float v;
+    if (exp == 15u && man == 7u) return NAN; /* e4m3fn: the only NaN codes, no infinities */
+    if (exp == 0u) v = ldexpf((float)man, -9); /* subnormal: man / 8 * 2^-6 */
+    else v = ldexpf(1.0f + (float)man / 8.0f, (int)exp - 7);
+    return sign ? -v : v;
+}
+
+void slimserve_cpu_attention_init(void) {
+    for (unsigned c = 0; c < 256; ++c) fp8_e4m3_values[c] = fp8_e4m3_decode(c);
+}
+
+static inline float bf16_value(uint16_t x) {
+    union { uint32_t u; float f; } bits = {(uint32_t)x << 16};
+    return bits.f;
+}
+
+/* e^x for x <= 0 (scores less their maximum), vectorizable: x = n ln2 + r with |r| <= ln2 / 2,
+ * e^r by its degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n built in the
+ * exponent bits; below -87 (e^x < 2^-126) the result is 0. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23};
+    return p * scale.f;
+}
+
+/* Scores of the G query heads qg [G, D] against `count` cached fp32 rows starting at k (row
+ * stride `stride`), written to s[g * L + t0 + i]. */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void block_scores(const float *restrict qg, const float *restrict k, int64_t stride,
+                                int count, int G, int D, float score_scale, float *restrict s,
+                                int L, int t0) {
+    for (int i = 0; i < count; ++i) {
+        const float *row = k + (int64_t)i * stride;
+        for (int g = 0; g < G; ++g) {
+            const float *qh = qg + (int64_t)g * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; ++d) dot += qh[d] * row[d];
+            s[(int64_t)g * L + t0 + i] = dot * score_scale;
+        }
+    }
+}
+
+/* acc[g, :] += p[g, t0 + i] * v row i, for `count` fp32 rows starting at v. */
+INLINE void block_values(const float *restrict s, const float *restrict v, int64_t stride,
+                                int count, int G, int D, float *restrict acc, int L, int t0) {
+    for (int i = 0; i < count; ++i) {
+        const float *row = v + (int64_t)i * stride;
+        for (int g = 0; g < G; ++g) {
+            const float w = s[(int64_t)g * L + t0 + i];
+            float *a = acc + (int64_t)g * D;
+#pragma omp simd
+            for (int d = 0; d < D; ++d) a[d] += w * row[d];
+        }
+    }
+}
+
+/* The `count` rows of one KV head in a cache block as fp32: the block itself for an fp32 cache
+ * (row stride *stride), else converted into buf [count, D] (*stride becomes D). */
+INLINE const float *block_rows(const void *cache, int kind, int64_t first, int count,
+                                      int D, int64_t *stride, float *restrict buf) {
+    if (kind == KV_F32) return (const float *)cache + first;
+    for (int i = 0; i < count; ++i) {
+        float *dst = buf + (int64_t)i * D;
+        if (kind == KV_BF16) {
+            const uint16_t *src = (const uint16_t *)cache + first + (int64_t)i * *stride;
+#pragma omp simd
+            for (int d = 0; d < D; ++d) dst[d] = bf16_value(src[d]);
+        } else {
+            const uint8_t *src = (const uint8_t *)cache + first + (int64_t)i * *stride;
+            for (int d = 0; d < D; ++d) dst[d] = fp8_e4m3_values[src[d]];
+        }
+    }
+    *stride = D;
+    return buf;
+}
+
+static void softmax_rows(float *scores, int G, int L) {
+    for (int g = 0; g < G; ++g) {
+        float *s = scores + (int64_t)g * L;
+        float m = -INFINITY, sum = 0.0f;
+        for (int t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+#pragma omp simd reduction(+ : sum)
+        for (int t = 0; t < L; ++t) {
+            s[t] = exp_nonpositive(s[t] - m);
+            sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+#pragma omp simd
+        for (int t = 0; t < L; ++t) s[t] *= inv;
+    }
+}
+
+/* Attention of the query heads of KV heads [h0, h1) of one sequence (G = H / Hkv heads each). */
+INLINE void attend(const float *q, const void *kc, const void *vc, int kind, const int32_t *table,
+                   int L, int H, int Hkv, int D, int bs, int h0, int h1, float score_scale,
+                   float v_scale, float *out, float *scores, float *acc, float *rows_buf) {
+    const int G = H / Hkv;
+    const int64_t token_stride = (int64_t)Hkv * D;
+    for (int h = h0; h < h1; ++h) {
+        const float *qg = q + (int64_t)h * G * D;
+        for (int t0 = 0; t0 < L; t0 += bs) {
+            const int count = L - t0 < bs ? L - t0 : bs;
+            int64_t stride = token_stride;
+            const float *k = block_rows(kc, kind, ((int64_t)table[t0 / bs] * bs) * token_stride + (int64_t)h * D,
+                                        count, D, &stride, rows_buf);
+            block_scores(qg, k, stride, count, G, D, score_scale, scores, L, t0);
+        }
+        softmax_rows(scores, G, L);
+        memset(acc, 0, sizeof(float) * (size_t)G * D);
+        for (int t0 = 0; t0 < L; t0 += bs) {
+            const int count = L - t0 < bs ? L - t0 : bs;
+            int64_t stride = token_stride;
+            const float *v = block_rows(vc, kind, ((int64_t)table[t0 / bs] * bs) * token_stride + (int64_t)h * D,
+                                        count, D, &stride, rows_buf);
+            block_values(scores, v, stride, count, G, D, acc, L, t0);
+        }
+        float *og = out + (int64_t)h * G * D;
+        for (int i = 0; i < G * D; ++i) og[i] = acc[i] * v_scale;
+    }
+}
+
+/* attend with the head size a constant (the common 64 and 128), so its loops unroll whole. */
+#define ATTEND_ARGS const float *q, const void *kc, const void *vc, int kind, const int32_t *table, \
+    int L, int H, int Hkv, int D, int bs, int h0, int h1, float score_scale, float v_scale,          \
+    float *out, float *scores, float *acc, float *rows_buf
+#define ATTEND_WITH(DIM) attend(q, kc, vc, kind, table, L, H, Hkv, DIM, bs, h0, h1, score_scale, \
+                                v_scale, out, scores, acc, rows_buf)
+static void attend_d64(ATTEND_ARGS) { (void)D; ATTEND_WITH(64); }
+static void attend_d128(ATTEND_ARGS) { (void)D; ATTEND_WITH(128); }
+static void attend_any(ATTEND_ARGS) { ATTEND_WITH(D); }
+
+/* Returns 0; -2 when a context length or block id lies outside the tables or the cache (nothing
+ * is read then); -1 when a thread's scratch could not be allocated (out is then incomplete). */
+int slimserve_paged_decode_attention(const float *query, const void *key_cache,
+                                     const void *value_cache, int kind,
+                                     const int32_t *block_tables, int64_t bt_stride,
+                                     const int32_t *context_lens, float *out, int n, int H,
+                                     int Hkv, int D, int block_size, int64_t num_blocks,
+                                     float scale, float k_scale, float v_scale, int num_threads) {
+    int max_len = 1;
+    for (int r = 0; r < n; ++r) {
+        const int L = context_lens[r];
+        if (L < 0 || (int64_t)L > bt_stride * block_size) return -2;
+        for (int b = 0; b < (L + block_size - 1) / block_size; ++b) {
+            const int32_t blk = block_tables[(int64_t)r * bt_stride + b];
+            if (blk < 0 || blk >= num_blocks) return -2;
+        }
+        max_len = L > max_len ? L : max_len;
+    }
+    const int G = H / Hkv;
+    /* Whole sequences per task when there are enough of them (each cache block then read in
+     * one pass over its KV heads), else one task per (sequence, KV head). */
+    const int threads = num_threads > 0 ? num_threads : 1;
+    const int per_row = n >= 4 * threads ? Hkv : 1;
+    const int chunks = Hkv / per_row;
+    const int tasks = n * chunks;
+    void (*attend_fn)(ATTEND_ARGS) = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * ((size_t)G * max_len + (size_t)G * D + (size_t)block_size * D));
+        if (!scratch) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < tasks; ++task) {
+            if (!scratch) continue;
+            const int r = task / chunks, h0 = (task % chunks) * per_row;
+            attend_fn(query + (int64_t)r * H * D, key_cache, value_cache, kind,
+                   block_tables + (int64_t)r * bt_stride, context_lens[r], H, Hkv, D, block_size,
+                   h0, h0 + per_row, scale * k_scale, v_scale, out + (int64_t)r * H * D, scratch,
+                   scratch + (size_t)G * max_len, scratch + (size_t)G * max_len + (size_t)G * D);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,135 @@
+"""The compiled CPU decode attention (kernels/cpu_attention.c) against its torch twin
+(`reference_attention.paged_attention_decode`): every cache dtype it reads, GQA ratios, the
+specialised and the generic head sizes, short and empty contexts, scattered blocks; its refusal
+of out-of-range tables; and the fallback when no compiler works."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from slimserve.kernels import cpu_attention as ca
+from slimserve.kernels import reference_attention as ra
+
+needs_kernel = pytest.mark.skipif(not ca.available(), reason=f"no CPU kernel: {ca.unavailable_reason()}")
+
+
+def test_builds_wherever_a_compiler_exists():
+    if shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"):
+        assert ca.available(), ca.unavailable_reason()
+
+
+def _case(dtype, h, h_kv, d, bs, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = sum(-(-n // bs) for n in lens) + 5
+    kc = torch.randn(blocks, bs, h_kv, d, generator=g)
+    vc = torch.randn(blocks, bs, h_kv, d, generator=g)
+    if dtype == torch.float8_e4m3fn:
+        kc, vc = ra.quantize_fp8(kc, 0.5), ra.quantize_fp8(vc, 0.25)
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
+    width = max(1, max(-(-n // bs) for n in lens))
+    perm = torch.randperm(blocks, generator=g).tolist()  # scattered, as a busy cache's are
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    at = 0
+    for r, n in enumerate(lens):
+        k = -(-n // bs)
+        tables[r, :k] = torch.tensor(perm[at:at + k], dtype=torch.int32)
+        at += k
+    q = torch.randn(len(lens), h, d, generator=g)
+    return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("h,h_kv,d,bs", [(6, 2, 64, 16), (8, 8, 128, 16), (9, 3, 64, 4),
+                                         (4, 1, 48, 8), (8, 2, 80, 32)])
+def test_matches_the_torch_twin(dtype, h, h_kv, d, bs):
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 200]
+    q, kc, vc, tables, ctx = _case(dtype, h, h_kv, d, bs, lens)
+    ks, vs = (0.5, 0.25) if dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    got = ca.paged_attention_decode(q, kc, vc, tables, ctx, d ** -0.5, ks, vs)
+    want = ra.paged_attention_decode(q, kc, vc, tables, ctx, d ** -0.5, ks, vs)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # both accumulate in fp32 over the same values; only summation order differs
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_query_dtype_kept_and_scale_tensors_taken():
+    q, kc, vc, tables, ctx = _case(torch.bfloat16, 6, 2, 64, 16, [7, 40])
+    qb = q.to(torch.bfloat16)
+    got = ca.paged_attention_decode(qb, kc, vc, tables, ctx, 0.125, torch.tensor(1.0), torch.tensor([1.0]))
+    want = ra.paged_attention_decode(qb, kc, vc, tables, ctx, 0.125)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=0)
+
+
+@needs_kernel
+def test_empty_context_gives_zeros_and_no_rows_give_an_empty_result():
+    q, kc, vc, tables, ctx = _case(torch.float32, 6, 2, 64, 16, [0, 5])
+    got = ca.paged_attention_decode(q, kc, vc, tables, ctx, 0.125)
+    assert torch.equal(got[0], torch.zeros_like(got[0])) and got[1].abs().sum() > 0
+    none = ca.paged_attention_decode(q[:0], kc, vc, tables[:0], ctx[:0], 0.125)
+    assert none.shape == (0, 6, 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mutate,match", [
+    (lambda t, c: (t.fill_(10_000), c), "outside"),  # a block id past the cache
+    (lambda t, c: (t, c.fill_(10_000)), "outside"),  # a context longer than its table
+    (lambda t, c: (t.fill_(-1), c), "outside"),
+    (lambda t, c: (t[:1], c), "block tables"),
+])
+def test_refuses_tables_outside_the_cache(mutate, match):
+    q, kc, vc, tables, ctx = _case(torch.float32, 6, 2, 64, 16, [20, 5])
+    tables, ctx = mutate(tables.clone(), ctx.clone())
+    with pytest.raises(ValueError, match=match):
+        ca.paged_attention_decode(q, kc, vc, tables, ctx, 0.125)
+
+
+@needs_kernel
+def test_refuses_caches_it_does_not_read():
+    q, kc, vc, tables, ctx = _case(torch.float32, 6, 2, 64, 16, [5])
+    assert not ca.supports(torch.float16)
+    with pytest.raises(ValueError, match="float16"):
+        ca.paged_attention_decode(q, kc.half(), vc.half(), tables, ctx, 0.125)
+
+
+def test_no_compiler_means_unavailable_not_an_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("SLIMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(ca.shutil, "which", lambda name: None)
+    monkeypatch.setattr(ca, "_reason", [])
+    ca._library.cache_clear()
+    try:
+        assert not ca.available()
+        assert "no C compiler" in ca.unavailable_reason()
+        with pytest.raises(RuntimeError, match="unavailable"):
+            ca.paged_attention_decode(torch.zeros(1, 1, 8), torch.zeros(2, 4, 1, 8),
+                                      torch.zeros(2, 4, 1, 8), torch.zeros(1, 1, dtype=torch.int32),
+                                      torch.ones(1, dtype=torch.int32), 1.0)
+    finally:
+        ca._library.cache_clear()
+
+
+def test_a_failing_compile_is_reported_and_a_fresh_cache_builds(monkeypatch, tmp_path):
+    if not ca.available():
+        pytest.skip(ca.unavailable_reason())
+    monkeypatch.setenv("SLIMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(ca, "_reason", [])
+    monkeypatch.setattr(ca, "_FLAG_SETS", (("-fno-such-flag-anywhere",), ("-fopenmp",)))
+    ca._library.cache_clear()
+    try:
+        assert ca.available()  # the first flag set fails, the second builds
+        assert "-fno-such-flag-anywhere" in ca.unavailable_reason()
+        built = list((tmp_path / "cpu_kernels").glob("cpu_attention-*.so"))
+        assert len(built) == 1 and not list((tmp_path / "cpu_kernels").glob(".*"))  # no temp left
+        q, kc, vc, tables, ctx = _case(torch.float32, 6, 2, 64, 16, [9])
+        torch.testing.assert_close(ca.paged_attention_decode(q, kc, vc, tables, ctx, 0.125),
+                                   ra.paged_attention_decode(q, kc, vc, tables, ctx, 0.125),
+                                   atol=2e-6, rtol=1e-5)
+    finally:
+        ca._library.cache_clear()

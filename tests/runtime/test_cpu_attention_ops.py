@@ -1,0 +1,66 @@
+"""The CPU ops table (runtime/layers/ops.py): the leading one-token sequences go to the compiled
+CPU kernel, the rest to the torch twin, and the step equals the twin's attention over the same
+batch; `SLIMSERVE_KERNELS=torch` and a missing kernel select the twin alone."""
+
+import pytest
+import torch
+
+from slimserve.kernels import cpu_attention
+from slimserve.runtime.batch import prepare_batch
+from slimserve.runtime.layers import ops
+
+
+def _batch(q_lens, starts, bs, h, h_kv, d, dtype):
+    g = torch.Generator().manual_seed(3)
+    per_seq = [-(-(s + n) // bs) for s, n in zip(starts, q_lens)]
+    ids = torch.randperm(sum(per_seq) + 2, generator=g).tolist()
+    tables, at = [], 0
+    for n in per_seq:
+        tables.append(ids[at: at + n])
+        at += n
+    batch = prepare_batch([[1] * n for n in q_lens], starts, tables, [True] * len(q_lens), bs,
+                          torch.device("cpu"))
+    blocks = sum(per_seq) + 2
+    kc = torch.randn(blocks, bs, h_kv, d, generator=g).to(dtype)
+    vc = torch.randn(blocks, bs, h_kv, d, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), h, d, generator=g).to(torch.bfloat16)
+    k = torch.randn(sum(q_lens), h_kv, d, generator=g).to(torch.bfloat16)
+    return batch, q, k, k.clone(), kc, vc
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="no CPU kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,starts,decodes", [
+    ([1, 1, 1], [5, 30, 0], 3),  # decode only
+    ([1, 1, 1, 9, 20], [5, 30, 0, 0, 16], 3),  # decodes, a prompt, a chunk after a prefix
+    ([12, 1, 5], [0, 9, 2], 0),  # a one-token row after a chunk stays on the twin
+])
+def test_cpu_table_splits_rows_and_matches_the_twin(monkeypatch, dtype, q_lens, starts, decodes):
+    batch, q, k, v, kc, vc = _batch(q_lens, starts, 16, 6, 2, 64, dtype)
+    calls = []
+    real = cpu_attention.paged_attention_decode
+
+    def counted(query, *a, **kw):
+        calls.append(query.shape[0])
+        return real(query, *a, **kw)
+
+    monkeypatch.setattr(cpu_attention, "paged_attention_decode", counted)
+    plan = ops.CPU.plan_attention(batch, 16)
+    got = ops.CPU.attention(q, k, v, kc, vc, batch, plan, 0.125, 1.0, 1.0)
+    assert calls == [decodes]
+    # the twin, on caches it attends the same way; fresh keys only serve prompt chunks without a prefix
+    want = ops.TORCH.attention(q, k, v, kc, vc, batch, ops.TORCH.plan_attention(batch, 16), 0.125, 1.0, 1.0)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=0)
+
+
+def test_select_picks_the_cpu_table_only_where_the_kernel_runs(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("SLIMSERVE_KERNELS", "auto")
+    assert ops.select(cpu) is (ops.CPU if cpu_attention.available() else ops.TORCH)
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    assert ops.select(cpu) is ops.TORCH
+    monkeypatch.setattr(cpu_attention, "available", lambda: True)
+    assert ops.select(cpu) is ops.CPU
+    monkeypatch.setenv("SLIMSERVE_KERNELS", "torch")  # the twins alone: the oracle
+    assert ops.select(cpu) is ops.TORCH
