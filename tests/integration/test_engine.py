@@ -67,7 +67,7 @@ def test_engine_equals_dense_under_forced_preemption(dense_outputs):
     # so the scheduler preempts (drops KV, recomputes later) and the output must not change.
     per_block = 2 * 4 * 8 * 2 * 64 * 4  # K and V, 4 layers, 8 tokens, 2 KV heads, head_dim 64, fp32
     llm = LLM(str(DEMO_MODEL), block_size=8, kv_cache_memory=12 * per_block, max_num_seqs=6,
-              max_num_batched_tokens=64, enable_prefix_caching=False)
+              max_num_batched_tokens=64, enable_prefix_caching=False, dtype="float32")
     assert llm.engine.runner.num_blocks == 12
     assert _run(llm, PROMPTS, MAX_TOKENS) == dense_outputs
     stats = llm.engine.stats()

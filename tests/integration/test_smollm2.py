@@ -82,7 +82,8 @@ def test_chat_template_is_served(reference):
     from slimserve.runtime.server.app import build_app
 
     _, model, tok = reference
-    engine = AsyncEngine.from_config(EngineConfig(model=MODEL, device="cpu"))
+    # fp32 like the reference: in bf16 one close call (`s` or `input_str`) decides the rest
+    engine = AsyncEngine.from_config(EngineConfig(model=MODEL, device="cpu", dtype="float32"))
     with TestClient(build_app(engine)) as client:
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
         r = client.post("/v1/chat/completions", json={
