@@ -1,22 +1,14 @@
-"""Paged decode attention on the CPU without a gather: kernels/cpu_attention.c, compiled once per
-machine with the system C compiler and called through ctypes.
+"""Paged decode attention on the CPU without a gather: kernels/cpu_attention.c, built and loaded
+by kernels/cpu_build.py.
 
 Why C: the pure-torch twin (`reference_attention.paged_attention`) copies every decoding
 sequence's whole context out of the paged cache (`index_select`) at every layer of every step
 before torch's SDPA reads the copy again, so each cached K/V byte crosses memory three times; in
 the serving benchmark that gather and SDPA were 40% of a step. The C kernel reads each key and
-value once, in place, for the whole group of query heads that shares it (GQA), and runs the
-(sequence, KV head) tasks on torch's own OpenMP threads: the library links `libgomp.so.1`, which
-the dynamic loader resolves to the copy torch already loaded, so both share one thread pool.
-
-The build: `$CC` (else `cc`, `gcc` or `clang`) with `-O3 -march=native -fopenmp`, retried
-without `-march=native`, then without OpenMP (one thread), into
-`<cache>/cpu_kernels/cpu_attention-<key>.so` (`kernels/cache_dir.py`); the key hashes the
-source, the compiler and its flags, and this CPU's flags, so an edit, another compiler or
-another CPU builds again, and a build writes a temporary file renamed into place (two processes
-building at once both load a complete library). Where no compiler works, `available()` is False,
-the reason is kept in `unavailable_reason()`, and the engine uses the torch twin: nothing fails.
-`SLIMSERVE_KERNELS=torch` also selects the twin (runtime/layers/ops.py).
+value once, in place, for the whole group of query heads that shares it (GQA), one task per
+sequence (or per sequence and KV head when there are few sequences) on torch's OpenMP threads.
+`SLIMSERVE_KERNELS=torch` selects the twin instead (runtime/layers/ops.py), as does a machine
+where the kernel does not build.
 
 Caches: fp32, bf16 and float8_e4m3fn (dequantized with k_scale / v_scale). fp16 caches are not
 handled here (`supports` says so) and stay on the twin.
@@ -25,99 +17,27 @@ handled here (`supports` says so) and stay on the twin.
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from slimserve.kernels.cache_dir import cache_root
-from slimserve.kernels.cpu_info import host_cpu_flags
+from slimserve.kernels import cpu_build
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+NAME = "cpu_attention"
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
-_BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")  # gnu: fused multiply-adds allowed
-_FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())  # tried in this order
-_BUILD_TIMEOUT_S = 120
-
-_reason: list[str] = []  # why the library is unavailable (filled by _library)
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+def _configure(lib: ctypes.CDLL) -> None:
+    lib.slimserve_cpu_attention_init()
+    fn = lib.slimserve_paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int]
 
 
-def _cache_key(compiler: str, flags: tuple[str, ...], source: bytes) -> str:
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    h = hashlib.sha256(source)
-    for part in (compiler, version, " ".join(flags), platform.machine(), " ".join(sorted(host_cpu_flags()))):
-        h.update(b"\0" + part.encode())
-    return h.hexdigest()[:20]
-
-
-def _build(compiler: str, flags: tuple[str, ...], dest: Path) -> str | None:
-    """Compile SOURCE into dest (atomically); None, or the compiler's complaint."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.stem}.", suffix=".so", dir=dest.parent)
-    os.close(fd)
-    try:
-        cmd = [compiler, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            return (done.stderr.strip().splitlines() or ["no output"])[-1]
-        os.replace(tmp, dest)
-        return None
-    except (OSError, subprocess.SubprocessError) as e:
-        return str(e)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = _compiler()
-    if compiler is None:
-        _reason.append("no C compiler (set CC, or install cc/gcc/clang)")
-        return None
-    source = SOURCE.read_bytes()
-    folder = cache_root() / "cpu_kernels"
-    for flags in _FLAG_SETS:
-        dest = folder / f"cpu_attention-{_cache_key(compiler, flags, source)}.so"
-        if not dest.exists():
-            try:
-                problem = _build(compiler, flags, dest)
-            except OSError as e:  # the cache folder cannot be created
-                problem = str(e)
-            if problem is not None:
-                _reason.append(f"{compiler} {' '.join(flags)}: {problem}")
-                continue
-        try:
-            lib = ctypes.CDLL(str(dest))
-        except OSError as e:
-            _reason.append(f"loading {dest}: {e}")
-            continue
-        lib.slimserve_cpu_attention_init()
-        fn = lib.slimserve_paged_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int]
-        return lib
-    return None
+    return cpu_build.library(NAME, _configure)
 
 
 def available() -> bool:
@@ -127,7 +47,7 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     """Why `available()` is False ('' when it is True or was not asked yet)."""
-    return "; ".join(_reason)
+    return cpu_build.unavailable_reason(NAME)
 
 
 def supports(cache_dtype: torch.dtype) -> bool:

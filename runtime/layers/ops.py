@@ -2,10 +2,10 @@
 
 `SLIMSERVE_KERNELS=auto|triton|torch` (kernels/_launch.py) picks the path; `auto` runs the
 kernels on CUDA tensors and, on CPU, the pure-torch twins in kernels/reference.py and
-kernels/reference_attention.py except for the decode rows' attention, which runs the compiled
-CPU kernel (kernels/cpu_attention.py: it reads the paged cache in place where the twin gathers
-each context first) wherever it builds. `torch` is the twins alone: the oracle the kernel tests
-compare against.
+kernels/reference_attention.py except where C kernels build (the `CPU` table): the decode rows'
+attention (kernels/cpu_attention.py: it reads the paged cache in place where the twin gathers
+each context first), RMSNorm and RoPE + KV-cache write (kernels/cpu_layer_ops.py: one pass each).
+`torch` is the twins alone: the oracle the kernel tests compare against.
 
 The choice is resolved once, not per op: `select(device)` reads the environment and returns
 one of two `KernelOps` tables of plain functions (the kernel modules are imported when the
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimserve.kernels import cpu_attention, reference, reference_attention
+from slimserve.kernels import cpu_attention, cpu_layer_ops, reference, reference_attention
 from slimserve.kernels._launch import kernel_backend
 from slimserve.runtime.batch import BatchInputs
 
@@ -96,7 +96,10 @@ def _cpu_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale,
     return torch.cat([decoded, rest]) if nd else rest
 
 
-CPU = dataclasses.replace(TORCH, plan_attention=_cpu_plan, attention=_cpu_attention)
+CPU = dataclasses.replace(
+    TORCH, rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
+    rope_and_write_kv=cpu_layer_ops.rope_and_write_kv, plan_attention=_cpu_plan,
+    attention=_cpu_attention)
 
 
 @functools.cache
@@ -142,4 +145,4 @@ def select(device: torch.device) -> KernelOps:
     if triton_enabled(device):
         return triton_ops()
     native = kernel_backend() == "auto" and torch.device(device).type == "cpu"
-    return CPU if native and cpu_attention.available() else TORCH
+    return CPU if native and cpu_attention.available() and cpu_layer_ops.available() else TORCH

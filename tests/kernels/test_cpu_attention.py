@@ -1,7 +1,7 @@
 """The compiled CPU decode attention (kernels/cpu_attention.c) against its torch twin
 (`reference_attention.paged_attention_decode`): every cache dtype it reads, GQA ratios, the
 specialised and the generic head sizes, short and empty contexts, scattered blocks; its refusal
-of out-of-range tables; and the fallback when no compiler works."""
+of out-of-range tables. The build itself: tests/kernels/test_cpu_build.py."""
 
 from __future__ import annotations
 
@@ -96,40 +96,3 @@ def test_refuses_caches_it_does_not_read():
     assert not ca.supports(torch.float16)
     with pytest.raises(ValueError, match="float16"):
         ca.paged_attention_decode(q, kc.half(), vc.half(), tables, ctx, 0.125)
-
-
-def test_no_compiler_means_unavailable_not_an_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("SLIMSERVE_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(ca.shutil, "which", lambda name: None)
-    monkeypatch.setattr(ca, "_reason", [])
-    ca._library.cache_clear()
-    try:
-        assert not ca.available()
-        assert "no C compiler" in ca.unavailable_reason()
-        with pytest.raises(RuntimeError, match="unavailable"):
-            ca.paged_attention_decode(torch.zeros(1, 1, 8), torch.zeros(2, 4, 1, 8),
-                                      torch.zeros(2, 4, 1, 8), torch.zeros(1, 1, dtype=torch.int32),
-                                      torch.ones(1, dtype=torch.int32), 1.0)
-    finally:
-        ca._library.cache_clear()
-
-
-def test_a_failing_compile_is_reported_and_a_fresh_cache_builds(monkeypatch, tmp_path):
-    if not ca.available():
-        pytest.skip(ca.unavailable_reason())
-    monkeypatch.setenv("SLIMSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(ca, "_reason", [])
-    monkeypatch.setattr(ca, "_FLAG_SETS", (("-fno-such-flag-anywhere",), ("-fopenmp",)))
-    ca._library.cache_clear()
-    try:
-        assert ca.available()  # the first flag set fails, the second builds
-        assert "-fno-such-flag-anywhere" in ca.unavailable_reason()
-        built = list((tmp_path / "cpu_kernels").glob("cpu_attention-*.so"))
-        assert len(built) == 1 and not list((tmp_path / "cpu_kernels").glob(".*"))  # no temp left
-        q, kc, vc, tables, ctx = _case(torch.float32, 6, 2, 64, 16, [9])
-        torch.testing.assert_close(ca.paged_attention_decode(q, kc, vc, tables, ctx, 0.125),
-                                   ra.paged_attention_decode(q, kc, vc, tables, ctx, 0.125),
-                                   atol=2e-6, rtol=1e-5)
-    finally:
-        ca._library.cache_clear()

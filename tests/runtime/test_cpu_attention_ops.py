@@ -1,11 +1,11 @@
 """The CPU ops table (runtime/layers/ops.py): the leading one-token sequences go to the compiled
 CPU kernel, the rest to the torch twin, and the step equals the twin's attention over the same
-batch; `SLIMSERVE_KERNELS=torch` and a missing kernel select the twin alone."""
+batch; `SLIMSERVE_KERNELS=torch` and a C library that did not build select the twins alone."""
 
 import pytest
 import torch
 
-from slimserve.kernels import cpu_attention
+from slimserve.kernels import cpu_attention, cpu_layer_ops
 from slimserve.runtime.batch import prepare_batch
 from slimserve.runtime.layers import ops
 
@@ -57,10 +57,14 @@ def test_cpu_table_splits_rows_and_matches_the_twin(monkeypatch, dtype, q_lens, 
 def test_select_picks_the_cpu_table_only_where_the_kernel_runs(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setenv("SLIMSERVE_KERNELS", "auto")
-    assert ops.select(cpu) is (ops.CPU if cpu_attention.available() else ops.TORCH)
+    built = cpu_attention.available() and cpu_layer_ops.available()
+    assert ops.select(cpu) is (ops.CPU if built else ops.TORCH)
+    monkeypatch.setattr(cpu_attention, "available", lambda: True)
+    monkeypatch.setattr(cpu_layer_ops, "available", lambda: False)
+    assert ops.select(cpu) is ops.TORCH
+    monkeypatch.setattr(cpu_layer_ops, "available", lambda: True)
+    assert ops.select(cpu) is ops.CPU
     monkeypatch.setattr(cpu_attention, "available", lambda: False)
     assert ops.select(cpu) is ops.TORCH
-    monkeypatch.setattr(cpu_attention, "available", lambda: True)
-    assert ops.select(cpu) is ops.CPU
     monkeypatch.setenv("SLIMSERVE_KERNELS", "torch")  # the twins alone: the oracle
     assert ops.select(cpu) is ops.TORCH
