@@ -42,7 +42,8 @@ static inline float bf16_value(uint16_t x) {
  * exponent bits; below -87 (e^x < 2^-126) the result is 0. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_roundf(x * 1.44269504088896341f);
+    /* n = round(x / ln2): adding 1.5 * 2^23 leaves no fraction bits, so the sum rounds (nearest) */
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
     float p = 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
@@ -74,17 +75,22 @@ INLINE void block_scores(const float *restrict qg, const float *restrict k, int6
     }
 }
 
-/* acc[g, :] += p[g, t0 + i] * v row i, for `count` fp32 rows starting at v. */
+/* acc[g, :] += p[g, t0 + i] * v row i, for `count` fp32 rows starting at v: head by head, so a
+ * head's accumulator stays in registers over the block (the rows come from L1). */
 INLINE void block_values(const float *restrict s, const float *restrict v, int64_t stride,
-                                int count, int G, int D, float *restrict acc, int L, int t0) {
-    for (int i = 0; i < count; ++i) {
-        const float *row = v + (int64_t)i * stride;
-        for (int g = 0; g < G; ++g) {
-            const float w = s[(int64_t)g * L + t0 + i];
-            float *a = acc + (int64_t)g * D;
+                         int count, int G, int D, float *restrict acc, int L, int t0) {
+    for (int g = 0; g < G; ++g) {
+        float a[D];
+        float *out = acc + (int64_t)g * D;
+        const float *w = s + (int64_t)g * L + t0;
+        for (int d = 0; d < D; ++d) a[d] = out[d];
+        for (int i = 0; i < count; ++i) {
+            const float *row = v + (int64_t)i * stride;
+            const float wi = w[i];
 #pragma omp simd
-            for (int d = 0; d < D; ++d) a[d] += w * row[d];
+            for (int d = 0; d < D; ++d) a[d] += wi * row[d];
         }
+        for (int d = 0; d < D; ++d) out[d] = a[d];
     }
 }
 

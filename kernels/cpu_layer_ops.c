@@ -18,8 +18,9 @@ static inline float bf16_to_f32(uint16_t x) {
 
 static inline uint16_t f32_to_bf16(float f) {
     union { float f; uint32_t u; } b = {f};
-    if ((b.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b.u >> 16) | 0x40u); /* quiet NaN */
-    return (uint16_t)((b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (b.u + 0x7fffu + ((b.u >> 16) & 1u)) >> 16; /* nearest even */
+    const uint32_t quiet_nan = (b.u >> 16) | 0x40u;
+    return (uint16_t)((b.u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded); /* branch-free */
 }
 
 static inline float load(const void *p, int kind, int64_t i) {
@@ -62,23 +63,27 @@ static uint8_t f32_to_fp8_e4m3(float v) {
 INLINE void rms_norm_row(const void *x, int64_t x_stride, const void *residual, int64_t r_stride,
                          const void *weight, void *out, void *summed, int kind, int64_t r,
                          int64_t hidden, float eps) {
-    {
-        float sumsq = 0.0f;
-        for (int64_t i = 0; i < hidden; ++i) {
-            float s = load(x, kind, r * x_stride + i);
-            if (residual) {
-                s = round_to(s + load(residual, kind, r * r_stride + i), kind);
-                store(summed, kind, r * hidden + i, s);
-            }
-            sumsq += s * s;
-        }
-        const float inv = 1.0f / sqrtf(sumsq / (float)hidden + eps);
-        const void *src = residual ? summed : x;
-        const int64_t stride = residual ? hidden : x_stride;
-        for (int64_t i = 0; i < hidden; ++i) {
-            float normed = round_to(load(src, kind, r * stride + i) * inv, kind);
-            store(out, kind, r * hidden + i, load(weight, kind, i) * normed);
-        }
+    const void *src = x;
+    int64_t at = r * x_stride;
+    if (residual) {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i)
+            store(summed, kind, r * hidden + i,
+                  load(x, kind, r * x_stride + i) + load(residual, kind, r * r_stride + i));
+        src = summed;
+        at = r * hidden;
+    }
+    float sumsq = 0.0f;
+#pragma omp simd reduction(+ : sumsq)
+    for (int64_t i = 0; i < hidden; ++i) {
+        const float v = load(src, kind, at + i);
+        sumsq += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sumsq / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) {
+        const float normed = round_to(load(src, kind, at + i) * inv, kind);
+        store(out, kind, r * hidden + i, load(weight, kind, i) * normed);
     }
 }
 
