@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from slimserve.runtime.bench.breakdown import scrape_step_totals, step_breakdown
 from slimserve.runtime.bench.server_process import BenchError, free_port, launched_server
+from slimserve.runtime.bench.sse_client import SSEStream, plain_http
 from slimserve.runtime.bench.workload import (
     BenchRequest,
     LengthDist,
@@ -231,42 +232,60 @@ def server_for(args: BenchArgs) -> Iterator[tuple[str, str | None]]:
 
 
 async def send_one(client: httpx.AsyncClient, model: str | None, req: BenchRequest,
-                   text_prompt: bool, start_s: float) -> RequestResult:
-    """One streamed /v1/completions request, timed per token chunk (perf_counter)."""
+                   text_prompt: bool, start_s: float, raw_url: str | None = None,
+                   headers: dict[str, str] | None = None, timeout_s: float = 600.0) -> RequestResult:
+    """One streamed /v1/completions request, timed per token chunk (perf_counter): through the
+    light SSE client (runtime/bench/sse_client.py) when raw_url is given, else through httpx."""
     res = RequestResult(req.prompt_len, req.output_len, start_s)
     payload = {"model": model, "prompt": req.prompt_text if text_prompt else req.prompt_ids,
                "max_tokens": req.output_len, "temperature": 0, "ignore_eos": True,
                "stream": True, "stream_options": {"include_usage": True}}
     chunks, t0 = 0, time.perf_counter()
     last = t0
+
+    def consume(data: str) -> bool:
+        """One `data:` payload; True when the stream is over (done, or an error recorded)."""
+        nonlocal chunks, last
+        if data == "[DONE]":
+            return True
+        obj = json.loads(data)
+        if obj.get("error"):
+            res.error = f"error in stream: {obj['error'].get('message', obj['error'])}"
+            return True
+        if obj.get("usage"):
+            res.output_tokens = int(obj["usage"]["completion_tokens"])
+        choice = (obj.get("choices") or [None])[0]
+        # a token chunk; an empty one that only carries finish_reason is no token
+        if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
+            now = time.perf_counter()
+            if chunks == 0:
+                res.ttft_s = now - t0
+            else:
+                res.itl_s.append(now - last)
+            last, chunks = now, chunks + 1
+        return False
+
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {error_message(await resp.aread())}"
-                return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if obj.get("error"):
-                    res.error = f"error in stream: {obj['error'].get('message', obj['error'])}"
+        if raw_url is not None:
+            async with SSEStream(raw_url, "/v1/completions", payload, headers, timeout_s) as stream:
+                if stream.status != 200:
+                    res.error = f"HTTP {stream.status}: {error_message(await stream.body())}"
                     return res
-                if obj.get("usage"):
-                    res.output_tokens = int(obj["usage"]["completion_tokens"])
-                choice = (obj.get("choices") or [None])[0]
-                # a token chunk; an empty one that only carries finish_reason is no token
-                if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        res.ttft_s = now - t0
-                    else:
-                        res.itl_s.append(now - last)
-                    last, chunks = now, chunks + 1
+                async for data in stream.events():
+                    if consume(data):
+                        break
+        else:
+            async with client.stream("POST", "/v1/completions", json=payload) as resp:
+                if resp.status_code != 200:
+                    res.error = f"HTTP {resp.status_code}: {error_message(await resp.aread())}"
+                    return res
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:") and consume(line[5:].strip()):
+                        break
     except Exception as e:  # transport errors, bad JSON: the request failed, the run goes on
         res.error = f"{type(e).__name__}: {e}"
+        return res
+    if res.error:
         return res
     res.latency_s = time.perf_counter() - t0
     if chunks == 0:
@@ -294,9 +313,12 @@ async def run_requests(url: str, model: str | None, requests: list[BenchRequest]
                                                      max_keepalive_connections=conc)) as client:
         t0 = time.perf_counter()
 
+        raw = url if plain_http(url) else None  # the light client where it applies
+
         async def one(req: BenchRequest) -> RequestResult:
             async with sem:
-                res = await send_one(client, model, req, text_prompts, time.perf_counter() - t0)
+                res = await send_one(client, model, req, text_prompts, time.perf_counter() - t0,
+                                     raw, headers, timeout_s)
             bar.update()
             return res
 

@@ -26,6 +26,7 @@ from slimserve.runtime.bench.driver import (
     parse_rates,
     run_bench,
     run_requests,
+    send_one,
     serve_command,
 )
 from slimserve.runtime.bench.server_process import BenchError, free_port, launched_server
@@ -270,6 +271,26 @@ def test_client_streams_times_tokens_and_reports_failures(fake_server):
     body = seen[-1] if seen[-1]["max_tokens"] == 8 else next(b for b in seen if b["max_tokens"] == 8)
     assert body["prompt"] == list(range(7)) and body["temperature"] == 0 and body["ignore_eos"]
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
+
+
+def test_httpx_and_the_light_client_read_the_same_stream(fake_server):
+    import httpx
+
+    url, _ = fake_server
+    req = BenchRequest([1, 2, 3], "text", 6)
+
+    async def both():
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as client:  # the https path
+            via_httpx = await send_one(client, "fake", req, False, 0.0)
+            light = await send_one(client, "fake", req, False, 0.0, raw_url=url)
+            refused = await send_one(client, "fake", BenchRequest([1], "t", REFUSED_LEN), False, 0.0)
+        return via_httpx, light, refused
+
+    via_httpx, light, refused = asyncio.run(both())
+    assert via_httpx.success and light.success
+    assert via_httpx.output_tokens == light.output_tokens == 6
+    assert len(via_httpx.itl_s) == len(light.itl_s) == 5
+    assert refused.error == "HTTP 400: prompt: too long for the fake"
 
 
 def test_run_bench_sweep_writes_table_json_and_plot(fake_server, tmp_path, capsys):
