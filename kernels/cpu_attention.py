@@ -36,18 +36,10 @@ def _configure(lib: ctypes.CDLL) -> None:
                    ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int]
 
 
-def _library() -> ctypes.CDLL | None:
-    return cpu_build.library(NAME, _configure)
-
-
-def available() -> bool:
-    """Whether the compiled kernel can run here (builds it on the first call: ~1 s)."""
-    return _library() is not None
-
-
-def unavailable_reason() -> str:
-    """Why `available()` is False ('' when it is True or was not asked yet)."""
-    return cpu_build.unavailable_reason(NAME)
+_LIB = cpu_build.CLibrary(NAME, _configure)
+_library = _LIB.get
+available = _LIB.available  # whether it runs here (built on the first call: about a second)
+unavailable_reason = _LIB.unavailable_reason
 
 
 def supports(cache_dtype: torch.dtype) -> bool:

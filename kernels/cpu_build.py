@@ -110,3 +110,22 @@ def library(name: str, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL 
 def unavailable_reason(name: str) -> str:
     """Why `library(name, ...)` returned None ('' when it did not, or was not asked yet)."""
     return "; ".join(_reasons.get(name, []))
+
+
+class CLibrary:
+    """One C library's handle for its wrapper module: `get()` (the loaded library or None),
+    `available()`, `unavailable_reason()`."""
+
+    def __init__(self, name: str, configure: Callable[[ctypes.CDLL], None]):
+        self.name, self.configure = name, configure
+
+    def get(self) -> ctypes.CDLL | None:
+        return library(self.name, self.configure)
+
+    def available(self) -> bool:
+        """Whether it runs here (built on the first call: about a second)."""
+        return self.get() is not None
+
+    def unavailable_reason(self) -> str:
+        """Why `available()` is False ('' when it is True or was not asked yet)."""
+        return unavailable_reason(self.name)

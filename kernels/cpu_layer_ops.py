@@ -33,17 +33,10 @@ def _configure(lib: ctypes.CDLL) -> None:
                                             _P, _P, _P, _P, _I, _P, _I64, _F, _F, _I]
 
 
-def _library() -> ctypes.CDLL | None:
-    return cpu_build.library(NAME, _configure)
-
-
-def available() -> bool:
-    """Whether the compiled ops run here (builds them on the first call: ~1 s)."""
-    return _library() is not None
-
-
-def unavailable_reason() -> str:
-    return cpu_build.unavailable_reason(NAME)
+_LIB = cpu_build.CLibrary(NAME, _configure)
+_library = _LIB.get
+available = _LIB.available  # whether it runs here (built on the first call: about a second)
+unavailable_reason = _LIB.unavailable_reason
 
 
 def _rows(x: torch.Tensor) -> bool:

@@ -6,23 +6,13 @@ import pytest
 import torch
 
 from slimserve.kernels import cpu_attention, cpu_layer_ops
-from slimserve.runtime.batch import prepare_batch
 from slimserve.runtime.layers import ops
+
+from tests.helpers.paged import mixed_batch
 
 
 def _batch(q_lens, starts, bs, h, h_kv, d, dtype):
-    g = torch.Generator().manual_seed(3)
-    per_seq = [-(-(s + n) // bs) for s, n in zip(starts, q_lens)]
-    ids = torch.randperm(sum(per_seq) + 2, generator=g).tolist()
-    tables, at = [], 0
-    for n in per_seq:
-        tables.append(ids[at: at + n])
-        at += n
-    batch = prepare_batch([[1] * n for n in q_lens], starts, tables, [True] * len(q_lens), bs,
-                          torch.device("cpu"))
-    blocks = sum(per_seq) + 2
-    kc = torch.randn(blocks, bs, h_kv, d, generator=g).to(dtype)
-    vc = torch.randn(blocks, bs, h_kv, d, generator=g).to(dtype)
+    batch, kc, vc, g = mixed_batch(q_lens, starts, bs, h_kv, d, dtype, seed=3)
     q = torch.randn(sum(q_lens), h, d, generator=g).to(torch.bfloat16)
     k = torch.randn(sum(q_lens), h_kv, d, generator=g).to(torch.bfloat16)
     return batch, q, k, k.clone(), kc, vc

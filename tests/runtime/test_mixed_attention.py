@@ -8,26 +8,15 @@ import pytest
 import torch
 
 from slimserve.kernels import paged_attention
-from slimserve.runtime.batch import prepare_batch
+
+from tests.helpers.paged import mixed_batch
 
 pytest.importorskip("triton")
 
 
 def _mixed_batch(q_lens, starts, bs, h, h_kv, d, dtype):
-    g = torch.Generator().manual_seed(7)
-    per_seq = [-(-(s + n) // bs) for s, n in zip(starts, q_lens)]
-    ids = torch.randperm(sum(per_seq) + 2, generator=g).tolist()
-    tables, at = [], 0
-    for n in per_seq:
-        tables.append(ids[at: at + n])
-        at += n
-    batch = prepare_batch([[1] * n for n in q_lens], starts, tables, [True] * len(q_lens), bs,
-                          torch.device("cpu"))
-    blocks = sum(per_seq) + 2
-    kc = torch.randn(blocks, bs, h_kv, d, generator=g).to(dtype)
-    vc = torch.randn(blocks, bs, h_kv, d, generator=g).to(dtype)
-    q = torch.randn(sum(q_lens), h, d, generator=g).to(dtype)
-    return batch, q, kc, vc
+    batch, kc, vc, g = mixed_batch(q_lens, starts, bs, h_kv, d, dtype)
+    return batch, torch.randn(sum(q_lens), h, d, generator=g).to(dtype), kc, vc
 
 
 @pytest.mark.parametrize("q_lens,starts,decodes", [
