@@ -400,7 +400,8 @@ def baseline_dtype(args: BenchArgs):
 
     from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 
-    return resolve_dtype(args.dtype or "auto", torch.device(args.hf_device), checkpoint_dtype(args.model))
+    model = resolve_model(args.model)  # a GGUF file or package: its converted folder
+    return resolve_dtype(args.dtype or "auto", torch.device(args.hf_device), checkpoint_dtype(model))
 
 
 def measure_rate(url: str, model: str | None, requests: list[BenchRequest], rate: float,

