@@ -47,10 +47,6 @@ def supports(cache_dtype: torch.dtype) -> bool:
     return cache_dtype in _KINDS
 
 
-def _scalar(x: float | torch.Tensor) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
 def paged_attention_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -88,7 +84,7 @@ def paged_attention_decode(
     rc = lib.slimserve_paged_decode_attention(
         q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), _KINDS[key_cache.dtype],
         tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), n, heads, kv_heads,
-        dim, block_size, key_cache.shape[0], float(scale), _scalar(k_scale), _scalar(v_scale),
+        dim, block_size, key_cache.shape[0], float(scale), cpu_build.scalar(k_scale), cpu_build.scalar(v_scale),
         torch.get_num_threads())
     if rc == -2:
         raise ValueError("a context length or block id lies outside the block tables or the cache")

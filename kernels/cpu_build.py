@@ -27,6 +27,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from slimserve.kernels.cache_dir import cache_root
 from slimserve.kernels.cpu_info import host_cpu_flags
 
@@ -110,6 +112,11 @@ def library(name: str, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL 
 def unavailable_reason(name: str) -> str:
     """Why `library(name, ...)` returned None ('' when it did not, or was not asked yet)."""
     return "; ".join(_reasons.get(name, []))
+
+
+def scalar(x: float | torch.Tensor) -> float:
+    """A float argument for C from a number or a one-element tensor (the k/v scale buffers)."""
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
 class CLibrary:

@@ -79,10 +79,6 @@ def _heads(t: torch.Tensor, dtype: torch.dtype) -> bool:
             and t.stride(1) == t.shape[2])
 
 
-def _scalar(x: float | torch.Tensor) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
 def rope_and_write_kv(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -117,6 +113,6 @@ def rope_and_write_kv(
         query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
         value.stride(0), _KINDS[dtype], t, query.shape[1], key.shape[1], d, cos.data_ptr(),
         sin.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), _CACHE_KINDS[key_cache.dtype],
-        slots.data_ptr(), num_slots, _scalar(k_scale), _scalar(v_scale), torch.get_num_threads())
+        slots.data_ptr(), num_slots, cpu_build.scalar(k_scale), cpu_build.scalar(v_scale), torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"a slot of slot_mapping lies past the cache's {num_slots} slots")
