@@ -22,7 +22,8 @@ import time
 import torch
 from torch.distributed import PrefixStore
 
-from slimserve.kernels import cpu_attention
+from slimserve.kernels import cpu_attention, cpu_layer_ops
+from slimserve.kernels._launch import kernel_backend
 from slimserve.runtime.batch import BatchInputs, BlockTableCache, StagingBuffer, prepare_batch
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.cpu_malloc import keep_freed_memory
@@ -96,6 +97,8 @@ class ModelRunner:
         if self.device.type == "cpu" and warm_up(self.model, max(config.max_num_batched_tokens, config.max_num_seqs)):
             clock.lap("linear_warmup")  # oneDNN's GEMM primitives (runtime/layers/cpu_linear.py)
         self.kv_dtype = self._kv_dtype()
+        if self.device.type == "cpu" and not self._triton_on():
+            self._log_cpu_kernels()
         self.block_size = config.block_size
         self.activation_bytes = self._profile_activations()
         clock.lap("profile")
@@ -204,9 +207,19 @@ class ModelRunner:
 
     def _triton_on(self) -> bool:
         """Whether the Triton kernels serve this runner (the backend asked for, or `auto` on CUDA)."""
-        from slimserve.kernels._launch import kernel_backend
-
         return kernel_backend() == "triton" or (kernel_backend() == "auto" and self.device.type == "cuda")
+
+    def _log_cpu_kernels(self) -> None:
+        """Say which CPU path serves: the C kernels, or the torch twins and why (a machine
+        without a C compiler runs ~1.3x slower, which should not go unnoticed)."""
+        if ops.select(self.device) is ops.CPU:
+            log.info("CPU kernels: C (decode attention, RMSNorm, RoPE + KV-cache write), KV cache %s",
+                     str(self.kv_dtype).removeprefix("torch."))
+        elif kernel_backend() == "auto":
+            why = "; ".join(r for r in (cpu_attention.unavailable_reason(),
+                                        cpu_layer_ops.unavailable_reason()) if r)
+            log.warning("CPU C kernels unavailable (%s): the torch twins serve, slower; install a C "
+                        "compiler (cc/gcc/clang) or set CC", why or "not built")
 
     def _kv_dtype(self) -> torch.dtype:
         """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV; else the

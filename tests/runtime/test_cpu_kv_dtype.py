@@ -50,3 +50,17 @@ def test_compiled_kernel_caches_in_the_compute_dtype_with_the_twins_tokens(tiny_
 def test_fp8_cache_is_kept_on_cpu(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), device="cpu", dtype="bfloat16", kv_cache_dtype="fp8_e4m3")
     assert llm.engine.runner.kv_dtype == torch.float8_e4m3fn
+
+
+def test_start_up_says_which_cpu_path_serves(tiny_checkpoint, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="slimserve.runtime.model_runner")
+    monkeypatch.setenv("SLIMSERVE_KERNELS", "auto")
+    if cpu_attention.available():
+        LLM(str(tiny_checkpoint), device="cpu", dtype="bfloat16")
+        assert any("CPU kernels: C" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    monkeypatch.setattr(cpu_attention, "unavailable_reason", lambda: "no C compiler (set CC)")
+    LLM(str(tiny_checkpoint), device="cpu", dtype="bfloat16")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("unavailable (no C compiler (set CC))" in m and "torch twins" in m for m in warned)
