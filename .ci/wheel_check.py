@@ -25,7 +25,7 @@ def main(wheel: str, repo: str) -> int:
     for name in missing:
         print(f"wheel check: {name} is in the repository but not in the wheel "
               "(a folder without __init__.py?)")
-    # C sources the package compiles at run time (kernels/cpu_attention.py): package_data in setup.py
+    # C sources the package compiles at run time (kernels/cpu_build.py): package_data in setup.py
     sources = {f"slimserve/{p.relative_to(root).as_posix()}" for layer in LAYERS for p in (root / layer).rglob("*.c")}
     for name in sorted(sources - names):
         missing.append(name)

@@ -7,8 +7,9 @@
  * Layouts: query and out fp32 [n, H, D]; caches [num_blocks, block_size, Hkv, D] of fp32,
  * bf16 (raw uint16) or float8_e4m3fn codes (uint8, value = code * scale); block tables int32
  * [n, bt_stride]; context lengths int32 [n]. Query head h reads KV head h / (H / Hkv).
- * One task per (sequence, KV head) handles that KV head's group of query heads, so each cached
- * key and value is read once per group; scores, softmax and the weighted sum are fp32.
+ * A task is one sequence (or one sequence and KV head when there are few sequences); each KV
+ * head's group of query heads is attended together, so each cached key and value is read once per
+ * group; scores, softmax and the weighted sum are fp32.
  */
 #include <math.h>
 #include <stdint.h>

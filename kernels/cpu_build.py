@@ -46,13 +46,18 @@ def compiler() -> str | None:
     return None
 
 
-def _cache_key(cc: str, flags: tuple[str, ...], source: bytes) -> str:
+@functools.cache
+def _compiler_version(cc: str) -> str:
+    """`cc --version`, asked once per process (every library and flag set keys on it)."""
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
-        version = ""
+        return ""
+
+
+def _cache_key(cc: str, flags: tuple[str, ...], source: bytes) -> str:
     h = hashlib.sha256(source)
-    for part in (cc, version, " ".join(flags), platform.machine(), " ".join(sorted(host_cpu_flags()))):
+    for part in (cc, _compiler_version(cc), " ".join(flags), platform.machine(), " ".join(sorted(host_cpu_flags()))):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:20]
 

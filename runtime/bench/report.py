@@ -68,7 +68,10 @@ def model_summary(model: str | None, served_name: str | None) -> dict:
     if folder and (Path(folder) / "config.json").is_file() and any(Path(folder).glob("*.safetensors")):
         from slimserve.runtime.bench.sysinfo import model_info
 
-        return {**model_info(Path(folder)), **({"name": Path(str(model)).name} if folder != model else {})}
+        info = model_info(Path(folder))
+        if folder != model:  # a GGUF model: the name the user gave, not the cache folder's key
+            info["name"] = Path(model).name
+        return info
     return {"name": served_name or model or "unknown", "path": model}
 
 

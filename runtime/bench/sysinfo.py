@@ -8,6 +8,8 @@ import os
 import platform
 from pathlib import Path
 
+from slimserve.kernels.cpu_info import cpu_flags
+
 # Vector extensions that select different CPU matmul kernels (and so different fp32/bf16 rounding):
 # the same code measures perplexities that differ in the 5th-6th digit between such hosts.
 _ISA_FLAGS = ("avx512_bf16", "avx512f", "avx2")
@@ -17,8 +19,6 @@ def hardware_info() -> dict:
     from importlib.metadata import version
 
     import torch
-
-    from slimserve.kernels.cpu_info import cpu_flags
 
     cpu, isa = platform.processor() or platform.machine(), "unknown"
     try:

@@ -73,7 +73,7 @@ class CpuPlan:
 
 
 def _cpu_plan(batch: BatchInputs, block_size: int) -> CpuPlan:
-    nd = batch.block_tables.shape[0] if batch.decode_only else batch.num_decodes
+    nd = batch.num_decodes
     if nd == batch.block_tables.shape[0]:
         return CpuPlan(nd, None)
     cu = batch.cu_seqlens_q[nd:]
@@ -82,10 +82,7 @@ def _cpu_plan(batch: BatchInputs, block_size: int) -> CpuPlan:
 
 
 def _cpu_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
-    nd = plan.decodes
-    if not cpu_attention.supports(key_cache.dtype):  # not a cache dtype the runner makes on CPU
-        return _torch_attention(q, k, v, key_cache, value_cache, batch,
-                                _torch_plan(batch, key_cache.shape[1]), scale, k_scale, v_scale)
+    nd = plan.decodes  # the runner makes CPU caches the kernel reads (`supports`; model_runner `_kv_dtype`)
     decoded = cpu_attention.paged_attention_decode(
         q[:nd], key_cache, value_cache, batch.block_tables[:nd], batch.context_lens[:nd], scale,
         k_scale, v_scale)
