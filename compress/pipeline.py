@@ -156,6 +156,7 @@ def _run(recipe: Recipe, stages: list[Stage], state: CompressionState, store: La
         recipe=recipe.text,
         stages=[r.to_dict() for r in reports], eval=eval_info,
         partial_groups=partial_group_modules(state.quantized),
+        kv_cache_skip_layers=list(state.kv_skip_layers) if state.kv_scales else [],
     )
     model.to(storage)
     model.config.dtype = storage  # config.json must name the dtype the tensors are stored in
@@ -300,7 +301,8 @@ def memory_plan(recipe: Recipe, stages: list[Stage], source: str, config) -> str
     """Why the pipeline must hold the whole model in float32 ('' when it can hold one decoder layer
     at a time, compress/layer_store.py): a stage that works on the whole model (prune, distill,
     rtn), a model that is not a local folder, or an architecture compress/mappings.py lacks."""
-    whole = [spec.name for spec, stage in zip(recipe.stages, stages) if not stage.layerwise]
+    whole = [spec.name for spec, stage in zip(recipe.stages, stages)
+             if not stage.layerwise or stage.needs_whole_model]
     if whole:
         return f"stage {whole[0]} works on the whole model"
     if not Path(source).is_dir():

@@ -46,18 +46,22 @@ def write_report(out_dir: Path, summary: dict) -> dict[str, Path]:
 
 
 def plot_stage_details(summary: dict, out_dir: Path) -> dict[str, Path]:
-    """report-prune.png / report-distill.png for stages whose details carry importance scores or a
-    loss curve (the first of each kind; numbered when a recipe repeats a stage)."""
+    """report-prune.png / report-distill.png / report-kv_cache.png for stages whose details carry
+    importance scores, a loss curve or per-layer fp8-KV sensitivities (the first of each kind;
+    numbered when a recipe repeats a stage)."""
     paths: dict[str, Path] = {}
     for i, stage in enumerate(summary["stages"]):
         details = stage.get("details") or {}
-        kind = "prune" if "importance" in details else "distill" if "loss_curve" in details else None
+        kind = ("prune" if "importance" in details else "distill" if "loss_curve" in details
+                else "kv_cache" if "sensitivity" in details else None)
         if kind is None:
             continue
         key = kind if kind not in paths else f"{kind}-{i}"
         paths[key] = Path(out_dir) / f"report-{key}.png"
         if kind == "prune":
             plot_importance(details, paths[key])
+        elif kind == "kv_cache":
+            plot_kv_sensitivity(details["sensitivity"], paths[key])
         else:
             before = summary["stages"][i - 1]["ppl"] if i else summary["baseline"]["ppl"]
             plot_distillation(details, summary["baseline"]["ppl"], before, stage["ppl"], paths[key])
@@ -105,6 +109,11 @@ def render_markdown(summary: dict) -> str:
         if "loss_curve" in d:
             lines += ["", f"{s['name']}: {d['steps']} steps, loss {_fmt(d['loss_first'], '.4f')} → "
                       f"{_fmt(d['loss_last'], '.4f')} (curve: `report-distill.png`)"]
+        if d.get("skip_layers"):
+            total = len(d.get("layers") or {})
+            lines += ["", f"{s['name']}: fp8 K/V in {total - len(d['skip_layers'])} of {total} layers; "
+                      f"layers {', '.join(map(str, d['skip_layers']))} keep the model dtype (vLLM: "
+                      f"`{d['vllm']}`" + ("; sensitivity: `report-kv_cache.png`)" if "sensitivity" in d else ")")]
     return "\n".join(lines) + "\n"
 
 
@@ -132,6 +141,20 @@ def plot_report(summary: dict, path: Path) -> None:
     ax_size.set(title="Weight size", ylabel="MB")
     for ax in (ax_ppl, ax_size):
         ax.set_xticks(x, names, rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_kv_sensitivity(sensitivity: dict, path: Path) -> None:
+    """Per decoder layer, the mean KL divergence fp8 K/V in that layer alone causes; the layers
+    kept unquantized in another colour."""
+    kl = {int(i): v for i, v in sensitivity["kl_per_layer"].items()}
+    layers = sorted(kl)
+    chosen = set(sensitivity["chosen"])
+    fig, ax = _figure(max(6.0, 0.25 * len(layers) + 2), 3.5, 1)
+    ax.bar(layers, [kl[i] for i in layers], color=["tab:red" if i in chosen else "tab:blue" for i in layers])
+    ax.set(title=f"fp8 KV sensitivity per layer (red: kept unquantized), {sensitivity['windows']} windows",
+           xlabel="decoder layer", ylabel="mean KL (nats / token)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

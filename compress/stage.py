@@ -65,6 +65,7 @@ class CompressionState:
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # module name -> weight
     schemes: dict[str, QuantScheme] = field(default_factory=dict)  # module name -> full scheme (W8A8 acts)
     kv_scales: dict[str, tuple[float, float]] = field(default_factory=dict)  # attention module -> (k, v) fp8 scales
+    kv_skip_layers: list[int] = field(default_factory=list)  # decoder layers whose KV stays unquantized
     calibration: torch.Tensor | None = None  # [num_samples, seq_len] token ids, when a stage needs them
     calibration_dataset: str = "stdlib"  # the recipe's calibration dataset spec (distill trains on it)
     calibration_dtype: str = "auto"  # dtype of layer replays (calibration.replay_dtype)
@@ -107,6 +108,11 @@ class Stage:
     layerwise: bool = False
     """The stage runs decoder layer by decoder layer inside the calibration engine
     (`compress_layer`); False: it does all its work on the whole model in `apply`."""
+
+    needs_whole_model: bool = False
+    """A layerwise stage that also reads the whole model after its layers (kv_cache's
+    skip_sensitive runs it end to end): the pipeline holds the whole model even when every stage
+    is layerwise."""
 
     replay_in_storage_dtype: bool = False
     """Layerwise stages that only collect input statistics (GPTQ's Hessians): with

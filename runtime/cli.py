@@ -165,6 +165,9 @@ def serve(
                                                 "(default: the model's)"),
     block_size: int = typer.Option(_ENGINE["block_size"], help="tokens per KV-cache block"),
     kv_cache_dtype: str = typer.Option(_ENGINE["kv_cache_dtype"], help="auto | fp8_e4m3"),
+    kv_cache_dtype_skip_layers: Optional[str] = typer.Option(
+        None, "--kv-cache-dtype-skip-layers", help="with an fp8 KV cache, layers whose K/V stay "
+        "unquantized, e.g. 1,16 (none: every layer fp8); default: the artifact's (slimserve.json)"),
     kv_cache_memory: Optional[str] = typer.Option(
         None, help="KV-cache size, e.g. 2GiB (default: 90% of free GPU memory; 512MiB on CPU)"),
     enable_prefix_caching: bool = typer.Option(
@@ -244,6 +247,7 @@ def serve(
         flags = {"--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
                  "--max-model-len": max_model_len, "--block-size": block_size,
                  "--kv-cache-dtype": kv_cache_dtype, "--kv-cache-memory": kv_cache_memory,
+                 "--kv-cache-dtype-skip-layers": kv_cache_dtype_skip_layers,
                  "--max-queue": max_queue, "--max-connections": max_connections,
                  "--body-timeout": body_timeout, "--stream-timeout": stream_timeout,
                  "--step-watchdog": step_watchdog, "--served-model-name": served_model_name,
@@ -263,6 +267,7 @@ def serve(
             model=artifact, served_model_name=served_model_name, device=device, dtype=dtype,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+            kv_cache_skip_layers=kv_cache_dtype_skip_layers,
             kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
             cuda_graphs=cuda_graphs, trust_remote_code=trust_remote_code, verify=verify,
             allow_failed_gate=allow_failed_gate, tensor_parallel_size=tensor_parallel_size,

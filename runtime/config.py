@@ -31,6 +31,25 @@ def parse_size(text: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_layers(value: list[int] | str | None) -> list[int] | None:
+    """Layer indices from "1,16" (or a list of ints); "" / "none" is no layer; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "none"):
+            return []
+        try:
+            value = [int(t) for t in text.replace(" ", ",").split(",") if t]
+        except ValueError:
+            raise ValueError(f"kv_cache_skip_layers: cannot read {value!r} as layer indices; use e.g. "
+                             "1,16 (or none)") from None
+    bad = [i for i in value if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+    if bad:
+        raise ValueError(f"kv_cache_skip_layers: {bad} are not layer indices; use integers >= 0, e.g. 1,16")
+    return sorted(set(value))
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start; validated in __post_init__ with one-line messages."""
@@ -44,6 +63,10 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens per request; default: config's
     block_size: int = 16  # tokens per KV-cache block
     kv_cache_dtype: str = "auto"  # "auto" (= compute dtype) or "fp8_e4m3" (scaled)
+    # with an fp8 cache, decoder layers whose KV stays unquantized (vLLM's
+    # --kv-cache-dtype-skip-layers); None: the artifact's (slimserve.json kv_cache_skip_layers);
+    # a string is read as "1,16" ("" or "none": no layer)
+    kv_cache_skip_layers: list[int] | str | None = None
     kv_cache_memory: int | None = None  # bytes for the KV cache; None: fraction of free memory
     memory_fraction: float = 0.9  # of free device memory (after weights) for the KV cache on CUDA
     cpu_kv_cache_memory: int = 512 * 2**20  # default KV budget on CPU, bytes
@@ -75,6 +98,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of "
                              f"{', '.join(KV_CACHE_DTYPES)}")
+        self.kv_cache_skip_layers = parse_layers(self.kv_cache_skip_layers)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:

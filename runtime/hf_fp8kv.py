@@ -9,7 +9,8 @@ path) both see fp8 KV. `install_kv_scales` sets those buffers and selects that i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from slimserve.runtime.artifact.kv_scales import fp8_e4m3_roundtrip
 
 KV_ATTENTION = "slimserve_fp8kv"  # name registered with transformers' AttentionInterface
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _OBSERVER = "_slimserve_kv_observer"  # instance attribute `observing_attention` sets
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], None]
 
@@ -87,8 +89,24 @@ def set_kv_scale_buffers(attn: nn.Module, k_scale: float, v_scale: float) -> Non
         attn.register_buffer(name, torch.tensor([value], dtype=ref.dtype, device=ref.device), persistent=False)
 
 
-def install_kv_scales(model: nn.Module, kv_scales: dict[str, tuple[float, float]]) -> None:
-    """Set the scales of every named attention module and switch the model to fp8-KV attention."""
+def install_kv_scales(model: nn.Module, kv_scales: dict[str, tuple[float, float]],
+                      skip_layers: Iterable[int] = ()) -> None:
+    """Set the scales of every named attention module and switch the model to fp8-KV attention;
+    the attention of decoder layers in `skip_layers` gets no scales and attends over exact K/V."""
+    skip = set(skip_layers)
     for name, (k, v) in kv_scales.items():
-        set_kv_scale_buffers(model.get_submodule(name), k, v)
+        if decoder_layer_index(name) not in skip:
+            set_kv_scale_buffers(model.get_submodule(name), k, v)
     use_fp8kv_attention(model)
+
+
+def clear_kv_scale_buffers(attn: nn.Module) -> None:
+    """Drop an attention module's k/v scales: it attends over exact K/V again."""
+    for name in ("k_scale", "v_scale"):
+        attn._buffers.pop(name, None)
+
+
+def decoder_layer_index(module_name: str) -> int | None:
+    """The decoder layer a module name belongs to ("model.layers.3.self_attn" -> 3), or None."""
+    m = _LAYER_INDEX.search(module_name)
+    return int(m.group(1)) if m else None

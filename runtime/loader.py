@@ -30,6 +30,7 @@ from slimserve.runtime.artifact.manifest import (
     ArtifactManifest,
     check_artifact,
     read_config_json,
+    unverified_manifest,
 )
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.runtime.artifact.targets import matches
@@ -116,7 +117,8 @@ def load_model(
         qc = read_quant_config(path)  # config.json's block, else quantize_config.json / quant_config.json
         if qc:
             check_quant_method(qc, config_path)
-            model = _load_ct(path, qc, _dtype(dtype), trust_remote_code)
+            skip = (manifest or unverified_manifest(path) or ArtifactManifest("")).kv_cache_skip_layers
+            model = _load_ct(path, qc, _dtype(dtype), trust_remote_code, skip)
             return _finish(model, path, manifest, True, device, trust_remote_code)
         model = _from_pretrained(str(path), _dtype(dtype), trust_remote_code)
         return _finish(model, path, manifest, False, device, trust_remote_code)
@@ -228,8 +230,10 @@ def _tokenizer(source: Path | str, trust_remote_code: bool):
     return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
 
 
-def _load_ct(path: Path, qc: dict, dtype: torch.dtype | None, trust_remote_code: bool) -> nn.Module:
-    """Build the HF architecture, swap targeted Linears for QuantLinear, load tensors strictly."""
+def _load_ct(path: Path, qc: dict, dtype: torch.dtype | None, trust_remote_code: bool,
+             kv_skip_layers: list[int] = ()) -> nn.Module:
+    """Build the HF architecture, swap targeted Linears for QuantLinear, load tensors strictly;
+    with fp8 K/V scales, attend over fp8 K/V except in `kv_skip_layers` (the manifest's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -248,7 +252,8 @@ def _load_ct(path: Path, qc: dict, dtype: torch.dtype | None, trust_remote_code:
         if isinstance(m, QuantLinear):
             m.storage_dtype = tensors[f"{name}.weight_scale"].dtype
     if kv_scales:
-        install_kv_scales(model, kv_scales)  # attention fake-quantizes K/V to fp8 with these scales
+        # attention fake-quantizes K/V to fp8 with these scales, except in the skipped layers
+        install_kv_scales(model, kv_scales, kv_skip_layers)
     return model
 
 

@@ -31,7 +31,7 @@ from slimserve.runtime.cuda_graphs import DecodeGraphs
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.group import TPGroup
 from slimserve.runtime.distributed.loading import TensorShard
-from slimserve.runtime.distributed.pipeline import StageShard, pipeline_step
+from slimserve.runtime.distributed.pipeline import StageShard, pipeline_step, stage_layers
 from slimserve.runtime.distributed.rank_stats import RankStats, model_bytes, process_memory_bytes
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
@@ -43,9 +43,10 @@ log = logging.getLogger(__name__)
 
 
 def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V."""
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+                   dtype: torch.dtype | list[torch.dtype]) -> int:
+    """Bytes of one block across all layers, K and V; `dtype` one for all layers or one per layer."""
+    dtypes = dtype if isinstance(dtype, list) else [dtype] * num_layers
+    return 2 * block_size * num_kv_heads * head_dim * sum(d.itemsize for d in dtypes)
 
 
 class ModelRunner:
@@ -97,6 +98,7 @@ class ModelRunner:
         if self.device.type == "cpu" and warm_up(self.model, max(config.max_num_batched_tokens, config.max_num_seqs)):
             clock.lap("linear_warmup")  # oneDNN's GEMM primitives (runtime/layers/cpu_linear.py)
         self.kv_dtype = self._kv_dtype()
+        self.kv_dtypes = self._kv_dtypes()  # per layer: kv_dtype, or unquantized where skipped
         if self.device.type == "cpu" and not self._triton_on():
             self._log_cpu_kernels()
         self.block_size = config.block_size
@@ -121,9 +123,8 @@ class ModelRunner:
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.kv_heads, self.spec.head_dim)
-        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-                for _ in range(self.model.spec.num_layers)]
+        return [(torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device))
+                for dt in self.kv_dtypes]
 
     def profile_batch(self) -> tuple[BatchInputs, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The largest step the scheduler can make and a scratch KV cache just big enough for it:
@@ -223,14 +224,18 @@ class ModelRunner:
 
     def _kv_dtype(self) -> torch.dtype:
         """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV; else the
-        compute dtype, except fp32 where the CPU's torch twin attends (no compiled CPU kernel,
-        or SLIMSERVE_KERNELS=torch)."""
+        unquantized cache dtype (`_plain_kv_dtype`)."""
         if self.config.kv_cache_dtype == "fp8_e4m3" or (self.config.kv_cache_dtype == "auto"
                                                         and self.built.has_kv_scales):
             if self.config.kv_cache_dtype == "fp8_e4m3" and not self.built.has_kv_scales:
                 log.warning("kv_cache_dtype fp8_e4m3 without calibrated scales: using scale 1.0 "
                             "(run the kv_cache stage of `compress` for calibrated scales)")
             return torch.float8_e4m3fn
+        return self._plain_kv_dtype()
+
+    def _plain_kv_dtype(self) -> torch.dtype:
+        """The cache dtype without fp8: the compute dtype, except fp32 where the CPU's torch twin
+        attends (no compiled CPU kernel, or SLIMSERVE_KERNELS=torch)."""
         if self.device.type == "cpu" and not self._triton_on():
             if ops.select(self.device) is ops.CPU and cpu_attention.supports(self.dtype):
                 return self.dtype  # the compiled kernel reads bf16 in place: half the bytes of fp32
@@ -238,6 +243,33 @@ class ModelRunner:
             # spares every step's upcast of each gathered context (2x the bytes).
             return torch.float32
         return self.dtype
+
+    def _kv_dtypes(self) -> list[torch.dtype]:
+        """One cache dtype per layer this runner holds: `kv_dtype`, except that with an fp8 cache
+        the layers the artifact keeps unquantized (its manifest's kv_cache_skip_layers, or
+        --kv-cache-dtype-skip-layers; indices of the whole model) cache K/V without fp8
+        (`_plain_kv_dtype`), with their k/v scales set to 1 (kernels read scales only from fp8
+        caches; the disaggregation layout compares them)."""
+        n, total = self.model.spec.num_layers, self.spec.num_layers
+        if self.kv_dtype != torch.float8_e4m3fn:
+            return [self.kv_dtype] * n
+        asked = self.config.kv_cache_skip_layers
+        skip = set(self.built.kv_skip_layers if asked is None else asked)
+        bad = sorted(i for i in skip if not 0 <= i < total)
+        if bad:
+            raise ValueError(f"kv_cache_skip_layers: {bad} are not layers of this {total}-layer "
+                             f"model; use 0 to {total - 1}")
+        held = stage_layers(total, self.pp)[self.group.rank // self.tp] if self.pp > 1 else range(total)
+        local = {i - held.start for i in skip if i in held}
+        plain = self._plain_kv_dtype()
+        for i in local:
+            attn = self.model.model.layers[i].self_attn
+            attn.k_scale.fill_(1.0)
+            attn.v_scale.fill_(1.0)
+        if skip:
+            log.info("KV cache: %s except layers %s (%s)", str(self.kv_dtype).removeprefix("torch."),
+                     ", ".join(map(str, sorted(skip))), str(plain).removeprefix("torch."))
+        return [plain if i in local else self.kv_dtype for i in range(n)]
 
     @property
     def kv_heads(self) -> int:
@@ -248,7 +280,7 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's KV cache (each rank of a tensor-parallel model holds as much)."""
         return self.num_blocks * kv_block_bytes(self.model.spec.num_layers, self.block_size, self.kv_heads,
-                                                self.spec.head_dim, self.kv_dtype)
+                                                self.spec.head_dim, self.kv_dtypes)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -256,7 +288,7 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         per_block = kv_block_bytes(self.model.spec.num_layers, self.block_size, self.kv_heads,
-                                   self.spec.head_dim, self.kv_dtype)
+                                   self.spec.head_dim, self.kv_dtypes)
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":

@@ -15,6 +15,17 @@ is up to 3x the best's in a layer; for V a few percent), so `scale_search` geome
 scales in [headroom, 2 x headroom) x absmax / 448 are tried on the calibration windows and the
 one with the least attention-output error is kept, for K with V exact and for V with K exact.
 The result is still one static per-tensor scale each: any reader of the format uses it unchanged.
+
+Layers kept unquantized. Some layers lose more to fp8 than others; a KV cache that stays in the
+model dtype in those layers (vLLM's `--kv-cache-dtype-skip-layers`) keeps most of the memory
+saving at a fraction of the quality cost. `skip_layers` names them; `skip_sensitive: N` picks the
+N layers whose fp8 KV alone moves the model's output the most: after every layer is calibrated,
+the whole model runs `sensitivity_samples` calibration windows once with exact K/V and once per
+layer with fp8 K/V in that layer alone, and each layer is scored by the mean KL divergence of the
+next-token distribution from the exact one (end to end, since how much an attention error matters
+depends on the layers after it). Every layer still gets calibrated scales in the artifact (a
+reader that ignores the skip list serves all layers in fp8); the manifest's
+`kv_cache_skip_layers` lists the skipped ones.
 """
 
 from __future__ import annotations
@@ -26,9 +37,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 from torch import nn
 
+from slimserve.compress.errors import RecipeError
+from slimserve.compress.layerwise_eval import model_on, whole_model_shortfall
+from slimserve.compress.perplexity import forward_logits
+from slimserve.compress.progress import counting_bar
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.runtime.artifact.kv_scales import SUPPORTED_KV_DTYPES, fp8_e4m3_roundtrip, kv_scale_from_absmax
-from slimserve.runtime.hf_fp8kv import observing_attention, set_kv_scale_buffers, use_fp8kv_attention
+from slimserve.runtime.hf_fp8kv import (
+    clear_kv_scale_buffers,
+    decoder_layer_index,
+    observing_attention,
+    set_kv_scale_buffers,
+    use_fp8kv_attention,
+)
 
 MAX_HEADROOM = 64.0  # puts the calibration max at 7 in e4m3 units, still 2^8.8 above the subnormals
 MAX_SCALE_SEARCH = 32
@@ -42,6 +63,31 @@ class KvCacheOptions(BaseModel):
     dtype: str = "fp8_e4m3"  # KV-cache storage dtype; only fp8_e4m3 (float8_e4m3fn) for now
     headroom: float = 2.0  # the smallest scale tried is headroom x absmax / 448 (1: absmax maps to 448)
     scale_search: int = 8  # scales tried per layer for K and for V in [1, 2) x that; 1: no search
+    skip_layers: list[int] = []  # decoder layers whose KV cache stays in the model dtype
+    skip_sensitive: int = 0  # also keep the N layers most sensitive to fp8 KV (end-to-end KL) unquantized
+    sensitivity_samples: int = 4  # calibration windows skip_sensitive scores the layers on
+
+    @field_validator("skip_layers")
+    @classmethod
+    def _check_skip(cls, v: list[int]) -> list[int]:
+        bad = [i for i in v if i < 0]
+        if bad:
+            raise ValueError(f"skip_layers {bad}: layer indices start at 0")
+        return sorted(set(v))
+
+    @field_validator("skip_sensitive")
+    @classmethod
+    def _check_sensitive(cls, v: int) -> int:
+        if v < 0:
+            raise ValueError(f"skip_sensitive {v}: give a number of layers >= 0")
+        return v
+
+    @field_validator("sensitivity_samples")
+    @classmethod
+    def _check_samples(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(f"sensitivity_samples {v}: give at least 1 calibration window")
+        return v
 
     @field_validator("dtype")
     @classmethod
@@ -75,13 +121,28 @@ class KvCacheStage(Stage):
 
     def __init__(self, options: KvCacheOptions):
         self.options = options
+        self.needs_whole_model = options.skip_sensitive > 0
         self.report = StageReport(self.name, details={
             "dtype": options.dtype, "headroom": options.headroom, "scale_search": options.scale_search,
             "layers": {}})
 
+    def preflight(self, config):
+        layers = getattr(config, "num_hidden_layers", None)
+        if layers is None:
+            return None
+        bad = [i for i in self.options.skip_layers if i >= layers]
+        if bad:
+            raise RecipeError(f"stages.kv_cache.skip_layers: {bad} are not layers of this {layers}-layer "
+                              f"model; use 0 to {layers - 1}")
+        if len(self.options.skip_layers) + self.options.skip_sensitive >= layers:
+            raise RecipeError(f"stages.kv_cache: skip_layers ({len(self.options.skip_layers)}) and "
+                              f"skip_sensitive ({self.options.skip_sensitive}) leave none of the {layers} "
+                              "layers in fp8; skip fewer")
+        return None
+
     def prepare(self, state: CompressionState) -> None:
         # Layers without scales yet attend as sdpa; each gets its scales in compress_layer, so the
-        # next layer is calibrated on the outputs of an fp8-KV layer.
+        # next layer is calibrated on the outputs of an fp8-KV layer (or an exact one where skipped).
         use_fp8kv_attention(state.model)
 
     def compress_layer(self, ctx) -> None:
@@ -96,7 +157,8 @@ class KvCacheStage(Stage):
         else:
             k_err = v_err = []
             k_scale, v_scale = k_grid[0], v_grid[0]
-        set_kv_scale_buffers(attn, k_scale, v_scale)
+        if ctx.index not in self.options.skip_layers:
+            set_kv_scale_buffers(attn, k_scale, v_scale)
         name = f"{ctx.prefix}.{ctx.mapping.attention}"
         ctx.state.kv_scales[name] = (k_scale, v_scale)
         entry = {"k_absmax": k_absmax, "v_absmax": v_absmax, "k_scale": k_scale, "v_scale": v_scale}
@@ -105,6 +167,60 @@ class KvCacheStage(Stage):
             entry["v_error_vs_first"] = min(v_err) / v_err[0] if v_err[0] > 0 else 1.0
         self.report.details["layers"][name] = entry
         self.report.seconds += time.perf_counter() - t0
+
+    def finalize(self, state: CompressionState) -> StageReport:
+        t0 = time.perf_counter()
+        skip = set(self.options.skip_layers)
+        if self.options.skip_sensitive:
+            scored = {decoder_layer_index(name): (state.model.get_submodule(name), scales)
+                      for name, scales in state.kv_scales.items()}
+            windows = state.calibration[: self.options.sensitivity_samples]
+            kl = layer_kl(state.model, {i: v for i, v in scored.items() if i not in skip}, windows,
+                          state.device, state.progress)
+            ranked = sorted(kl, key=lambda i: -kl[i])
+            chosen = ranked[: self.options.skip_sensitive]
+            for i in chosen:
+                clear_kv_scale_buffers(scored[i][0])
+            skip.update(chosen)
+            self.report.details["sensitivity"] = {"kl_per_layer": {str(i): kl[i] for i in sorted(kl)},
+                                                  "windows": int(windows.shape[0]), "chosen": sorted(chosen)}
+        state.kv_skip_layers = sorted(skip)
+        self.report.details["skip_layers"] = state.kv_skip_layers
+        if skip:
+            self.report.details["vllm"] = ("--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers "
+                                           + " ".join(map(str, state.kv_skip_layers)))
+        self.report.seconds += time.perf_counter() - t0
+        return self.report
+
+
+def layer_kl(model: nn.Module, layers: dict[int, tuple[nn.Module, tuple[float, float]]],
+             windows: torch.Tensor, device: torch.device, progress: bool = False) -> dict[int, float]:
+    """Per decoder layer in `layers` (index -> its attention module and (k_scale, v_scale)): the
+    mean over the tokens of `windows` of KL(p_exact || p_layer), where p_layer is the next-token
+    distribution with fp8 K/V in that layer alone and exact K/V everywhere else. The model runs on
+    `device` when it fits there, else on the CPU; afterwards each of these modules has its scales."""
+    run_on = device if not whole_model_shortfall(model, device, windows.shape[1]) else torch.device("cpu")
+    kl = dict.fromkeys(layers, 0.0)
+    tokens = 0
+    try:
+        for attn, _ in layers.values():
+            clear_kv_scale_buffers(attn)
+        with model_on(model, run_on), torch.no_grad(), counting_bar("kv_cache sensitivity", progress) as bar:
+            task = bar.add_task("kv_cache sensitivity", total=windows.shape[0] * len(layers))
+            for w in windows.split(1):
+                w = w.to(run_on)
+                exact = forward_logits(model, w).float().log_softmax(-1)
+                for i, (attn, (k, v)) in layers.items():
+                    set_kv_scale_buffers(attn, k, v)
+                    logp = forward_logits(model, w).float().log_softmax(-1)
+                    clear_kv_scale_buffers(attn)
+                    kl[i] += (exact.exp() * (exact - logp)).sum().item()
+                    bar.advance(task)
+                tokens += w.numel()
+    finally:
+        for attn, (k, v) in layers.values():
+            set_kv_scale_buffers(attn, k, v)
+    return {i: total / tokens for i, total in kl.items()}
 
 
 def candidate_scales(absmax: float, headroom: float, steps: int, storage: torch.dtype) -> list[float]:

@@ -56,6 +56,10 @@ class ArtifactManifest:
     # Linears whose last input group is partial (group_size does not divide in_features): only with
     # the recipe's export.allow_partial_groups; vLLM and transformers refuse such an artifact
     partial_groups: list[str] = field(default_factory=list)
+    # Decoder layers whose KV cache stays in the model dtype although the artifact has fp8 K/V
+    # scales (the kv_cache stage's skip_layers / skip_sensitive): every loader here honours it;
+    # vLLM takes it as `--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 1 16`
+    kv_cache_skip_layers: list[int] = field(default_factory=list)
     tool_version: str = field(default_factory=tool_version)  # slimserve version that wrote it
     format_version: int = FORMAT_VERSION  # version of this manifest's schema
 
@@ -242,6 +246,15 @@ def read_manifest(directory: str | Path) -> ArtifactManifest | None:
         return None
     path = confined_file(folder, MANIFEST_NAME, "the artifact")
     return ArtifactManifest.from_json(path.read_text())
+
+
+def unverified_manifest(directory: str | Path) -> ArtifactManifest | None:
+    """The manifest as it is, unchecked (under verify="none": to read its gate and KV skip
+    layers); None when missing or unreadable."""
+    try:
+        return read_manifest(directory)
+    except (ArtifactError, OSError):
+        return None
 
 
 def verify_files(directory: str | Path, manifest: ArtifactManifest) -> None:

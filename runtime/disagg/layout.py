@@ -1,7 +1,8 @@
 """The KV block layout both sides of a hand-over must share, and its check.
 
 A block is `[block_size, num_kv_heads, head_dim]` of `kv_dtype` per layer, for K and for V (the
-cache of runtime/model_runner.py). With an fp8 cache the stored values are `k / k_scale`, so the
+cache of runtime/model_runner.py), except in the layers an fp8 cache keeps unquantized
+(`skip_layers`, cached in `skip_dtype`). With an fp8 cache the stored values are `k / k_scale`, so the
 decode side must also hold the same scales: they are compared as tensors of any shape (one per
 layer today, one per head once calibrated per head), exactly, value for value. The model's shape
 (vocabulary, hidden size, attention heads) is compared too: a cache computed by another model has
@@ -19,6 +20,7 @@ from slimserve.runtime.disagg.errors import KVLayoutError
 
 # field -> the flag that sets it on `runtime serve` (how the user fixes a mismatch)
 FIXES = {"kv_dtype": "--kv-cache-dtype (and --dtype)", "block_size": "--block-size",
+         "skip_layers": "--kv-cache-dtype-skip-layers (or the same artifact)", "skip_dtype": "--dtype",
          "num_kv_heads": "the same model", "head_dim": "the same model",
          "num_layers": "the same model (and no pipeline split)", "vocab_size": "the same model",
          "hidden_size": "the same model", "num_heads": "the same model"}
@@ -34,13 +36,16 @@ class KVLayout:
     vocab_size: int
     hidden_size: int
     num_heads: int
+    skip_layers: str = ""  # "1,16": layers cached in skip_dtype instead of kv_dtype ("" : none)
+    skip_dtype: str = ""  # torch dtype name of those layers' cache
     # per layer: (k_scale, v_scale) as fp32 CPU tensors of any shape; None: the cache is unscaled
     scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = field(default=None,
                                                                           compare=False)
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.kv_dtype)
+    def layer_dtype(self, layer: int) -> torch.dtype:
+        """The cache dtype of one layer."""
+        skipped = self.skip_layers and str(layer) in self.skip_layers.split(",")
+        return getattr(torch, self.skip_dtype if skipped else self.kv_dtype)
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -93,6 +98,9 @@ def layout_of(runner: Any) -> KVLayout:
     """The layout of a ModelRunner's KV cache (runtime/model_runner.py)."""
     spec = runner.model.spec
     fp8 = runner.kv_dtype.itemsize == 1
+    skipped = [i for i, dt in enumerate(runner.kv_dtypes) if dt != runner.kv_dtype]
+    skip_dtype = str(runner.kv_dtypes[skipped[0]]).removeprefix("torch.") if skipped else ""
     return KVLayout(str(runner.kv_dtype).removeprefix("torch."), runner.block_size,
                     runner.kv_heads, spec.head_dim, len(runner.kv_caches), spec.vocab_size,
-                    spec.hidden_size, spec.num_heads, _scales_of(runner.model) if fp8 else None)
+                    spec.hidden_size, spec.num_heads, ",".join(map(str, skipped)), skip_dtype,
+                    _scales_of(runner.model) if fp8 else None)

@@ -101,10 +101,9 @@ def load_import(name: str, layout: KVLayout, prompt_token_ids: list[int]) -> Imp
                             "serve the same model and tokenizer")
     if num_tokens != len(ids) or nb != -(-num_tokens // layout.block_size):
         raise KVHandleError(f"KV segment {name}: {num_tokens} tokens in {nb} blocks do not add up")
-    width = layout.head_dim * layout.torch_dtype.itemsize
-    shape = [nb, layout.block_size, layout.num_kv_heads, width]
     keys, values = [], []
     for i in range(layout.num_layers):
+        shape = [nb, layout.block_size, layout.num_kv_heads, layout.head_dim * layout.layer_dtype(i).itemsize]
         k, v = tensors.get(f"k{i}"), tensors.get(f"v{i}")
         for t, what in ((k, "k"), (v, "v")):
             if t is None or t.dtype != torch.uint8 or list(t.shape) != shape:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_config
-from slimserve.runtime.artifact.manifest import ArtifactManifest, check_gate, read_manifest
+from slimserve.runtime.artifact.manifest import MANIFEST_NAME, ArtifactManifest, check_gate, unverified_manifest
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loader import (
@@ -41,6 +41,9 @@ class BuiltModel:
     quantized: bool  # some Linears are QuantLinear
     eos_token_ids: tuple[int, ...]  # config's and generation_config's EOS ids
     dtype: torch.dtype  # compute dtype
+    # decoder layers (indices of the whole model, also under a pipeline split) whose KV cache stays
+    # unquantized when the others are fp8: the manifest's kv_cache_skip_layers
+    kv_skip_layers: tuple[int, ...] = ()
 
 
 def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
@@ -70,14 +73,6 @@ def reset_runtime_buffers(model: CausalLM) -> None:
         layer.self_attn.v_scale.fill_(1.0)
 
 
-def _unverified_manifest(path: Path) -> ArtifactManifest | None:
-    """The manifest as it is (verify="none"), only to read its gate; None when unreadable."""
-    try:
-        return read_manifest(path)
-    except (ArtifactError, OSError):
-        return None
-
-
 def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                 trust_remote_code: bool = False, verify: str = "strict",
                 allow_failed_gate: bool = False, shard=None) -> BuiltModel:
@@ -97,9 +92,9 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     if not os.path.lexists(path / "config.json"):
         raise ArtifactError(f"{path}: no config.json; pass an artifact made by `compress run` or "
                             "a Hugging Face checkpoint folder")
-    manifest = check_folder(path, verify)
+    manifest = check_folder(path, verify) or unverified_manifest(path)
     if not allow_failed_gate:
-        check_gate(path, manifest or _unverified_manifest(path))
+        check_gate(path, manifest)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     spec = model_spec(config)
     qc = read_quant_config(path)
@@ -137,7 +132,18 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     tokenizer = (AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
                  if has_tokenizer(path) and (shard is None or shard.rank == 0) else None)
     return BuiltModel(model.eval(), spec, tokenizer, bool(kv_scales), quantized,
-                      _eos_ids(path, config, tokenizer), dtype)
+                      _eos_ids(path, config, tokenizer), dtype,
+                      _kv_skip_layers(manifest, spec.num_layers) if kv_scales else ())
+
+
+def _kv_skip_layers(manifest: ArtifactManifest | None, num_layers: int) -> tuple[int, ...]:
+    """The manifest's kv_cache_skip_layers, checked against the model's layer count."""
+    skip = manifest.kv_cache_skip_layers if manifest is not None else []
+    bad = [i for i in skip if not (isinstance(i, int) and 0 <= i < num_layers)]
+    if bad:
+        raise ArtifactError(f"{MANIFEST_NAME}: kv_cache_skip_layers {bad} are not layers of this "
+                            f"{num_layers}-layer model; re-export the artifact")
+    return tuple(sorted(set(skip)))
 
 
 def random_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:

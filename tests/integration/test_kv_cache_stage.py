@@ -28,6 +28,7 @@ stages:
 RTN = "  - rtn: {scheme: W4A16, group_size: 32}"
 KV = "  - kv_cache: {dtype: fp8_e4m3}"
 KV_PLAIN = "  - kv_cache: {dtype: fp8_e4m3, headroom: 1, scale_search: 1}"  # scale = absmax / 448
+KV_SKIP = "  - kv_cache: {dtype: fp8_e4m3, skip_sensitive: 1, sensitivity_samples: 2}"
 
 
 def _run(tmp_path, model, stages: list[str], name: str, dtype: str = "auto"):
@@ -96,3 +97,32 @@ def test_kv_cache_only_artifact(tmp_path, tiny_checkpoint):
     loaded = load_model(res.artifact, dtype=torch.float32)
     assert loaded.model.model.layers[1].self_attn.v_scale.shape == (1,)
     assert _reload_ppl(res.artifact) == pytest.approx(res.summary["final"]["ppl"], rel=1e-5)
+
+
+def test_skipped_layer_is_recorded_and_every_loader_keeps_it_exact(tmp_path, tiny_checkpoint):
+    """skip_sensitive: the chosen layer is in the manifest; the artifact still holds calibrated
+    scales for every layer; transformers through our loader reproduces the reported perplexity
+    (measured with that layer exact) and the engine caches that layer unquantized."""
+    from slimserve.runtime.artifact.manifest import read_manifest
+    from slimserve.runtime.llm import LLM
+
+    res = _run(tmp_path, tiny_checkpoint, [RTN, KV_SKIP], "w4-kv-skip")
+    details = res.summary["stages"][1]["details"]
+    chosen = details["sensitivity"]["chosen"]
+    assert len(chosen) == 1 and details["skip_layers"] == chosen
+    assert read_manifest(res.artifact).kv_cache_skip_layers == chosen
+    assert (res.artifact / "report-kv_cache.png").stat().st_size > 0
+    assert (f"fp8 K/V in 1 of 2 layers; layers {chosen[0]} keep the model dtype (vLLM: `--kv-cache-dtype fp8 "
+            f"--kv-cache-dtype-skip-layers {chosen[0]}`") in (res.artifact / "report.md").read_text()
+    tensors = load_file(str(res.artifact / "model.safetensors"))
+    assert all(f"model.layers.{i}.self_attn.{kv}_scale" in tensors for i in range(2) for kv in "kv")
+
+    loaded = load_model(res.artifact, dtype=torch.float32)
+    assert [hasattr(layer.self_attn, "k_scale") for layer in loaded.model.model.layers] == \
+        [i not in chosen for i in range(2)]
+    assert _reload_ppl(res.artifact) == pytest.approx(res.summary["final"]["ppl"], rel=1e-5)
+
+    runner = LLM(str(res.artifact), device="cpu", dtype="float32").engine.runner
+    assert runner.kv_dtype == torch.float8_e4m3fn  # auto: the artifact has fp8 scales
+    assert [k.dtype for k, _ in runner.kv_caches] == [
+        torch.float32 if i in chosen else torch.float8_e4m3fn for i in range(2)]
