@@ -69,3 +69,39 @@ def test_bad_skip_layers_are_one_line_errors(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"\[-1\] are not layer indices"):
         parse_layers([-1])
     assert parse_layers("16, 1,1") == [1, 16] and parse_layers("none") == [] and parse_layers(None) is None
+
+
+def test_a_mixed_cache_hands_over_between_replicas(tiny_checkpoint, tmp_path, monkeypatch):
+    """Prefill on one engine, export the fp8 and the unquantized layers' blocks, decode on
+    another: the tokens of one engine."""
+    from slimserve.runtime.disagg.segment import new_name
+    from slimserve.runtime.disagg.transfer import load_import
+    from slimserve.runtime.engine import LLMEngine
+
+    monkeypatch.setenv("SLIMSERVE_KV_DIR", str(tmp_path / "kv"))
+
+    def engine():
+        return LLMEngine(EngineConfig(model=str(tiny_checkpoint), device="cpu", dtype="bfloat16",
+                                      kv_cache_dtype="fp8_e4m3", kv_cache_skip_layers="0",
+                                      kv_cache_memory=4 * 2**20))
+
+    def run(e):
+        outs = {}
+        while e.has_unfinished():
+            for o in e.step():
+                outs[o.request_id] = o
+        return outs
+
+    prefill, decode = engine(), engine()
+    prompt = list(range(3, 60))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prefill.add_request("ref", prompt, params)
+    ref = run(prefill)["ref"].outputs[0].token_ids
+    seq = prefill.make_sequence("p", prompt, params)
+    seq.params = dataclasses.replace(params, max_tokens=1)
+    name = new_name()
+    prefill.add_sequence(seq, kv_export=name)
+    run(prefill)
+    seq2 = decode.make_sequence("d", prompt, params)
+    decode.add_sequence(seq2, kv_import=load_import(name, decode.kv_layout, seq2.prompt_token_ids))
+    assert run(decode)["d"].outputs[0].token_ids == ref
