@@ -112,15 +112,16 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, warmup: int, de
             "mean_context": prompt_len + warmup + steps / 2}
 
 
-def step_bytes(engine, batch: int, context: float, kv_dtype: str, spec: ModelSpec) -> float:
+def step_bytes(engine, batch: int, context: float, spec: ModelSpec) -> float:
     """Bytes one decode step must read: every weight once (the embedding only for the batch's
     rows) and the K and V of every cached token of every sequence."""
     model = engine.runner.model
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).weight
     weights -= emb.numel() * emb.element_size() * (1 - batch / emb.shape[0])
-    kv_elem = 1 if kv_dtype == "fp8_e4m3" else engine.runner.kv_caches[0][0].element_size()
-    kv = batch * context * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * kv_elem
+    # per layer: an fp8 cache keeps the artifact's skipped layers unquantized (runner.kv_dtypes)
+    kv_bytes = sum(k.element_size() for k, _ in engine.runner.kv_caches)
+    kv = batch * context * 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
     return weights + kv
 
 
@@ -158,7 +159,7 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
                     for batch in plan["batches"]:
                         r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"],
                                         plan["warmup"], plan["device"])
-                        nbytes = step_bytes(engine, batch, r["mean_context"], kv, plan["spec"])
+                        nbytes = step_bytes(engine, batch, r["mean_context"], plan["spec"])
                         roof = batch / (nbytes / (hbm_tbps * 1e12))
                         rows.append({**row0, "batch": batch, **r, "bytes_per_step": nbytes,
                                      "roofline_tok_s": roof, "roofline_share": r["tok_s"] / roof})

@@ -52,6 +52,24 @@ def test_cuda_graph_replay_gives_the_eager_tokens():
     assert graphed == eager
 
 
+def test_mixed_kv_cache_on_the_kernel_path():
+    """fp16 on the Triton path with an fp8 cache whose layers are all kept unquantized serves the
+    unquantized cache's tokens; one kept layer gives per-layer cache dtypes and still serves."""
+    kw = dict(device="cuda", dtype="float16", kv_cache_memory="256MiB")
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    plain = tokens(LLM(str(DEMO_MODEL), **kw))
+    layers = ",".join(map(str, range(4)))  # the demo model's 4 layers
+    assert tokens(LLM(str(DEMO_MODEL), kv_cache_dtype="fp8_e4m3", kv_cache_skip_layers=layers, **kw)) == plain
+    mixed = LLM(str(DEMO_MODEL), kv_cache_dtype="fp8_e4m3", kv_cache_skip_layers="1", **kw)
+    assert [k.dtype for k, _ in mixed.engine.runner.kv_caches] == [
+        torch.float16 if i == 1 else torch.float8_e4m3fn for i in range(4)]
+    assert all(len(t) == 24 for t in tokens(mixed))
+
+
 def test_engine_on_second_gpu_stays_there():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
