@@ -67,11 +67,6 @@ def _logits(out) -> torch.Tensor:
     return logits
 
 
-def forward_logits(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """The model's logits [B, T, V] on token ids `batch` (no KV cache kept)."""
-    return _logits(model(input_ids=batch, **_forward_kwargs(model)))
-
-
 def _check_args(token_ids: torch.Tensor, seq_len: int, max_windows: int | None, batch_size: int) -> None:
     if token_ids.dim() != 1:
         raise ValueError(f"token_ids must be 1-D [num_tokens], got shape {tuple(token_ids.shape)}; flatten it")

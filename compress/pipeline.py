@@ -301,8 +301,7 @@ def memory_plan(recipe: Recipe, stages: list[Stage], source: str, config) -> str
     """Why the pipeline must hold the whole model in float32 ('' when it can hold one decoder layer
     at a time, compress/layer_store.py): a stage that works on the whole model (prune, distill,
     rtn), a model that is not a local folder, or an architecture compress/mappings.py lacks."""
-    whole = [spec.name for spec, stage in zip(recipe.stages, stages)
-             if not stage.layerwise or stage.needs_whole_model]
+    whole = [spec.name for spec, stage in zip(recipe.stages, stages) if not stage.layerwise]
     if whole:
         return f"stage {whole[0]} works on the whole model"
     if not Path(source).is_dir():

@@ -109,11 +109,6 @@ class Stage:
     """The stage runs decoder layer by decoder layer inside the calibration engine
     (`compress_layer`); False: it does all its work on the whole model in `apply`."""
 
-    needs_whole_model: bool = False
-    """A layerwise stage that also reads the whole model after its layers (kv_cache's
-    skip_sensitive runs it end to end): the pipeline holds the whole model even when every stage
-    is layerwise."""
-
     replay_in_storage_dtype: bool = False
     """Layerwise stages that only collect input statistics (GPTQ's Hessians): with
     `calibration.dtype: auto` their layer replays run in the storage dtype (calibration.replay_dtype)."""

@@ -19,11 +19,11 @@ The result is still one static per-tensor scale each: any reader of the format u
 Layers kept unquantized. Some layers lose more to fp8 than others; a KV cache that stays in the
 model dtype in those layers (vLLM's `--kv-cache-dtype-skip-layers`) keeps most of the memory
 saving at a fraction of the quality cost. `skip_layers` names them; `skip_sensitive: N` picks the
-N layers whose fp8 KV alone moves the model's output the most: after every layer is calibrated,
-the whole model runs `sensitivity_samples` calibration windows once with exact K/V and once per
-layer with fp8 K/V in that layer alone, and each layer is scored by the mean KL divergence of the
-next-token distribution from the exact one (end to end, since how much an attention error matters
-depends on the layers after it). Every layer still gets calibrated scales in the artifact (a
+N layers whose fp8 KV alone moves the model's output the most: each layer is scored by the mean
+KL divergence, over `sensitivity_samples` calibration windows, of the next-token distribution
+with fp8 K/V in that layer alone from the exact one (end to end, since how much an attention
+error matters depends on the layers after it; `LayerSensitivity` measures it layer by layer as
+the layers are calibrated). Every layer still gets calibrated scales in the artifact (a
 reader that ignores the skip list serves all layers in fp8); the manifest's
 `kv_cache_skip_layers` lists the skipped ones.
 """
@@ -37,10 +37,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 from torch import nn
 
+from slimserve.compress.calibration import LayerInputs, capture_first_layer_inputs, layer_on_device, replay
 from slimserve.compress.errors import RecipeError
-from slimserve.compress.layerwise_eval import model_on, whole_model_shortfall
-from slimserve.compress.perplexity import forward_logits
-from slimserve.compress.progress import counting_bar
+from slimserve.compress.mappings import mapping_for
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.runtime.artifact.kv_scales import SUPPORTED_KV_DTYPES, fp8_e4m3_roundtrip, kv_scale_from_absmax
 from slimserve.runtime.hf_fp8kv import (
@@ -121,7 +120,7 @@ class KvCacheStage(Stage):
 
     def __init__(self, options: KvCacheOptions):
         self.options = options
-        self.needs_whole_model = options.skip_sensitive > 0
+        self._sensitivity: LayerSensitivity | None = None  # built layer by layer with skip_sensitive
         self.report = StageReport(self.name, details={
             "dtype": options.dtype, "headroom": options.headroom, "scale_search": options.scale_search,
             "layers": {}})
@@ -144,6 +143,8 @@ class KvCacheStage(Stage):
         # Layers without scales yet attend as sdpa; each gets its scales in compress_layer, so the
         # next layer is calibrated on the outputs of an fp8-KV layer (or an exact one where skipped).
         use_fp8kv_attention(state.model)
+        if self.options.skip_sensitive:
+            self._sensitivity = LayerSensitivity(state.calibration[: self.options.sensitivity_samples])
 
     def compress_layer(self, ctx) -> None:
         t0 = time.perf_counter()
@@ -166,24 +167,26 @@ class KvCacheStage(Stage):
             entry["k_error_vs_first"] = min(k_err) / k_err[0] if k_err[0] > 0 else 1.0
             entry["v_error_vs_first"] = min(v_err) / v_err[0] if v_err[0] > 0 else 1.0
         self.report.details["layers"][name] = entry
+        if self._sensitivity is not None:
+            scored = ctx.index not in self.options.skip_layers
+            self._sensitivity.advance(ctx, attn, (k_scale, v_scale) if scored else None)
         self.report.seconds += time.perf_counter() - t0
 
     def finalize(self, state: CompressionState) -> StageReport:
         t0 = time.perf_counter()
         skip = set(self.options.skip_layers)
-        if self.options.skip_sensitive:
-            scored = {decoder_layer_index(name): (state.model.get_submodule(name), scales)
-                      for name, scales in state.kv_scales.items()}
-            windows = state.calibration[: self.options.sensitivity_samples]
-            kl = layer_kl(state.model, {i: v for i, v in scored.items() if i not in skip}, windows,
-                          state.device, state.progress)
-            ranked = sorted(kl, key=lambda i: -kl[i])
-            chosen = ranked[: self.options.skip_sensitive]
-            for i in chosen:
-                clear_kv_scale_buffers(scored[i][0])
+        if self._sensitivity is not None:
+            kl = self._sensitivity.kl(state.model, mapping_for(state.model), state.device)
+            self._sensitivity = None
+            chosen = sorted(kl, key=lambda i: -kl[i])[: self.options.skip_sensitive]
+            for name in state.kv_scales:
+                if decoder_layer_index(name) in chosen:
+                    clear_kv_scale_buffers(state.model.get_submodule(name))
             skip.update(chosen)
-            self.report.details["sensitivity"] = {"kl_per_layer": {str(i): kl[i] for i in sorted(kl)},
-                                                  "windows": int(windows.shape[0]), "chosen": sorted(chosen)}
+            self.report.details["sensitivity"] = {
+                "kl_per_layer": {str(i): kl[i] for i in sorted(kl)},
+                "windows": min(self.options.sensitivity_samples, int(state.calibration.shape[0])),
+                "chosen": sorted(chosen)}
         state.kv_skip_layers = sorted(skip)
         self.report.details["skip_layers"] = state.kv_skip_layers
         if skip:
@@ -193,34 +196,64 @@ class KvCacheStage(Stage):
         return self.report
 
 
-def layer_kl(model: nn.Module, layers: dict[int, tuple[nn.Module, tuple[float, float]]],
-             windows: torch.Tensor, device: torch.device, progress: bool = False) -> dict[int, float]:
-    """Per decoder layer in `layers` (index -> its attention module and (k_scale, v_scale)): the
-    mean over the tokens of `windows` of KL(p_exact || p_layer), where p_layer is the next-token
-    distribution with fp8 K/V in that layer alone and exact K/V everywhere else. The model runs on
-    `device` when it fits there, else on the CPU; afterwards each of these modules has its scales."""
-    run_on = device if not whole_model_shortfall(model, device, windows.shape[1]) else torch.device("cpu")
-    kl = dict.fromkeys(layers, 0.0)
-    tokens = 0
-    try:
-        for attn, _ in layers.values():
+class LayerSensitivity:
+    """Each decoder layer's end-to-end cost of fp8 K/V: the mean over the tokens of a few
+    calibration windows of KL(p_exact || p_i), where p_i is the next-token distribution with fp8
+    K/V in layer i alone and exact K/V everywhere else.
+
+    Built while the stage calibrates the layers one at a time, so it holds no more of the model
+    than the calibration does (bounded-memory runs included): the windows' hidden states travel
+    through the layers as an exact branch plus one branch per scored layer, branch i starting from
+    the exact branch at layer i with fp8 K/V there. Layer j runs every live branch, j + 2 forwards
+    of the windows, so L layers cost L(L + 3) / 2 layer forwards (a whole-model forward per layer
+    would cost L(L + 1)); the branches' hidden states (L x windows x seq_len x hidden floats) wait
+    on the CPU for the final norm and lm_head in `kl`.
+    """
+
+    def __init__(self, windows: torch.Tensor):
+        self.windows = windows  # [n, seq_len] token ids
+        self.exact: torch.Tensor | None = None  # the exact branch's hidden states (CPU)
+        self.kwargs: dict | None = None  # the decoder layers' other arguments for these windows
+        self.branches: dict[int, torch.Tensor] = {}  # scored layer -> its branch's hidden states
+
+    def advance(self, ctx, attn: nn.Module, scales: tuple[float, float] | None) -> None:
+        """Run every branch through layer `ctx.index` (just calibrated) and start its own branch
+        when `scales` is given (None: the layer is not scored). `attn` keeps the scale buffers it
+        had on entry."""
+        if self.exact is None:  # layer 0: the windows' inputs, made like the calibration's
+            first = capture_first_layer_inputs(ctx.state.model, ctx.mapping, [self.windows], ctx.device,
+                                               ctx.inputs.hidden[0].dtype)
+            self.exact, self.kwargs = first.hidden[0], first.kwargs[0]
+        had = getattr(attn, "k_scale", None) is not None
+        saved = (attn.k_scale.item(), attn.v_scale.item()) if had else None
+        try:
             clear_kv_scale_buffers(attn)
-        with model_on(model, run_on), torch.no_grad(), counting_bar("kv_cache sensitivity", progress) as bar:
-            task = bar.add_task("kv_cache sensitivity", total=windows.shape[0] * len(layers))
-            for w in windows.split(1):
-                w = w.to(run_on)
-                exact = forward_logits(model, w).float().log_softmax(-1)
-                for i, (attn, (k, v)) in layers.items():
-                    set_kv_scale_buffers(attn, k, v)
-                    logp = forward_logits(model, w).float().log_softmax(-1)
-                    clear_kv_scale_buffers(attn)
-                    kl[i] += (exact.exp() * (exact - logp)).sum().item()
-                    bar.advance(task)
-                tokens += w.numel()
-    finally:
-        for attn, (k, v) in layers.values():
-            set_kv_scale_buffers(attn, k, v)
-    return {i: total / tokens for i, total in kl.items()}
+            order = sorted(self.branches)
+            runs = [self.exact] + [self.branches[i] for i in order]
+            outs = replay(ctx.layer, LayerInputs(runs, [self.kwargs] * len(runs)), ctx.device)
+            if scales is not None:
+                set_kv_scale_buffers(attn, *scales)
+                self.branches[ctx.index] = replay(ctx.layer, LayerInputs([self.exact], [self.kwargs]), ctx.device)[0]
+        finally:
+            clear_kv_scale_buffers(attn)
+            if saved is not None:
+                set_kv_scale_buffers(attn, *saved)
+        self.exact = outs[0]
+        for i, h in zip(order, outs[1:]):
+            self.branches[i] = h
+
+    def kl(self, model: nn.Module, mapping, device: torch.device) -> dict[int, float]:
+        """Scored layer -> mean KL per token (nats), through the model's final norm and lm_head."""
+        head = nn.ModuleList([model.get_submodule(mapping.final_norm), model.get_output_embeddings()])
+        held = next(head.parameters()).dtype
+        out: dict[int, float] = {}
+        with torch.no_grad(), layer_on_device(head, device, torch.float32 if held != torch.float32 else None):
+            exact = head[1](head[0](self.exact.to(device))).float().log_softmax(-1)
+            p = exact.exp()
+            for i, h in sorted(self.branches.items()):
+                logp = head[1](head[0](h.to(device))).float().log_softmax(-1)
+                out[i] = (p * (exact - logp)).sum().item() / (exact.shape[0] * exact.shape[1])
+        return out
 
 
 def candidate_scales(absmax: float, headroom: float, steps: int, storage: torch.dtype) -> list[float]:

@@ -78,6 +78,9 @@ CASES = {
                  "  - gptq: {scheme: W4A16, group_size: 32}", "awq"),
     "smoothquant+gptq-w8a8+kv": ("  - smoothquant: {alpha: 0.8}\n  - gptq: {scheme: W8A8}\n"
                                  "  - kv_cache: {dtype: fp8_e4m3}", "compressed-tensors"),
+    "gptq+kv-skip-sensitive": ("  - gptq: {scheme: W4A16, group_size: 32}\n"
+                               "  - kv_cache: {dtype: fp8_e4m3, skip_sensitive: 1, sensitivity_samples: 2}",
+                               "compressed-tensors"),
 }
 
 
@@ -105,6 +108,11 @@ def test_layers_and_whole_paths_write_the_same_artifact(case, tied, tiny_checkpo
     assert [s["ppl"] for s in lazy.summary["stages"]] == [s["ppl"] for s in whole.summary["stages"]]
     ma, mb = (json.loads((p / "slimserve.json").read_text()) for p in (lazy.artifact, whole.artifact))
     assert set(ma) == set(mb) and ma["files"] == mb["files"] and ma["partial_groups"] == mb["partial_groups"]
+    assert ma["kv_cache_skip_layers"] == mb["kv_cache_skip_layers"]
+    if "skip-sensitive" in case:  # the per-layer KL, carried through skeleton layers, is the same
+        sa, sb = (r.summary["stages"][-1]["details"]["sensitivity"] for r in (lazy, whole))
+        assert sa["chosen"] == sb["chosen"] == ma["kv_cache_skip_layers"]
+        assert sa["kl_per_layer"] == pytest.approx(sb["kl_per_layer"], rel=1e-6)
     loaded = load_model(lazy.artifact)  # and our loader reads it
     assert loaded.quantized
 
