@@ -156,7 +156,7 @@ def _run(recipe: Recipe, stages: list[Stage], state: CompressionState, store: La
         recipe=recipe.text,
         stages=[r.to_dict() for r in reports], eval=eval_info,
         partial_groups=partial_group_modules(state.quantized),
-        kv_cache_skip_layers=list(state.kv_skip_layers) if state.kv_scales else [],
+        kv_cache_skip_layers=list(state.kv_skip_layers),
     )
     model.to(storage)
     model.config.dtype = storage  # config.json must name the dtype the tensors are stored in

@@ -9,7 +9,6 @@ path) both see fp8 KV. `install_kv_scales` sets those buffers and selects that i
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -17,9 +16,9 @@ import torch
 from torch import nn
 
 from slimserve.runtime.artifact.kv_scales import fp8_e4m3_roundtrip
+from slimserve.runtime.artifact.weights import decoder_layer_index
 
 KV_ATTENTION = "slimserve_fp8kv"  # name registered with transformers' AttentionInterface
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _OBSERVER = "_slimserve_kv_observer"  # instance attribute `observing_attention` sets
 AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], None]
 
@@ -104,9 +103,3 @@ def clear_kv_scale_buffers(attn: nn.Module) -> None:
     """Drop an attention module's k/v scales: it attends over exact K/V again."""
     for name in ("k_scale", "v_scale"):
         attn._buffers.pop(name, None)
-
-
-def decoder_layer_index(module_name: str) -> int | None:
-    """The decoder layer a module name belongs to ("model.layers.3.self_attn" -> 3), or None."""
-    m = _LAYER_INDEX.search(module_name)
-    return int(m.group(1)) if m else None

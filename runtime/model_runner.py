@@ -279,16 +279,19 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's KV cache (each rank of a tensor-parallel model holds as much)."""
-        return self.num_blocks * kv_block_bytes(self.model.spec.num_layers, self.block_size, self.kv_heads,
-                                                self.spec.head_dim, self.kv_dtypes)
+        return self.num_blocks * self._block_bytes()
 
     @property
     def tensor_parallel_size(self) -> int:
         return 1 if self.group is None else self.tp
 
+    def _block_bytes(self) -> int:
+        """Bytes of one KV block across this runner's layers, K and V."""
+        return kv_block_bytes(self.model.spec.num_layers, self.block_size, self.kv_heads, self.spec.head_dim,
+                              self.kv_dtypes)
+
     def _num_blocks(self) -> int:
-        per_block = kv_block_bytes(self.model.spec.num_layers, self.block_size, self.kv_heads,
-                                   self.spec.head_dim, self.kv_dtypes)
+        per_block = self._block_bytes()
         budget = self.config.kv_cache_memory
         if budget is None:
             if self.device.type == "cuda":

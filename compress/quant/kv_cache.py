@@ -42,9 +42,9 @@ from slimserve.compress.errors import RecipeError
 from slimserve.compress.mappings import mapping_for
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.runtime.artifact.kv_scales import SUPPORTED_KV_DTYPES, fp8_e4m3_roundtrip, kv_scale_from_absmax
+from slimserve.runtime.artifact.weights import decoder_layer_index
 from slimserve.runtime.hf_fp8kv import (
     clear_kv_scale_buffers,
-    decoder_layer_index,
     observing_attention,
     set_kv_scale_buffers,
     use_fp8kv_attention,
@@ -158,7 +158,8 @@ class KvCacheStage(Stage):
         else:
             k_err = v_err = []
             k_scale, v_scale = k_grid[0], v_grid[0]
-        if ctx.index not in self.options.skip_layers:
+        scored = ctx.index not in self.options.skip_layers
+        if scored:
             set_kv_scale_buffers(attn, k_scale, v_scale)
         name = f"{ctx.prefix}.{ctx.mapping.attention}"
         ctx.state.kv_scales[name] = (k_scale, v_scale)
@@ -168,7 +169,6 @@ class KvCacheStage(Stage):
             entry["v_error_vs_first"] = min(v_err) / v_err[0] if v_err[0] > 0 else 1.0
         self.report.details["layers"][name] = entry
         if self._sensitivity is not None:
-            scored = ctx.index not in self.options.skip_layers
             self._sensitivity.advance(ctx, attn, (k_scale, v_scale) if scored else None)
         self.report.seconds += time.perf_counter() - t0
 
@@ -177,6 +177,7 @@ class KvCacheStage(Stage):
         skip = set(self.options.skip_layers)
         if self._sensitivity is not None:
             kl = self._sensitivity.kl(state.model, mapping_for(state.model), state.device)
+            windows = int(self._sensitivity.windows.shape[0])
             self._sensitivity = None
             chosen = sorted(kl, key=lambda i: -kl[i])[: self.options.skip_sensitive]
             for name in state.kv_scales:
@@ -185,7 +186,7 @@ class KvCacheStage(Stage):
             skip.update(chosen)
             self.report.details["sensitivity"] = {
                 "kl_per_layer": {str(i): kl[i] for i in sorted(kl)},
-                "windows": min(self.options.sensitivity_samples, int(state.calibration.shape[0])),
+                "windows": windows,
                 "chosen": sorted(chosen)}
         state.kv_skip_layers = sorted(skip)
         self.report.details["skip_layers"] = state.kv_skip_layers
@@ -218,26 +219,22 @@ class LayerSensitivity:
 
     def advance(self, ctx, attn: nn.Module, scales: tuple[float, float] | None) -> None:
         """Run every branch through layer `ctx.index` (just calibrated) and start its own branch
-        when `scales` is given (None: the layer is not scored). `attn` keeps the scale buffers it
-        had on entry."""
+        when `scales` is given (None: the layer is not scored, and attends exactly); afterwards
+        `attn` has those scales, as the stage left it."""
         if self.exact is None:  # layer 0: the windows' inputs, made like the calibration's
             first = capture_first_layer_inputs(ctx.state.model, ctx.mapping, [self.windows], ctx.device,
                                                ctx.inputs.hidden[0].dtype)
             self.exact, self.kwargs = first.hidden[0], first.kwargs[0]
-        had = getattr(attn, "k_scale", None) is not None
-        saved = (attn.k_scale.item(), attn.v_scale.item()) if had else None
+        clear_kv_scale_buffers(attn)
         try:
-            clear_kv_scale_buffers(attn)
             order = sorted(self.branches)
             runs = [self.exact] + [self.branches[i] for i in order]
             outs = replay(ctx.layer, LayerInputs(runs, [self.kwargs] * len(runs)), ctx.device)
+        finally:
             if scales is not None:
                 set_kv_scale_buffers(attn, *scales)
-                self.branches[ctx.index] = replay(ctx.layer, LayerInputs([self.exact], [self.kwargs]), ctx.device)[0]
-        finally:
-            clear_kv_scale_buffers(attn)
-            if saved is not None:
-                set_kv_scale_buffers(attn, *saved)
+        if scales is not None:
+            self.branches[ctx.index] = replay(ctx.layer, LayerInputs([self.exact], [self.kwargs]), ctx.device)[0]
         self.exact = outs[0]
         for i, h in zip(order, outs[1:]):
             self.branches[i] = h

@@ -23,6 +23,12 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _MAX_DIM = 1 << 31  # no real config value is larger; beyond it int math / allocation is nonsense
 
 
+def decoder_layer_index(name: str) -> int | None:
+    """The decoder layer a tensor or module name belongs to ("model.layers.3.self_attn" -> 3), or None."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
 def weight_files(path: Path) -> list[str]:
     """The *.safetensors files to read: those of model.safetensors.index.json, else every
     *.safetensors in the folder. Each is checked to be a regular file inside `path`."""
@@ -93,7 +99,7 @@ def check_config_bounds(config: dict, shapes: dict[str, tuple[int, ...]], where:
             raise ArtifactError(f"{where}: config.json {key} = {v!r} is not a positive integer "
                                 f"below {_MAX_DIM}; fix config.json or re-export the artifact")
         values[key] = v
-    layers = sorted({int(m.group(1)) for k in shapes if (m := _LAYER.search(k))})
+    layers = sorted({i for k in shapes if (i := decoder_layer_index(k)) is not None})
     n = values.get("num_hidden_layers")
     if n is not None and (len(layers) != n or layers != list(range(n))):  # len first: n may be huge
         held = (f"{len(layers)} decoder layer(s) (indices {layers[0]}..{layers[-1]})" if layers
