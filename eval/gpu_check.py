@@ -2,6 +2,7 @@
 
     python -m slimserve.eval.gpu_check [--budget-s 480] [--out DIR] [--hbm-tbps 4.8]
     python -m slimserve.eval.gpu_check --dry-run        # CPU: the same plan at tiny shapes
+    python -m slimserve.eval.gpu_check --steps decode,hf --weights bf16,W4A16 --kv auto
 
 In order, each step in a child process with its own time limit (a CUDA fault or a hang in one
 cannot take the others down; whatever a step saved comes back):
@@ -16,8 +17,10 @@ cannot take the others down; whatever a step saved comes back):
    sequence's K and V so far) over `--hbm-tbps`. Each configuration runs eagerly, then with
    its decode steps replayed from CUDA graphs (runtime/cuda_graphs.py; the dry run pads into the
    same static buffers without capturing).
-3. **transformers**: `generate` with a static cache on the same shape in bf16 at the same batch
-   sizes (decode rate = the 33-token run minus the 1-token run), the baseline of the bf16 rows.
+3. **transformers**: `generate` (its default dynamic cache, eager: a static cache makes it
+   torch.compile the forward for every batch shape, minutes each) on the same shape in bf16 at
+   the same batch sizes (decode rate = the 33-token run minus the 1-token run), the baseline of
+   the bf16 rows.
 4. **tensor parallel**: the 8B shape's decode rate through the engine at TP=2 (mp executor,
    NCCL, bf16 weights and KV, eager, the same batches; rank 0's collective time per step from
    `ModelRunner.comm_stats()`), from a random checkpoint written to a temporary folder (the
@@ -59,6 +62,19 @@ from slimserve.runtime.sequence import SamplingParams
 
 WEIGHTS = ("bf16", "W4A16", "W8A8")
 KV = ("auto", "fp8_e4m3")
+STEPS = ("kernels", "decode", "hf", "tp", "sweeps")
+
+
+def _choices(allowed: tuple[str, ...]):
+    """An argparse type: a comma list of `allowed` names, with one line naming a bad one."""
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"{','.join(bad) or 'nothing'} is not one of "
+                                             f"{','.join(allowed)}")
+        return names
+    return parse
 
 
 def _plan(dry_run: bool) -> dict:
@@ -89,7 +105,10 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, warmup: int, de
     """Prefill `batch` random prompts, take `warmup` decode steps, then time `steps` more."""
     g = torch.Generator().manual_seed(batch)
     vocab = engine.runner.spec.vocab_size
-    params = SamplingParams(max_tokens=warmup + steps + 4, temperature=0.0, ignore_eos=True)
+    # Room to run to the end: sequences prefilled in the first chunks decode while the later
+    # ones prefill (at batch 256 x 128 tokens, 4 steps more), so `warmup + steps` is too few.
+    params = SamplingParams(max_tokens=engine.runner.max_model_len - prompt_len, temperature=0.0,
+                            ignore_eos=True)
     rids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in rids:
         engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
@@ -140,8 +159,8 @@ def _add_graphs(engine, plan: dict) -> str:
 
 def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
     rows = []
-    for weights in WEIGHTS:
-        for kv in KV:
+    for weights in plan.get("weights", WEIGHTS):
+        for kv in plan.get("kv", KV):
             row0 = {"weights": weights, "kv": "fp8" if kv == "fp8_e4m3" else "bf16", "graphs": "off"}
             if plan["device"].startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -156,9 +175,15 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
                 for graphs in ("off", "on"):
                     if graphs == "on":  # the same engine, decode steps now replayed from graphs
                         row0["graphs"] = _add_graphs(engine, plan)
-                    for batch in plan["batches"]:
-                        r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"],
-                                        plan["warmup"], plan["device"])
+                    for batch in plan["batches"]:  # one failed batch keeps the others' rows
+                        try:
+                            r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"],
+                                            plan["warmup"], plan["device"])
+                        except Exception:
+                            rows.append({**row0, "batch": batch, "error": traceback.format_exc()[-2000:]})
+                            print(f"decode {weights} KV {kv} graphs {row0['graphs']} batch {batch}: "
+                                  f"FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+                            continue
                         nbytes = step_bytes(engine, batch, r["mean_context"], plan["spec"])
                         roof = batch / (nbytes / (hbm_tbps * 1e12))
                         rows.append({**row0, "batch": batch, **r, "bytes_per_step": nbytes,
@@ -194,8 +219,16 @@ def run_hf(plan: dict) -> list[dict]:
     from transformers import LlamaForCausalLM
 
     device, steps = plan["device"], plan["steps"]
-    with torch.device(device):
-        model = LlamaForCausalLM(_hf_config(plan["spec"])).to(plan["dtype"]).eval()
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(plan["dtype"])  # built in bf16: no fp32 copy of 8B weights first
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(_hf_config(plan["spec"])).eval()
+    finally:
+        torch.set_default_dtype(before)
+    # generate's default (dynamic) cache, eager: what a user gets from `generate`; a static
+    # cache makes transformers torch.compile the forward for every batch shape (minutes each)
+    model.generation_config.disable_compile = True
     rows = []
     for batch in plan["batches"]:
         try:
@@ -207,15 +240,14 @@ def run_hf(plan: dict) -> list[dict]:
                 t0 = time.perf_counter()
                 with torch.no_grad():
                     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                   min_new_tokens=n, do_sample=False,
-                                   cache_implementation="static", pad_token_id=0)
+                                   min_new_tokens=n, do_sample=False, pad_token_id=0)
                 _sync(device)
                 return time.perf_counter() - t0
 
             gen(2)  # warm-up
             dt = gen(steps + 1) - gen(1)
             rows.append({"batch": batch, "tok_s": batch * steps / dt, "step_ms": 1e3 * dt / steps})
-            print(f"transformers generate (static cache) batch {batch:>3}: "
+            print(f"transformers generate (dynamic cache, eager) batch {batch:>3}: "
                   f"{rows[-1]['tok_s']:9.1f} tok/s", flush=True)
         except Exception:
             rows.append({"batch": batch, "error": traceback.format_exc()[-2000:]})
@@ -318,8 +350,9 @@ def _tp_table(tp: dict) -> str:
 
 # -- the run -------------------------------------------------------------------------------------
 
-def _child(step: str, dry_run: bool, hbm_tbps: float, result: str) -> int:
-    plan = _plan(dry_run)
+def _child(step: str, dry_run: bool, hbm_tbps: float, result: str, weights: list[str],
+           kv: list[str]) -> int:
+    plan = {**_plan(dry_run), "weights": weights, "kv": kv}
     run = {"decode": lambda: run_decode(plan, hbm_tbps), "hf": lambda: run_hf(plan),
            "tp": lambda: run_tp(plan)}[step]
     Path(result).write_text(json.dumps(run()))
@@ -341,7 +374,8 @@ def _step(name: str, args, plan: dict, env: dict) -> tuple[str, list]:
     fd, path = tempfile.mkstemp(prefix=f"gpu-check-{name}-", suffix=".json")
     os.close(fd)
     cmd = [sys.executable, "-m", "slimserve.eval.gpu_check", "--child", name, "--result", path,
-           "--hbm-tbps", str(args.hbm_tbps)] + (["--dry-run"] if args.dry_run else [])
+           "--hbm-tbps", str(args.hbm_tbps), "--weights", ",".join(args.weights),
+           "--kv", ",".join(args.kv)] + (["--dry-run"] if args.dry_run else [])
     status = _spawn(cmd, plan["limits"][name], env)
     try:
         rows = json.loads(Path(path).read_text() or "[]")
@@ -376,13 +410,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the roofline "
                     "(H200: 4.8 TB/s)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
+    ap.add_argument("--steps", type=_choices(STEPS), default=list(STEPS),
+                    help=f"comma list of steps to run (default: all of {','.join(STEPS)})")
+    ap.add_argument("--weights", type=_choices(WEIGHTS), default=list(WEIGHTS),
+                    help=f"decode rows' weights (default: {','.join(WEIGHTS)})")
+    ap.add_argument("--kv", type=_choices(KV), default=list(KV),
+                    help=f"decode rows' KV caches (default: {','.join(KV)})")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         if args.dry_run:
             os.environ["SLIMSERVE_KERNELS"] = "triton"  # the kernels, interpreted
-        return _child(args.child, args.dry_run, args.hbm_tbps, args.result)
+        return _child(args.child, args.dry_run, args.hbm_tbps, args.result, args.weights, args.kv)
     if not args.dry_run and not torch.cuda.is_available():
         print("error: no CUDA device visible; run with --dry-run on a CPU")
         return 2
@@ -406,27 +446,33 @@ def main(argv: list[str] | None = None) -> int:
                 "--sections", "norm" if args.dry_run else "w4a16,w8a8,attn,norm"]
     if not args.dry_run:
         kern_cmd.append("--quick")
-    report["steps"]["kernels"] = _spawn(kern_cmd, plan["limits"]["kernels"], env)
+    report["decode"], report["transformers"] = [], []
+    if "kernels" in args.steps:
+        report["steps"]["kernels"] = _spawn(kern_cmd, plan["limits"]["kernels"], env)
     for name in ("decode", "hf"):
-        report["steps"][name], report["decode" if name == "decode" else "transformers"] = \
-            _step(name, args, plan, env)
+        if name in args.steps:
+            report["steps"][name], report["decode" if name == "decode" else "transformers"] = \
+                _step(name, args, plan, env)
     gpus = tp_gpus(args.dry_run)
     report["tensor_parallel"] = {"gpus": gpus, "note": tp_note(gpus, args.dry_run),
                                  "rows": tp1_rows(report["decode"])}
-    if gpus < TP_SIZE:
-        report["steps"]["tp"] = "skipped (one GPU: TP=1 only)"
-    elif args.budget_s - (time.monotonic() - t0) < plan["limits"]["tp"]:
-        report["steps"]["tp"] = "skipped (budget)"
-    else:
-        report["steps"]["tp"], tp_rows = _step("tp", args, plan, env)
-        report["tensor_parallel"]["rows"] += tp_rows
+    if "tp" in args.steps:
+        if gpus < TP_SIZE:
+            report["steps"]["tp"] = "skipped (one GPU: TP=1 only)"
+        elif args.budget_s - (time.monotonic() - t0) < plan["limits"]["tp"]:
+            report["steps"]["tp"] = "skipped (budget)"
+        else:
+            report["steps"]["tp"], tp_rows = _step("tp", args, plan, env)
+            report["tensor_parallel"]["rows"] += tp_rows
     left = args.budget_s - (time.monotonic() - t0)
-    if plan["limits"]["sweeps"] and left >= plan["limits"]["sweeps"]:
-        report["steps"]["sweeps"] = _spawn(
-            [sys.executable, "-m", "slimserve.eval.kernels.bench", "--sections", "w4a16,w8a8",
-             "--json-out", str(out / "kernel_sweeps.json")], left, env)
-    else:
-        report["steps"]["sweeps"] = "skipped (budget)" if plan["limits"]["sweeps"] else "skipped (dry run)"
+    if "sweeps" in args.steps:
+        if plan["limits"]["sweeps"] and left >= plan["limits"]["sweeps"]:
+            report["steps"]["sweeps"] = _spawn(
+                [sys.executable, "-m", "slimserve.eval.kernels.bench", "--sections", "w4a16,w8a8",
+                 "--json-out", str(out / "kernel_sweeps.json")], left, env)
+        else:
+            report["steps"]["sweeps"] = ("skipped (budget)" if plan["limits"]["sweeps"]
+                                         else "skipped (dry run)")
     report["seconds"] = time.monotonic() - t0
     print(f"\nEngine decode throughput | {report['hardware']} | random {plan['shape']} | batch x "
           f"{plan['prompt_len']}-token prompts, {plan['steps']} decode steps timed | roofline at "

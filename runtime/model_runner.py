@@ -207,8 +207,9 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def _triton_on(self) -> bool:
-        """Whether the Triton kernels serve this runner (the backend asked for, or `auto` on CUDA)."""
-        return kernel_backend() == "triton" or (kernel_backend() == "auto" and self.device.type == "cuda")
+        """Whether the Triton kernels serve this runner (the backend asked for, or `auto` on
+        CUDA at fp16/bf16: runtime/layers/ops.py)."""
+        return ops.triton_enabled(self.device, self.dtype)
 
     def _log_cpu_kernels(self) -> None:
         """Say which CPU path serves: the C kernels, or the torch twins and why (a machine

@@ -130,16 +130,24 @@ def triton_ops() -> KernelOps:
     )
 
 
-def triton_enabled(device: torch.device) -> bool:
-    """Whether ops on `device` run the Triton kernels (reads SLIMSERVE_KERNELS now)."""
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the Triton kernels' activation dtypes
+
+
+def triton_enabled(device: torch.device, dtype: torch.dtype | None = None) -> bool:
+    """Whether ops on `device` run the Triton kernels (reads SLIMSERVE_KERNELS now): `triton`
+    always; `auto` on CUDA for fp16/bf16 compute (`dtype`; None: 16-bit), while an fp32 model
+    on CUDA runs the torch twins, since the kernels take 16-bit activations only."""
     backend = kernel_backend()
-    return backend == "triton" or (backend == "auto" and torch.device(device).type == "cuda")
+    if backend == "triton":
+        return True
+    return (backend == "auto" and torch.device(device).type == "cuda"
+            and (dtype is None or dtype in KERNEL_DTYPES))
 
 
-def select(device: torch.device) -> KernelOps:
-    """The ops for tensors on `device` under the current SLIMSERVE_KERNELS; resolve once and
-    keep the result (the model does so at its first forward)."""
-    if triton_enabled(device):
+def select(device: torch.device, dtype: torch.dtype | None = None) -> KernelOps:
+    """The ops for tensors of `dtype` on `device` under the current SLIMSERVE_KERNELS; resolve
+    once and keep the result (the model does so at its first forward)."""
+    if triton_enabled(device, dtype):
         return triton_ops()
     native = kernel_backend() == "auto" and torch.device(device).type == "cpu"
     return CPU if native and cpu_attention.available() and cpu_layer_ops.available() else TORCH

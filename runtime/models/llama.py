@@ -134,7 +134,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 kops: KernelOps | None = None):
-        kops = kops or ops.select(x.device)
+        kops = kops or ops.select(x.device, x.dtype)
         if residual is None:
             return kops.rms_norm(x, self.weight, self.eps)
         return kops.fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -244,10 +244,12 @@ class CausalLM(Fp32Buffers):
         self._kops: tuple[torch.device, KernelOps] | None = None  # (device, its ops), first forward
 
     def kernel_ops(self, device: torch.device) -> KernelOps:
-        """The ops for `device`, resolved from SLIMSERVE_KERNELS once and kept."""
+        """The ops for `device` and the model's compute dtype, resolved from SLIMSERVE_KERNELS
+        once and kept."""
         cached = self._kops
         if cached is None or cached[0] != device:
-            cached = self._kops = (device, ops.select(device))
+            dtype = next((p.dtype for p in self.parameters() if p.dtype.is_floating_point), None)
+            cached = self._kops = (device, ops.select(device, dtype))
         return cached[1]
 
     def step_tables(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -58,3 +58,17 @@ def test_select_picks_the_cpu_table_only_where_the_kernel_runs(monkeypatch):
     assert ops.select(cpu) is ops.TORCH
     monkeypatch.setenv("SLIMSERVE_KERNELS", "torch")  # the twins alone: the oracle
     assert ops.select(cpu) is ops.TORCH
+
+
+def test_auto_runs_fp32_on_cuda_through_the_twins(monkeypatch):
+    """The Triton kernels take 16-bit activations: under `auto` an fp32 model on CUDA runs the
+    torch twins (the first GPU run found its fp32 cache handed to the Triton KV write), fp16 and
+    bf16 the kernels; `triton` forces the kernels whatever the dtype."""
+    cuda = torch.device("cuda")
+    monkeypatch.setenv("SLIMSERVE_KERNELS", "auto")
+    assert not ops.triton_enabled(cuda, torch.float32)
+    assert ops.select(cuda, torch.float32) is ops.TORCH
+    assert ops.triton_enabled(cuda, torch.bfloat16) and ops.triton_enabled(cuda, torch.float16)
+    assert ops.triton_enabled(cuda)  # no dtype: 16-bit
+    monkeypatch.setenv("SLIMSERVE_KERNELS", "triton")
+    assert ops.triton_enabled(cuda, torch.float32)

@@ -1,1 +1,0 @@
-"""slimserve: compress, evaluate and export Hugging Face causal LMs."""
