@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 
 import torch
@@ -131,11 +131,34 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, warmup: int, de
             "mean_context": prompt_len + warmup + steps / 2}
 
 
+def held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every tensor the model holds once: parameters, buffers, and tensors kept as plain
+    attributes or in a dataclass attribute, such as a QuantLinear's repack for the W4A16 kernel
+    (`_prepared`, after which its buffers are empty: runtime/layers/quant_linear.py)."""
+    seen: set[tuple[int, int]] = set()
+    out = []
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and t.numel() and (t.data_ptr(), t.nbytes) not in seen:
+            seen.add((t.data_ptr(), t.nbytes))
+            out.append(t)
+
+    for m in model.modules():
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            add(t)
+        for v in vars(m).values():
+            add(v)
+            if is_dataclass(v) and not isinstance(v, type):
+                for f in fields(v):
+                    add(getattr(v, f.name))
+    return out
+
+
 def step_bytes(engine, batch: int, context: float, spec: ModelSpec) -> float:
     """Bytes one decode step must read: every weight once (the embedding only for the batch's
     rows) and the K and V of every cached token of every sequence."""
     model = engine.runner.model
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    weights = sum(t.numel() * t.element_size() for t in held_tensors(model))
     emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).weight
     weights -= emb.numel() * emb.element_size() * (1 - batch / emb.shape[0])
     # per layer: an fp8 cache keeps the artifact's skipped layers unquantized (runner.kv_dtypes)

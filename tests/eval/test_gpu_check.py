@@ -52,3 +52,32 @@ def test_one_gpu_tensor_parallel_entry_is_tp1_only_and_says_so():
     table = _tp_table({"note": note, "rows": rows})
     assert "one GPU: TP=1 only" in table and "| 1 | 16 | 100.0 | 1.00 |  |  |" in table
     assert tp_note(2, dry_run=False).startswith("2 GPUs: TP=1")
+
+
+def test_step_bytes_count_the_w4a16_kernel_repack():
+    """After the load-time repack for the W4A16 kernel a QuantLinear's compressed-tensors
+    buffers are empty and its weights live in `_prepared`: the roofline's bytes must count them
+    (the first H200 run counted 1.07 GB for an 8B W4A16 model: the embedding alone)."""
+    from dataclasses import replace
+
+    import torch
+
+    from slimserve.eval.engine_bench import SHAPES, quantize_randomly
+    from slimserve.eval.gpu_check import held_tensors
+    from slimserve.runtime.layers.quant_linear import QuantLinear
+    from slimserve.runtime.models.load import random_model
+
+    spec = replace(SHAPES["demo"], vocab_size=512, hidden_size=256, intermediate_size=512,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                   inv_freq=SHAPES["demo"].inv_freq[:32])
+    model = random_model(spec, torch.bfloat16, torch.device("cpu"))
+    quantize_randomly(model)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    int4 = sum(m.out_features * m.in_features // 2 for m in linears)
+    before = sum(t.nbytes for t in held_tensors(model))
+    for m in linears:
+        m.prepare_kernel(release=True)
+    assert all(m.weight_packed.numel() == 0 for m in linears)
+    after = sum(t.nbytes for t in held_tensors(model))
+    assert after >= before - int4 // 8 and after - sum(
+        t.nbytes for t in [*model.parameters(), *model.buffers()]) >= int4
