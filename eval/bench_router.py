@@ -54,6 +54,7 @@ import httpx
 
 from slimserve.runtime.bench.driver import run_requests
 from slimserve.runtime.bench.server_process import ServerSpec, free_port, launched_servers
+from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, internal_headers, new_internal_key
 from slimserve.runtime.bench.workload import BenchRequest, RequestResult, latency_stats
 
 SYSTEM = ("You are a meticulous senior Python reviewer. Read the code below, explain what it "
@@ -155,8 +156,9 @@ def probe_capacity(args: argparse.Namespace, logs: Path) -> float:
 
 def run_config(name: str, roles: list[str], policy: str, requests: list[dict],
                args: argparse.Namespace, logs: Path) -> dict:
+    key = new_internal_key()  # the deployment's: hand-overs and the prefix-cache reset need it
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_replica),
-           "MKL_NUM_THREADS": str(args.threads_per_replica)}
+           "MKL_NUM_THREADS": str(args.threads_per_replica), INTERNAL_KEY_ENV: key}
     replicas = []
     for i, role in enumerate(roles):
         port = free_port()
@@ -169,7 +171,8 @@ def run_config(name: str, roles: list[str], policy: str, requests: list[dict],
     router_cmd = [sys.executable, "-m", "slimserve.runtime.cli", "router", "--policy", policy,
                   "--port", str(port), *[a for r in replicas for a in ("--replica", r.url)]]
     router = ServerSpec(router_cmd, f"http://127.0.0.1:{port}", {**os.environ,
-                                                                 "OMP_NUM_THREADS": "1"},
+                                                                 "OMP_NUM_THREADS": "1",
+                                                                 INTERNAL_KEY_ENV: key},
                         logs / f"{name}-router.log")
     with launched_servers(replicas, 600), launched_servers([router], 300):
         model = httpx.get(router.url + "/v1/models", trust_env=False).json()["data"][0]["id"]
@@ -182,7 +185,8 @@ def run_config(name: str, roles: list[str], policy: str, requests: list[dict],
         for r in requests[:2 * len(roles)]:  # warm-up, untimed
             httpx.post(router.url + "/v1/completions", json={"model": model, "prompt": r["prompt"],
                        "max_tokens": 4}, timeout=300, trust_env=False)
-        reset = httpx.post(router.url + "/reset_prefix_cache", timeout=60, trust_env=False)
+        reset = httpx.post(router.url + "/reset_prefix_cache", headers=internal_headers(key),
+                           timeout=60, trust_env=False)
         result = asyncio.run(run_load(router.url, model, requests))
         state = httpx.get(router.url + "/router/replicas", trust_env=False).json()
         result["served_per_replica"] = {f"{r['role']}@{r['url'].rsplit(':', 1)[1]}": r["dispatched"]

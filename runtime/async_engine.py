@@ -357,8 +357,11 @@ class AsyncEngine:
             seq.eos_token_id = None
         elif kv_import is not None:
             layout = self.engine.kv_layout
-            imported = await loop.run_in_executor(None, load_import, kv_import, layout,
-                                                  seq.prompt_token_ids)
+            try:
+                imported = await loop.run_in_executor(None, load_import, kv_import, layout,
+                                                      seq.prompt_token_ids)
+            finally:  # read (and unlinked) or unusable: no longer counts toward the store's limits
+                self.engine.kv_segments.discard(kv_import)
         box = _Mailbox()
         with self._lock:
             if self._dead is not None:  # died while we tokenized: nobody would answer

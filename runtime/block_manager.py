@@ -10,8 +10,15 @@ little-endian int64)` (the first block's parent is a fixed root digest). Chainin
 parent makes equal token runs at different prefixes distinct, so a hit on block j implies
 blocks 0..j-1 match too. The hash is a cryptographic one, as vLLM uses since GHSA-rm76-4mrf-v9r8:
 Python's `hash()` of tuples is deterministic and not collision-resistant, so crafted prompts
-could have collided with another request's blocks and been served its K/V. Nothing else changes
-a block's K/V today (no per-request adapters or cache salts); such an input would join the hash.
+could have collided with another request's blocks and been served its K/V.
+
+Salts (vLLM's `cache_salt`): a sequence's `prefix_salt` (runtime/sequence.py: the request's
+`cache_salt` and, for a prompt whose KV was imported from a prefill replica, a random secret
+drawn at import) replaces the root digest by `sha256(root || "salt" || salt)`, and the chain
+carries it to every later block: sequences share blocks only when their salts are equal. So
+tenants with different salts never share, and imported blocks (whose K/V this server did not
+compute and cannot check) are registered only where the request that imported them can hit
+them; a plain request for the same prompt computes its own.
 A registered block whose reference count drops to 0 is not freed outright: it goes to an
 evictable LRU where a later request can still hit it. Allocation takes never-cached free
 blocks first, then evicts the least recently used cached block and forgets its key.
@@ -23,6 +30,7 @@ new K/V into blocks it holds alone (asserted in `append_slots`).
 from __future__ import annotations
 
 import hashlib
+import secrets
 import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence as _Ints
@@ -35,24 +43,31 @@ BlockKey = bytes  # a block's chained sha256 digest (32 bytes)
 ROOT_HASH = hashlib.sha256(b"slimserve prefix cache root v1").digest()  # parent of block 0
 
 
-def block_hash(parent_hash: bytes | None, token_ids: _Ints[int]) -> bytes:
-    """sha256 digest of one full block given its parent's digest (None for the first block).
+def salted_root(salt: bytes | None) -> bytes:
+    """The parent digest of a first block: ROOT_HASH, or for a salted sequence
+    sha256(ROOT_HASH || b"salt" || salt)."""
+    return ROOT_HASH if salt is None else hashlib.sha256(ROOT_HASH + b"salt" + salt).digest()
+
+
+def block_hash(parent_hash: bytes | None, token_ids: _Ints[int], salt: bytes | None = None) -> bytes:
+    """sha256 digest of one full block given its parent's digest (None for the first block,
+    whose parent is `salted_root(salt)`; a later block's parent carries the salt already).
 
     The encoding is canonical: the 32-byte parent digest, then each token id as a little-endian
     int64, so equal (parent, tokens) always give the same digest, in any process.
     """
-    parent = ROOT_HASH if parent_hash is None else parent_hash
+    parent = salted_root(salt) if parent_hash is None else parent_hash
     if len(parent) != 32:
         raise ValueError(f"parent_hash must be a 32-byte sha256 digest, got {len(parent)} bytes")
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-def hash_blocks(token_ids: list[int], block_size: int) -> list[bytes]:
+def hash_blocks(token_ids: list[int], block_size: int, salt: bytes | None = None) -> list[bytes]:
     """Chained digests of the leading full blocks of `token_ids` (a partial tail is skipped)."""
     hashes: list[bytes] = []
     parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+        parent = block_hash(parent, token_ids[start : start + block_size], salt)
         hashes.append(parent)
     return hashes
 
@@ -139,7 +154,8 @@ class BlockManager:
         if len(keys) < n:
             tokens, bs = seq.token_ids, self._block_size
             for j in range(len(keys), n):
-                keys.append(block_hash(keys[j - 1] if j else None, tokens[j * bs : (j + 1) * bs]))
+                keys.append(block_hash(keys[j - 1] if j else None, tokens[j * bs : (j + 1) * bs],
+                                       None if j else seq.prefix_salt))
         return keys[:n]
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
@@ -234,13 +250,16 @@ class BlockManager:
         """Give a `seq` without blocks fresh blocks for `num_tokens` tokens whose K/V are about to
         be copied in (received from a prefill replica, runtime/disagg/); they count as computed.
         Returns the block ids, in order. Nothing is looked up in or counted toward the prefix
-        cache; `commit` registers the full blocks after the next step as for any sequence."""
+        cache. The sequence gets a fresh random `import_salt` first: `commit` registers its
+        full blocks after the next step as for any sequence, but under keys no other request
+        has (module doc), so K/V this server did not compute never serve anyone else."""
         assert not seq.block_table and seq.num_computed_tokens == 0, seq.request_id
         needed = self._blocks_for(num_tokens)
         assert needed <= self.num_free_blocks, (seq.request_id, needed, self.num_free_blocks)
+        seq.import_salt = secrets.token_bytes(16)
+        self._seqs[seq] = _SeqState()  # keys computed before the salt are not its keys
         seq.block_table = [self._take_block() for _ in range(needed)]
         seq.num_computed_tokens = num_tokens
-        self._state(seq).num_committed = 0
         return list(seq.block_table)
 
     def _blocks_for(self, num_tokens: int) -> int:

@@ -6,7 +6,8 @@ runtime/bench/driver.py), `tune` (the engine-setting search for a goodput SLO, r
 
 `serve` runs the continuous-batching engine behind the HTTP API of runtime/server/; with
 `--data-parallel-size N` it starts N `serve` child processes on free local ports instead and
-the router in front of them.
+the router in front of them, with one internal key (runtime/server/trust.py) for the whole
+deployment: --internal-key, or a fresh one, handed to every child through the environment.
 """
 
 from __future__ import annotations
@@ -177,6 +178,20 @@ def serve(
                                      "not yet validated on a GPU, so off by default)"),
     api_key: Optional[str] = typer.Option(None, envvar="SLIMSERVE_API_KEY",
                                           help="require 'Authorization: Bearer KEY' on /v1/*"),
+    internal_key: Optional[str] = typer.Option(
+        None, "--internal-key", envvar="SLIMSERVE_INTERNAL_KEY", help="the deployment's internal "
+        "key, required as X-Slimserve-Internal-Key by the KV hand-over (--role), /kv_segments, "
+        "/reset_prefix_cache and the profiler endpoints, which are refused without one (with "
+        "--data-parallel-size: default a fresh one, given to every replica)"),
+    require_cache_salt: bool = typer.Option(False, "--require-cache-salt", help="refuse /v1 "
+                                            "requests without a cache_salt (tenants never share "
+                                            "prefix-cache blocks)"),
+    kv_segments_max: int = typer.Option(64, "--kv-segments-max", min=1, help="KV segments a "
+                                        "decode server holds at most (received, not yet "
+                                        "imported); more: 503 + Retry-After"),
+    kv_segments_max_bytes: Optional[str] = typer.Option(
+        None, "--kv-segments-max-bytes", help="bytes of those segments at most, e.g. 4GiB "
+        "(default: 4 prompts of the whole context)"),
     max_queue: Optional[int] = typer.Option(None, min=1, help="answer 503 + Retry-After while "
                                             "this many requests wait (default: no limit)"),
     max_connections: int = typer.Option(DEFAULT_MAX_CONNECTIONS, min=1,
@@ -243,6 +258,15 @@ def serve(
     if prefill_replicas and not 0 < prefill_replicas < data_parallel_size:
         _fail(ValueError(f"--prefill-replicas {prefill_replicas} needs --data-parallel-size of at "
                          f"least {prefill_replicas + 1} (at least one decode replica)"))
+    from slimserve.runtime.config import parse_size
+
+    try:
+        segments_bytes = parse_size(kv_segments_max_bytes)
+    except ValueError:
+        _fail(ValueError(f"--kv-segments-max-bytes {kv_segments_max_bytes!r}: not a size; use "
+                         "e.g. 4GiB or 512MiB"))
+    if segments_bytes is not None and segments_bytes < 1:
+        _fail(ValueError("--kv-segments-max-bytes must be at least 1 byte"))
     if data_parallel_size > 1:
         flags = {"--max-num-seqs": max_num_seqs, "--max-num-batched-tokens": max_num_batched_tokens,
                  "--max-model-len": max_model_len, "--block-size": block_size,
@@ -251,15 +275,18 @@ def serve(
                  "--max-queue": max_queue, "--max-connections": max_connections,
                  "--body-timeout": body_timeout, "--stream-timeout": stream_timeout,
                  "--step-watchdog": step_watchdog, "--served-model-name": served_model_name,
-                 "--dtype": dtype, "--verify": verify, "--profile-dir": profile_dir}
+                 "--dtype": dtype, "--verify": verify, "--profile-dir": profile_dir,
+                 "--kv-segments-max": kv_segments_max,
+                 "--kv-segments-max-bytes": kv_segments_max_bytes}
         args = [a for k, v in flags.items() if v is not None for a in (k, str(v))]
+        args += ["--require-cache-salt"] * require_cache_salt
         args.append("--enable-prefix-caching" if enable_prefix_caching
                     else "--no-enable-prefix-caching")
         args.append("--cuda-graphs" if cuda_graphs else "--enforce-eager")
         args += ["--trust-remote-code"] * trust_remote_code + ["--allow-failed-gate"] * allow_failed_gate
         _serve_data_parallel(artifact, args, data_parallel_size, device, host, port, api_key,
                              router_policy, max_connections, body_timeout, stream_timeout,
-                             prefill_replicas)
+                             prefill_replicas, internal_key)
         return
 
     try:
@@ -304,8 +331,13 @@ def serve(
             _fail(e)
         console.print(f"role: {role} (KV blocks handed over through shared memory on this host)",
                       highlight=False)
+    if role != "colocated" and internal_key is None:
+        console.print("note: no --internal-key: this replica refuses every KV hand-over (403); "
+                      "give it and the router the same --internal-key", highlight=False)
     api = build_app(engine, api_key=api_key, max_queue=max_queue, body_timeout_s=body_timeout,
-                    stream_timeout_s=stream_timeout, role=role)
+                    stream_timeout_s=stream_timeout, role=role, internal_key=internal_key,
+                    require_cache_salt=require_cache_salt, kv_segments_max=kv_segments_max,
+                    kv_segments_max_bytes=segments_bytes)
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -339,7 +371,8 @@ REPLICA_START_TIMEOUT_S = 900  # s each replica of --data-parallel-size gets to 
 
 def _run_router(urls: list[str], *, policy: str, host: str, port: int, api_key: str | None,
                 admin_key: str | None, poll_interval: float, max_connections: int,
-                body_timeout: float, stream_timeout: float) -> None:
+                body_timeout: float, stream_timeout: float,
+                internal_key: str | None = None) -> None:
     import uvicorn
 
     from slimserve.runtime.router.app import build_router_app
@@ -347,7 +380,7 @@ def _run_router(urls: list[str], *, policy: str, host: str, port: int, api_key: 
     try:
         api = build_router_app(urls, policy=policy, api_key=api_key, admin_key=admin_key,
                                poll_interval_s=poll_interval, body_timeout_s=body_timeout,
-                               stream_timeout_s=stream_timeout)
+                               stream_timeout_s=stream_timeout, internal_key=internal_key)
     except ValueError as e:  # a bad URL or policy
         _fail(e)
     console.print(f"router ({escape(policy)}) over {len(urls)} replica(s) on "
@@ -360,13 +393,16 @@ def _run_router(urls: list[str], *, policy: str, host: str, port: int, api_key: 
 def _serve_data_parallel(artifact: str, flags: list[str], n: int, device: str, host: str,
                          port: int, api_key: str | None, policy: str, max_connections: int,
                          body_timeout: float, stream_timeout: float,
-                         prefill_replicas: int = 0) -> None:
+                         prefill_replicas: int = 0, internal_key: str | None = None) -> None:
     """N `runtime serve` children on free 127.0.0.1 ports (one GPU each through
     CUDA_VISIBLE_DEVICES, or cores // N threads each on CPU) and the router on host:port; the
     children are stopped when the router exits (Ctrl-C, SIGTERM) and die with this process.
     prefill_replicas K > 0: the first K children serve `--role prefill`, the others `--role
-    decode` (the router then hands each request's KV from one to the other)."""
+    decode` (the router then hands each request's KV from one to the other). internal_key:
+    the deployment's (a fresh one when None), given to the children through the environment."""
     import os
+
+    from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, new_internal_key
 
     from slimserve.runtime.bench.server_process import (
         BenchError,
@@ -389,6 +425,8 @@ def _serve_data_parallel(artifact: str, flags: list[str], n: int, device: str, h
     env = dict(os.environ)
     if api_key is not None:
         env["SLIMSERVE_API_KEY"] = api_key  # not on the command line, where `ps` shows it
+    internal_key = internal_key or new_internal_key()
+    env[INTERNAL_KEY_ENV] = internal_key  # the same: `ps` shows argv to every user
     specs = []
     if cuda:
         import torch
@@ -427,7 +465,7 @@ def _serve_data_parallel(artifact: str, flags: list[str], n: int, device: str, h
             _run_router([s.url for s in specs], policy=policy, host=host, port=port,
                         api_key=api_key, admin_key=None, poll_interval=0.15,
                         max_connections=max_connections, body_timeout=body_timeout,
-                        stream_timeout=stream_timeout)
+                        stream_timeout=stream_timeout, internal_key=internal_key)
     except BenchError as e:
         _fail(e)
 
@@ -446,6 +484,10 @@ def router(
                                             help="allow POST/DELETE /router/replicas with "
                                                  "'Authorization: Bearer KEY' (default: the "
                                                  "replica list is fixed)"),
+    internal_key: Optional[str] = typer.Option(
+        None, "--internal-key", envvar="SLIMSERVE_INTERNAL_KEY", help="the replicas' "
+        "--internal-key: sent on KV hand-overs (needed for prefill/decode roles) and "
+        "POST /reset_prefix_cache, and required from callers of the router's own"),
     poll_interval: float = typer.Option(0.15, min=0.01, help="s between polls of each "
                                         "replica's /state (health and load)"),
     max_connections: int = typer.Option(DEFAULT_MAX_CONNECTIONS, min=1,
@@ -462,7 +504,8 @@ def router(
         _fail(ValueError(f"--policy {policy!r}: choose one of {', '.join(POLICIES)}"))
     _run_router(replica, policy=policy, host=host, port=port, api_key=api_key, admin_key=admin_key,
                 poll_interval=poll_interval, max_connections=max_connections,
-                body_timeout=body_timeout, stream_timeout=stream_timeout)
+                body_timeout=body_timeout, stream_timeout=stream_timeout,
+                internal_key=internal_key)
 
 
 # The load generator lives in runtime/bench/driver.py; its typed keyword signature is the CLI.

@@ -11,8 +11,10 @@ unless asked for. Stopping writes `DIR/<UTC timestamp>-<pid>.trace.json` with
 
 A profile is capped at `max_steps` steps (default PROFILE_MAX_STEPS): the profiler keeps every
 event in memory until it stops, so at the cap it stops by itself and writes the trace, which a
-later stop returns. Shutting the engine down (or the engine loop dying) also writes a running
-profile's trace.
+later stop returns. A request may ask for fewer steps, never more: its `max_steps` is clamped to
+the server's cap. The folder keeps the newest PROFILE_KEEP_TRACES traces: writing one removes
+the oldest beyond that. Shutting the engine down (or the engine loop dying) also writes a
+running profile's trace.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from slimserve.runtime.step_timing import StepTimings
 
 log = logging.getLogger(__name__)
 PROFILE_MAX_STEPS = 200  # steps one profile covers at most (its events stay in memory until then)
+PROFILE_KEEP_TRACES = 10  # traces the --profile-dir keeps (the newest); older ones are removed
+TRACE_SUFFIX = ".trace.json"
 
 
 class ProfileError(Exception):
@@ -68,11 +72,31 @@ def trace_path(directory: Path) -> Path:
     """A new file name `<UTC timestamp>-<pid>.trace.json` (a counter is added rather than
     overwrite an existing trace)."""
     stem = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
-    path, i = directory / f"{stem}.trace.json", 1
+    path, i = directory / f"{stem}{TRACE_SUFFIX}", 1
     while path.exists():
         i += 1
-        path = directory / f"{stem}-{i}.trace.json"
+        path = directory / f"{stem}-{i}{TRACE_SUFFIX}"
     return path
+
+
+def rotate_traces(directory: Path, keep: int = PROFILE_KEEP_TRACES) -> int:
+    """Remove all but the newest `keep` traces (by modification time) from `directory`;
+    returns how many went. Only `*.trace.json` files are touched."""
+    traces = []
+    for p in directory.glob(f"*{TRACE_SUFFIX}"):
+        try:
+            traces.append((p.stat().st_mtime_ns, p.name, p))
+        except FileNotFoundError:
+            continue
+    traces.sort(reverse=True)
+    removed = 0
+    for _, _, p in traces[keep:]:
+        try:
+            p.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 class StepProfiler:
@@ -80,11 +104,12 @@ class StepProfiler:
     written and not yet handed out by `stop`. Every method runs on the engine thread."""
 
     def __init__(self, directory: Path, timings: StepTimings, cuda: bool = False,
-                 max_steps: int = PROFILE_MAX_STEPS) -> None:
+                 max_steps: int = PROFILE_MAX_STEPS, keep: int = PROFILE_KEEP_TRACES) -> None:
         self.directory = directory
         self.timings = timings
         self.cuda = cuda
-        self.max_steps = max_steps
+        self.max_steps = max_steps  # the cap, also the most a request may ask for
+        self.keep = keep
         self._prof = None  # the running torch.profiler.profile
         self._limit = max_steps
         self._steps = 0  # steps recorded since the start (timings.recorded counts them)
@@ -96,7 +121,8 @@ class StepProfiler:
         return self._prof is not None
 
     def start(self, record_shapes: bool = False, max_steps: int | None = None) -> int:
-        """Start profiling the following steps; returns the step cap in force."""
+        """Start profiling the following steps; returns the step cap in force (`max_steps`
+        clamped to the server's cap)."""
         from torch.profiler import ProfilerActivity, profile
 
         if self._prof is not None:
@@ -106,7 +132,7 @@ class StepProfiler:
         prof.start()
         self._prof, self._steps, self._capped = prof, 0, None
         self._first = self.timings.recorded
-        self._limit = max_steps or self.max_steps
+        self._limit = min(max_steps or self.max_steps, self.max_steps)
         self.timings.ranges = True
         return self._limit
 
@@ -146,6 +172,10 @@ class StepProfiler:
         try:
             prof.export_chrome_trace(str(path))
         except OSError as e:
-            raise ProfileError(f"writing the trace {path} failed: "
+            raise ProfileError(f"writing the trace {path.name} failed: "
                                f"{e.strerror or type(e).__name__}") from None
+        try:
+            rotate_traces(self.directory, self.keep)
+        except OSError:
+            log.warning("could not remove old traces from %s", self.directory, exc_info=True)
         return ProfileResult(str(path), self._steps, capped)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from slimserve.runtime.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): fp32 logits divided by e.g.
 # 1e-45 overflow to inf, the softmax turns NaN and torch.multinomial fails in the engine thread.
 MIN_TEMPERATURE = 1e-5
+MAX_CACHE_SALT_CHARS = 256  # the longest `cache_salt` a request may carry
 
 
 class SamplingError(ValueError):
@@ -36,6 +38,9 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False  # keep generating past the EOS token
     logprobs: int | None = None  # return this many top logprobs per generated token (0 = chosen only)
+    # prefix-cache namespace (vLLM's cache_salt): requests share prefix blocks only when their
+    # salts are equal (runtime/block_manager.py), so tenants with different salts never do
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +68,10 @@ class SamplingParams:
         self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise SamplingError("seed", f"must be an integer in [0, 2^64), got {self.seed!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise SamplingError("cache_salt", f"must be a non-empty string of at most "
+                                              f"{MAX_CACHE_SALT_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +107,9 @@ class Sequence:
     first_token_time: float | None = None  # s, monotonic; for TTFT
     last_token_time: float | None = None  # s, monotonic; for inter-token latency
     finish_time: float | None = None  # s, monotonic
+    # set when its prompt's KV was imported from a prefill replica (runtime/disagg/): a random
+    # secret that salts its blocks' prefix-cache keys, so that no other request can hit them
+    import_salt: bytes | None = None
 
     _all_ids: list[int] = field(default_factory=list, init=False, repr=False)  # see token_ids
 
@@ -116,6 +128,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefix_salt(self) -> bytes | None:
+        """What salts its prefix-cache keys (runtime/block_manager.py): its cache_salt and its
+        import salt, each length-prefixed so that no two different pairs encode alike; None
+        when it has neither (the shared, unsalted namespace)."""
+        if self.params.cache_salt is None and self.import_salt is None:
+            return None
+        parts = [b"" if self.params.cache_salt is None else self.params.cache_salt.encode(),
+                 self.import_salt or b""]
+        return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
 
     @property
     def num_prompt_tokens(self) -> int:

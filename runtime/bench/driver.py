@@ -62,6 +62,7 @@ from slimserve.runtime.bench.workload import (
 from slimserve.runtime.gguf import resolve_model
 from slimserve.runtime.router.policy import POLICIES
 from slimserve.runtime.server.protocol import error_message
+from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, internal_headers, new_internal_key
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
 ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
@@ -109,6 +110,9 @@ class BenchArgs:
     router_policy: str | None = None  # engine flag of the run in progress (set by run_bench)
     allow_failed_gate: bool = False  # serve MODEL even when its perplexity gate failed
     api_key: str | None = None  # Bearer token for --url servers that require one
+    # a --url server's internal key (runtime/server/trust.py), for its admin endpoints (prefix
+    # cache reset, profiling); a served MODEL gets a fresh one (run_bench)
+    internal_key: str | None = None
     warmup_requests: int = 1  # untimed requests before the runs
     request_timeout_s: float = 600.0  # per HTTP read/connect, s
     server_start_timeout_s: float = 600.0  # s `runtime serve` gets to answer /health
@@ -204,7 +208,8 @@ def default_profile_dir(args: BenchArgs) -> str:
 def profile_request(url: str, action: str, args: BenchArgs) -> dict:
     """POST /start_profile or /stop_profile (action "start" or "stop"); the JSON answer, or
     BenchError with the server's one-line reason."""
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers.update(internal_headers(args.internal_key))
     try:
         r = httpx.post(f"{url}/{action}_profile", headers=headers, timeout=args.request_timeout_s,
                        trust_env=False)
@@ -214,7 +219,7 @@ def profile_request(url: str, action: str, args: BenchArgs) -> dict:
     if r.status_code != 200:
         raise BenchError(f"--profile: POST {url}/{action}_profile answered HTTP {r.status_code}: "
                          f"{error_message(r.content)} (--profile needs a slimserve `runtime serve` "
-                         "started with --profile-dir)")
+                         "started with --profile-dir, and for a --url server its --internal-key)")
     return r.json()
 
 
@@ -226,8 +231,9 @@ def server_for(args: BenchArgs) -> Iterator[tuple[str, str | None]]:
         return
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="slimserve-bench-serve-", suffix=".log")[1])
+    env = {**os.environ, **({INTERNAL_KEY_ENV: args.internal_key} if args.internal_key else {})}
     with launched_server(serve_command(args, port), f"http://127.0.0.1:{port}",
-                         args.server_start_timeout_s, log) as url:
+                         args.server_start_timeout_s, log, env) as url:
         yield url, str(log)
 
 
@@ -366,6 +372,8 @@ def run_bench(args: BenchArgs) -> dict:
     args.validate()
     if args.profile and args.url is None and args.profile_dir is None:
         args = replace(args, profile_dir=default_profile_dir(args))
+    if args.url is None and args.internal_key is None:  # the servers we start: their admin key
+        args = replace(args, internal_key=new_internal_key())
     requests = build_requests(args)
     load_before = os.getloadavg()[0]  # other work on the machine skews every number: recorded
     runs, server_logs = [], []
@@ -389,7 +397,8 @@ def run_bench(args: BenchArgs) -> dict:
     result = {"hardware": hardware, "served_model": model,
               "server": {"url": args.url, "engine_flags": engine_flags, "log": server_log},
               "workload": describe_workload(args, requests), "runs": runs, "baseline": baseline,
-              "args": {**asdict(args), "api_key": "(set)" if args.api_key else None}}
+              "args": {**asdict(args), "api_key": "(set)" if args.api_key else None,
+                       "internal_key": "(set)" if args.internal_key else None}}
     return finish_result(result, args)
 
 
@@ -408,7 +417,7 @@ def measure_rate(url: str, model: str | None, requests: list[BenchRequest], rate
                  args: BenchArgs, desc: str | None) -> dict:
     """One measured run at `rate`: its metrics, step breakdown and (--profile) trace."""
     arrivals = poisson_arrivals(len(requests), rate, args.seed)
-    reset = reset_prefix_cache(url, args.api_key)  # the warm-up's and earlier runs' prompts
+    reset = reset_prefix_cache(url, args.api_key, args.internal_key)  # warm-up's, earlier runs' prompts
     before = scrape_step_totals(url, args.api_key)
     if args.profile:
         profile_request(url, "start", args)
@@ -422,16 +431,19 @@ def measure_rate(url: str, model: str | None, requests: list[BenchRequest], rate
     return {"request_rate": rate, "max_concurrency": args.max_concurrency, **metrics,
             "prefix_cache_reset": reset,
             "step_breakdown": step_breakdown(before, after),
-            "profile_trace": trace and trace["path"], "profile_steps": trace and trace["steps"],
+            "profile_trace": trace and (os.path.join(args.profile_dir, trace["path"])
+                                        if args.profile_dir else trace["path"]), "profile_steps": trace and trace["steps"],
             "requests": [asdict(r) for r in results]}
 
 
-def reset_prefix_cache(url: str, api_key: str | None) -> bool:
+def reset_prefix_cache(url: str, api_key: str | None, internal_key: str | None = None) -> bool:
     """POST /reset_prefix_cache (vLLM's endpoint; a router passes it to every replica) before a
     measured run: every run sends the same prompts, and without it a run after the warm-up or an
     earlier rate finds them cached and measures no prefill. False when the server cannot (an
-    older server, another product): the run goes on and the report says so."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    older server, another product, a --url server without its --internal-key): the run goes on
+    and the report says so."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers.update(internal_headers(internal_key))
     try:
         r = httpx.post(f"{url}/reset_prefix_cache", headers=headers, timeout=30, trust_env=False)
     except httpx.HTTPError:
@@ -521,6 +533,9 @@ def bench_main(
                                                 "e.g. least-latency,round-robin: fresh replicas "
                                                 "per policy (needs --data-parallel-size >= 2)")] = None,
     api_key: Annotated[Optional[str], Opt(envvar="SLIMSERVE_API_KEY", help="Bearer key")] = None,
+    internal_key: Annotated[Optional[str], Opt("--internal-key", envvar="SLIMSERVE_INTERNAL_KEY",
+                                               help="a --url server's --internal-key (prefix "
+                                                    "cache reset, --profile)")] = None,
     warmup_requests: Annotated[int, Opt(help="untimed requests first")] = 1,
     progress: Annotated[bool, Opt(help="progress bars")] = True,
     profile: Annotated[bool, Opt("--profile", help="torch profiler trace of each measured run "
@@ -553,7 +568,7 @@ def bench_main(
             router_policies=parse_policies(router_policy),
             mix=PromptMix(long_fraction, long_factor, shared_prefix_len,
                           shared_prefix_fraction if shared_prefix_len else 0.0),
-            allow_failed_gate=allow_failed_gate, api_key=api_key,
+            allow_failed_gate=allow_failed_gate, api_key=api_key, internal_key=internal_key,
             warmup_requests=warmup_requests, progress=progress, profile=profile)
         return run_bench(args)
     except (ValueError, BenchError, ArtifactError, OSError) as e:  # user errors and a server that would not run

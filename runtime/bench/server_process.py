@@ -118,8 +118,10 @@ def launched_servers(specs: list[ServerSpec], timeout_s: float,
 
 
 @contextmanager
-def launched_server(cmd: list[str], url: str, timeout_s: float, log_path: Path) -> Iterator[str]:
-    """Run `cmd` (a server listening at url) until the block ends; yields url once /health is 200."""
-    with launched_servers([ServerSpec(cmd, url, log_path=log_path)], timeout_s,
+def launched_server(cmd: list[str], url: str, timeout_s: float, log_path: Path,
+                    env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run `cmd` (a server listening at url; `env`: its environment, None: ours) until the block
+    ends; yields url once /health is 200."""
+    with launched_servers([ServerSpec(cmd, url, env, log_path=log_path)], timeout_s,
                           die_with_parent=False):
         yield url

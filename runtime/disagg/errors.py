@@ -29,3 +29,10 @@ class KVLayoutError(KVTransferError):
 
     status = 409
     code = "kv_layout_mismatch"
+
+
+class KVStoreFull(KVTransferError):
+    """The server holds as many KV segments (or bytes of them) as it allows: retry shortly."""
+
+    status = 503
+    code = "kv_store_full"

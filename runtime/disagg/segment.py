@@ -16,7 +16,10 @@ start a server removes the segments of writers that no longer run (`sweep_orphan
 Between hosts the same bytes travel over HTTP (runtime/router/app.py relays them): the prefill
 server hands a segment out once (`open_segment`: opened, then unlinked) and the decode server
 stores what it receives as a segment of its own (`receive_segment`: size-capped, atomic, and
-registered to expire like one it wrote), which it then imports as usual. Whether two servers
+registered to expire like one it wrote), which it then imports as usual. What a server holds is
+bounded: `receive_segment` refuses (KVStoreFull, a 503) an upload that would take the
+registry's segments past a count or their bytes past a total, counting uploads in progress
+byte by byte as they arrive. Whether two servers
 share a segment folder is what `host_id` tells: the boot and the folder's filesystem, so two
 containers with their own /dev/shm differ even on one machine.
 """
@@ -24,6 +27,7 @@ containers with their own /dev/shm differ even on one machine.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -40,7 +44,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from slimserve.runtime.disagg.errors import KVHandleError, KVSegmentMissing
+from slimserve.runtime.disagg.errors import KVHandleError, KVSegmentMissing, KVStoreFull
 
 MAGIC = b"SLIMKV1\n"
 ALIGN = 64
@@ -182,29 +186,41 @@ def read_segment(name: str, directory: Path | None = None
 
 async def receive_segment(chunks: AsyncIterable[bytes], limit: int,
                           registry: "SegmentRegistry | None" = None,
-                          directory: Path | None = None) -> str:
+                          directory: Path | None = None, max_count: int | None = None,
+                          max_bytes: int | None = None) -> str:
     """Store a segment sent over HTTP under a new name of ours (`.part`, then renamed); refused
     (KVHandleError) past `limit` bytes or without the segment magic. Registered in `registry`, it
-    expires like one this process wrote. The caller imports it by the returned name."""
+    expires like one this process wrote; with a registry, KVStoreFull when the registry already
+    holds `max_count` segments (uploads in progress count) or would hold more than `max_bytes`
+    (checked as each chunk arrives; the partial file is removed). The caller imports it by the
+    returned name."""
     directory = directory or segment_dir()
     name = new_name()
     size, head = 0, b""
-    with _atomic_file(directory, name) as f:
-        async for chunk in chunks:
-            size += len(chunk)
-            if size > limit:
-                raise KVHandleError(f"KV segment upload: more than {limit} bytes, the most a "
-                                    "prompt of this server's context can hold")
-            if len(head) < len(MAGIC):
-                head += chunk[:len(MAGIC)]
-                if head[:len(MAGIC)] != MAGIC[:len(head)]:
-                    raise KVHandleError("KV segment upload: not a slimserve KV segment (bad "
-                                        "magic); send what GET /kv_segments/NAME returned")
-            f.write(chunk)
-        if len(head) < len(MAGIC):
-            raise KVHandleError("KV segment upload: empty or truncated body")
     if registry is not None:
-        registry.add(name)
+        upload = registry.begin_upload(max_count)
+    stored = False
+    try:
+        with _atomic_file(directory, name) as f:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise KVHandleError(f"KV segment upload: more than {limit} bytes, the most a "
+                                        "prompt of this server's context can hold")
+                if registry is not None:
+                    registry.grow_upload(upload, len(chunk), max_bytes)
+                if len(head) < len(MAGIC):
+                    head += chunk[:len(MAGIC)]
+                    if head[:len(MAGIC)] != MAGIC[:len(head)]:
+                        raise KVHandleError("KV segment upload: not a slimserve KV segment (bad "
+                                            "magic); send what GET /kv_segments/NAME returned")
+                f.write(chunk)
+            if len(head) < len(MAGIC):
+                raise KVHandleError("KV segment upload: empty or truncated body")
+        stored = True
+    finally:
+        if registry is not None:
+            registry.end_upload(upload, name if stored else None)
     return name
 
 
@@ -229,22 +245,71 @@ def unlink_quietly(name: str, directory: Path | None = None) -> bool:
 
 
 class SegmentRegistry:
-    """The segments this process wrote and nobody has imported yet (any thread)."""
+    """The segments this process wrote or received and nobody has imported yet (any thread),
+    with their sizes, and the uploads being received (their bytes so far)."""
 
     def __init__(self, ttl_s: float = SEGMENT_TTL_S, directory: Path | None = None) -> None:
         self.ttl_s = ttl_s
         self.directory = directory
         self._lock = threading.Lock()
         self._written: dict[str, float] = {}  # name -> monotonic s written
+        self._sizes: dict[str, int] = {}  # name -> bytes
+        self._uploads = 0  # uploads in progress
+        self._incoming: dict[int, int] = {}  # upload ticket -> bytes received so far
+        self._tickets = itertools.count()
         self.expired = 0  # segments unlinked by expiry (never imported), cumulative
 
-    def add(self, name: str) -> None:
+    def add(self, name: str, nbytes: int = 0) -> None:
         with self._lock:
             self._written[name] = time.monotonic()
+            self._sizes[name] = nbytes
+
+    def discard(self, name: str) -> None:
+        """Forget a segment that was imported or handed out (its reader unlinked it)."""
+        with self._lock:
+            self._written.pop(name, None)
+            self._sizes.pop(name, None)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._written)
+
+    def usage(self) -> tuple[int, int]:
+        """(segments held plus uploads in progress, their bytes so far)."""
+        with self._lock:
+            return (len(self._written) + self._uploads,
+                    sum(self._sizes.values()) + sum(self._incoming.values()))
+
+    def begin_upload(self, max_count: int | None) -> int:
+        """Count one more upload in progress (returns its ticket); KVStoreFull when `max_count`
+        segments are held already."""
+        with self._lock:
+            held = len(self._written) + self._uploads
+            if max_count is not None and held >= max_count:
+                raise KVStoreFull(f"KV segment upload: this server holds {held} KV segments, its "
+                                  f"limit (--kv-segments-max {max_count}); retry shortly")
+            self._uploads += 1
+            ticket = next(self._tickets)
+            self._incoming[ticket] = 0
+            return ticket
+
+    def grow_upload(self, ticket: int, nbytes: int, max_bytes: int | None) -> None:
+        """Upload `ticket` received `nbytes` more; KVStoreFull past `max_bytes` in all."""
+        with self._lock:
+            total = sum(self._sizes.values()) + sum(self._incoming.values()) + nbytes
+            if max_bytes is not None and total > max_bytes:
+                raise KVStoreFull(f"KV segment upload: this server's KV segments would exceed "
+                                  f"{max_bytes} bytes (--kv-segments-max-bytes); retry shortly")
+            self._incoming[ticket] += nbytes
+
+    def end_upload(self, ticket: int, name: str | None) -> None:
+        """Upload `ticket` ended: stored as `name` (registered with its bytes), or failed."""
+        with self._lock:
+            nbytes = self._incoming.pop(ticket)
+            self._uploads -= 1
+            if name is not None:
+                self._written[name] = time.monotonic()
+                self._sizes[name] = nbytes
 
     def expire(self, now: float | None = None) -> int:
         """Unlink the segments older than the TTL (a reader that unlinked one already is fine);
@@ -254,6 +319,7 @@ class SegmentRegistry:
             old = [n for n, t in self._written.items() if now - t > self.ttl_s]
             for n in old:
                 del self._written[n]
+                self._sizes.pop(n, None)
         gone = sum(unlink_quietly(n, self.directory) for n in old)
         self.expired += gone
         return gone
@@ -261,7 +327,7 @@ class SegmentRegistry:
     def close(self) -> None:
         """Unlink every segment still registered (server shutdown)."""
         with self._lock:
-            names, self._written = list(self._written), {}
+            names, self._written, self._sizes = list(self._written), {}, {}
         for n in names:
             unlink_quietly(n, self.directory)
 

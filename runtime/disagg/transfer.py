@@ -74,7 +74,7 @@ def export_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KV
               "first_token": int(first_token), "first_logprob": _encode_logprob(first_logprob)}
     size = write_segment(name, header, tensors)
     if registry is not None:
-        registry.add(name)
+        registry.add(name, size)
     return size
 
 

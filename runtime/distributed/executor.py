@@ -64,7 +64,8 @@ class MultiprocExecutor:
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.world, self.device = world, device
         self.threads = cpu_threads(world) if device.type == "cpu" else None
-        store = create_store(world)
+        bind = self._bind_address()
+        store = create_store(world, bind)
         self._closed = False
         self.ready_info: dict[int, dict] = {}  # rank -> its "ready" message (weight/KV bytes, pid)
         self._start_workers(config, store)
@@ -73,11 +74,15 @@ class MultiprocExecutor:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
-            self.group = TPGroup(0, world, device, store=store)
+            self.group = TPGroup(0, world, device, store=store, bind=bind)
         except RuntimeError as e:  # the rendezvous timed out (DistStoreError) or a worker died
             raise self.failure(e) from None
 
     # -- transport (multiprocessing: spawned processes and pipes) -------------------------------
+
+    def _bind_address(self) -> str:
+        """Where rank 0's store and gloo sockets listen: loopback, every rank is on this host."""
+        return "127.0.0.1"
 
     def _start_workers(self, config, store) -> None:
         ctx = mp.get_context("spawn")

@@ -6,6 +6,13 @@ and nothing global in `torch.distributed` is touched. Every collective runs with
 (`SLIMSERVE_TP_TIMEOUT`, seconds): a peer that dies closes its sockets and the collective fails
 at once; one that hangs fails it after the timeout, never forever.
 
+Every socket the group listens on is bound to one address, `bind` (127.0.0.1 for ranks on one
+host, runtime/distributed/executor.py): torch's TCPStore server would listen on every interface
+(its `host_name` is only what clients connect to), so `create_store` binds the listening socket
+itself and hands it over (`master_listen_fd`); gloo's pairs listen on the address its device is
+created with. The store has no authentication, so on one host nothing but local processes can
+reach it.
+
 The group times its all-reduces and gathers (`comm_seconds`, `comm_calls`; on CPU the whole
 collective including the wait for the slowest rank, on CUDA only the host's enqueue time, since
 synchronizing to measure would stall the stream), which `ModelRunner.comm_stats()` reports.
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 
 import torch
@@ -27,17 +35,34 @@ def timeout_s() -> float:
     return float(os.environ.get("SLIMSERVE_TP_TIMEOUT", DEFAULT_TIMEOUT_S))
 
 
-def create_store(world: int) -> dist.TCPStore:
-    """Rank 0's store on a free local port (`store.port` is what the workers are given)."""
-    return dist.TCPStore("127.0.0.1", 0, world, True,
-                         timeout=datetime.timedelta(seconds=timeout_s()), wait_for_workers=False)
+def create_store(world: int, bind: str = "127.0.0.1") -> dist.TCPStore:
+    """Rank 0's store on a free port of address `bind` only (`store.port` is what the workers
+    are given): the listening socket is ours, bound there, and handed to torch."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((bind, 0))
+        sock.listen(max(128, world))
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # torch's server owns it from here (and closes it)
+    try:
+        return dist.TCPStore(bind, port, world, True,
+                             timeout=datetime.timedelta(seconds=timeout_s()),
+                             wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class TPGroup:
-    """Rank `rank` of `world`; `device` is where its tensors and collectives live."""
+    """Rank `rank` of `world`; `device` is where its tensors and collectives live. host: where
+    rank 0's store listens (workers); bind: the address this rank's gloo sockets listen on."""
 
     def __init__(self, rank: int, world: int, device: torch.device, store: dist.TCPStore | None = None,
-                 port: int | None = None, host: str = "127.0.0.1"):
+                 port: int | None = None, host: str = "127.0.0.1", bind: str = "127.0.0.1"):
         self.rank, self.world, self.device = rank, world, device
         timeout = datetime.timedelta(seconds=timeout_s())
         if store is None:
@@ -48,7 +73,10 @@ class TPGroup:
             opts._timeout = timeout
             self.pg = dist.ProcessGroupNCCL(store, rank, world, opts)
         else:
-            self.pg = dist.ProcessGroupGloo(store, rank, world, timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+            self.pg = dist.ProcessGroupGloo(store, rank, world, opts)
         self.comm_seconds = 0.0  # time spent in all-reduces and gathers, cumulative
         self.comm_calls = 0
 

@@ -5,7 +5,8 @@ local one), reserves one bundle per rank in a placement group (`{"GPU": 1}` on C
 cores / N}` on CPU; rank 0's bundle is the driver's own share) and starts one actor per other
 rank in its bundle. Each actor runs the same worker code as the `mp` executor
 (`worker_main`, runtime/distributed/worker.py); what differs is the transport: rank 0's TCPStore
-listens on this node's address, the step headers and the workers' messages travel through it
+listens on this node's address (the one Ray reports, `ray.util.get_node_ip_address`; only
+there, not on every interface) and each actor's gloo sockets on its own node's, the step headers and the workers' messages travel through it
 (`StoreChannel`) instead of pipes, and a worker's liveness is its actor's. Ray gives each actor
 its one GPU as cuda:0.
 
@@ -37,11 +38,18 @@ class RayWorker:
     """One rank, as a Ray actor."""
 
     def run(self, rank, world, host, port, config, threads, cuda):
-        worker_main(rank, world, port, config, None, threads, host=host, cuda_index=0 if cuda else None)
+        import ray
+
+        worker_main(rank, world, port, config, None, threads, host=host,
+                    cuda_index=0 if cuda else None, bind=ray.util.get_node_ip_address())
 
 
 class RayExecutor(MultiprocExecutor):
     name = "ray"
+
+    def _bind_address(self) -> str:
+        """This node's address as Ray knows it: the actors on other nodes connect there."""
+        return _ray().util.get_node_ip_address()
 
     def _start_workers(self, config, store) -> None:
         ray = _ray()

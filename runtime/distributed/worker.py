@@ -97,10 +97,12 @@ class StoreChannel:
 
 
 def worker_main(rank: int, world: int, port: int, config, conn, threads: int | None,
-                host: str = "127.0.0.1", cuda_index: int | None = None) -> None:
+                host: str = "127.0.0.1", cuda_index: int | None = None,
+                bind: str = "127.0.0.1") -> None:
     """Process entry (multiprocessing spawn, or a Ray actor); errors go back over `conn` as
     ("error", text). conn None: a `StoreChannel` over the group's store. host: where rank 0's
-    store listens; cuda_index: this rank's GPU (default: cuda:rank)."""
+    store listens; cuda_index: this rank's GPU (default: cuda:rank); bind: the address this
+    rank's gloo sockets listen on (runtime/distributed/group.py)."""
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -108,7 +110,7 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
         if device.type == "cuda":
             device = torch.device("cuda", rank if cuda_index is None else cuda_index)
             torch.cuda.set_device(device)
-        group = TPGroup(rank, world, device, port=port, host=host)
+        group = TPGroup(rank, world, device, port=port, host=host, bind=bind)
         if conn is None:
             conn = StoreChannel(group.store, rank)
         runner = ModelRunner(config, group=group)

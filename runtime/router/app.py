@@ -26,10 +26,14 @@ serves whole requests (any server can). When the two replicas do not share share
 router moves each segment itself before the decode request: GET /kv_segments/{name} from the
 prefill replica streamed into POST /kv_segments on the decode replica, which answers the name
 to send in `X-Slimserve-KV` (its bytes pass through the router once, never buffered whole).
+The hand-over needs the deployment's internal key (`internal_key`, runtime/server/trust.py):
+the router sends it on the hand-over requests and segment moves, which the replicas refuse
+without it; a router without one never hands over (every replica serves whole requests).
 
 GET /v1/models is answered by a replica that is up; /health is 200 while at least one is;
 /metrics is the router's own (Prometheus, `slimserve_router:` prefix); POST /reset_prefix_cache
-goes to every replica (and clears the prefix affinity's memory). GET /router/replicas
+(an admin call: the internal key, as on a replica) goes to every replica with the router's
+internal key (and clears the prefix affinity's memory). GET /router/replicas
 lists the replicas with their load; POST /router/replicas {"url": ...} adds one and DELETE
 /router/replicas?url=... removes one (its running requests finish there), both only with the
 router's admin key (`--admin-key`): without it the replica list cannot change at run time, so
@@ -77,10 +81,12 @@ from slimserve.runtime.server.http import (
     ClosingStreamingResponse,
     bearer_auth,
     install_error_handlers,
+    internal_auth,
     read_body,
     unless_disconnected,
 )
 from slimserve.runtime.server.protocol import APIError, error_body
+from slimserve.runtime.server.trust import internal_headers
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
@@ -159,8 +165,9 @@ class Router:
     """Route handlers and state of one router app."""
 
     def __init__(self, replicas: ReplicaSet, policy: Policy, body_timeout_s: float,
-                 stream_timeout_s: float | None) -> None:
+                 stream_timeout_s: float | None, internal_key: str | None = None) -> None:
         self.replicas = replicas
+        self.internal = internal_headers(internal_key)  # sent on internal calls to replicas
         self.policy = policy
         self.body_timeout_s = body_timeout_s
         self.stream_timeout_s = stream_timeout_s
@@ -177,7 +184,10 @@ class Router:
         return None if state is None else self.replicas.by_state(state)
 
     def disaggregated(self) -> bool:
-        """Whether a prefill and a decode replica are both up (requests are then handed over)."""
+        """Whether a prefill and a decode replica are both up and the router holds the internal
+        key the hand-over needs (requests are then handed over)."""
+        if not self.internal:
+            return False
         roles = {s.role for s in self.replicas.states() if s.up}
         return "prefill" in roles and "decode" in roles
 
@@ -217,7 +227,7 @@ class Router:
             ticket = replica.dispatch(prompt)
             try:
                 resp = await self._send(request, replica, ticket, path, body,
-                                        {**headers, PREFILL_HEADER: "1"})
+                                        {**headers, **self.internal, PREFILL_HEADER: "1"})
                 if resp is None:
                     self.metrics.retries.inc()
                     continue
@@ -245,12 +255,11 @@ class Router:
                 prefill.state.kv_host, replica.state.kv_host)  # an older server: one host
             if relay:  # runtime/disagg/relay.py
                 assert self.client is not None
-                auth = {k: v for k, v in headers.items() if k == "authorization"}
-                names = await relay_segments(self.client, prefill.url, replica.url, segments, auth,
-                                             self.metrics.relayed.inc)
+                names = await relay_segments(self.client, prefill.url, replica.url, segments,
+                                             self.internal, self.metrics.relayed.inc)
             else:
                 names = segments
-            kv = {**headers, KV_HEADER: ",".join(names)}
+            kv = {**headers, **self.internal, KV_HEADER: ",".join(names)}
             out = await self._attempt(request, replica, replica.dispatch(PromptInfo(1)), path, body, kv)
             if out is not None:
                 return out
@@ -441,6 +450,7 @@ class Router:
         remembers of each; 200 when every replica up answered 200, else 502 with each answer."""
         assert self.client is not None
         headers = {k: v for k, v in request.headers.items() if k == "authorization"}
+        headers.update(self.internal)
         answers: dict[str, Any] = {}
         for replica in self.replicas:
             replica.state.prefixes = PrefixIndex()
@@ -519,14 +529,18 @@ def build_router_app(replica_urls: list[str], *, policy: str = "least-latency",
                      api_key: str | None = None, admin_key: str | None = None,
                      poll_interval_s: float = POLL_INTERVAL_S,
                      body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                     stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S) -> FastAPI:
+                     stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
+                     internal_key: str | None = None) -> FastAPI:
     """The router app over `replica_urls` (more can be added at run time with `admin_key`).
 
     api_key: require `Authorization: Bearer <api_key>` on /v1/* and GET /router/replicas; the
     header is forwarded to the replicas, which may check it too.
+    internal_key: the deployment's internal key (runtime/server/trust.py), sent to the replicas
+    on hand-overs, segment moves and POST /reset_prefix_cache, and required from callers of
+    the router's own POST /reset_prefix_cache; without one the router never hands over.
     """
     replicas = ReplicaSet(replica_urls)
-    router = Router(replicas, make_policy(policy), body_timeout_s, stream_timeout_s)
+    router = Router(replicas, make_policy(policy), body_timeout_s, stream_timeout_s, internal_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -560,7 +574,8 @@ def build_router_app(replica_urls: list[str], *, policy: str = "least-latency",
     v1.add_api_route("/chat/completions", router.chat, methods=["POST"])
     app.include_router(v1)
     app.add_api_route("/reset_prefix_cache", router.reset_prefix_cache, methods=["POST"],
-                      dependencies=[Depends(bearer_auth(api_key))])
+                      dependencies=[Depends(internal_auth(internal_key,
+                                                          "POST /reset_prefix_cache"))])
     app.add_api_route("/router/replicas", router.list_replicas, methods=["GET"],
                       dependencies=[Depends(bearer_auth(api_key))])
     app.add_api_route("/router/replicas", router.add_replica, methods=["POST"],

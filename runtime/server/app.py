@@ -29,6 +29,15 @@ reports). Between hosts the segments travel over HTTP: GET /kv_segments/{name} h
 server's segment out once, POST /kv_segments stores one on a decode server under a name of its
 own (runtime/disagg/segment.py); /state's `kv_host` tells a router whether two servers share
 shared memory.
+
+Trust boundary (runtime/server/trust.py): the hand-over headers, /kv_segments and the admin
+endpoints (/reset_prefix_cache, /start_profile, /stop_profile) need the deployment's internal
+key in `X-Slimserve-Internal-Key` (403 on a server started without one, 401 without the right
+one); a client's API key is not enough. Imported KV never serves another request
+(runtime/block_manager.py salts its blocks' keys). Stored segments are bounded in number and
+bytes (503 + Retry-After beyond), and an upload must arrive within `body_timeout_s` (408, its
+partial file removed). A request may carry `cache_salt` (vLLM's): only requests with the same
+salt share prefix-cache blocks; `require_cache_salt` makes it mandatory.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,7 +60,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
-from slimserve.runtime.disagg.errors import KVTransferError
+from slimserve.runtime.disagg.errors import KVStoreFull, KVTransferError
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER, ROLES, parse_kv_header
 from slimserve.runtime.disagg.segment import host_id, new_name, open_segment, receive_segment
 from slimserve.runtime.errors import EngineDeadError, RequestError
@@ -60,7 +70,9 @@ from slimserve.runtime.server.http import (
     ClientGone,
     ClosingStreamingResponse,
     bearer_auth,
+    check_internal_key,
     install_error_handlers,
+    internal_auth,
     read_body,
     unless_disconnected,
 )
@@ -82,6 +94,10 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # Retry-After (whole s) of a 503 for a full queue: the least there is
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
 SEGMENT_CHUNK_BYTES = 1 << 20  # a KV segment is sent in pieces of this size
+DEFAULT_KV_SEGMENTS_MAX = 64  # KV segments a server holds at most (received and not imported)
+# bytes of them at most, in prompts of the whole context (runtime/async_engine.py
+# `kv_segment_max_bytes` is one): what a few hand-overs of the longest prompts need at once
+DEFAULT_KV_SEGMENTS_MAX_CONTEXTS = 4
 
 
 class RequestFailed(Exception):
@@ -116,8 +132,15 @@ class OpenAIServing:
     def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int | None,
                  body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                  stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
-                 role: str = "colocated", kv_host: str | None = None) -> None:
+                 role: str = "colocated", kv_host: str | None = None,
+                 internal_key: str | None = None, require_cache_salt: bool = False,
+                 kv_segments_max: int = DEFAULT_KV_SEGMENTS_MAX,
+                 kv_segments_max_bytes: int | None = None) -> None:
         self.engine = engine
+        self.internal_key = internal_key  # runtime/server/trust.py; None: internal calls refused
+        self.require_cache_salt = require_cache_salt
+        self.kv_segments_max = kv_segments_max
+        self.kv_segments_max_bytes = kv_segments_max_bytes  # None: DEFAULT_KV_SEGMENTS_MAX_CONTEXTS
         self.role = role  # advertised in /state: a router sends prefill / decode work by it
         # advertised in /state: equal for servers sharing the KV segment folder (one host)
         self.kv_host = kv_host if kv_host is not None or role == "colocated" else host_id()
@@ -179,6 +202,7 @@ class OpenAIServing:
             f, size = open_segment(name)
         except KVTransferError as e:
             raise APIError(e.status, str(e), param="name", code=e.code) from None
+        self.engine.kv_segments.discard(name)  # handed out: no longer ours to expire
 
         async def body() -> AsyncIterator[bytes]:
             with f:
@@ -190,13 +214,25 @@ class OpenAIServing:
 
     async def receive_segment(self, request: Request) -> Response:
         """POST /kv_segments: store a KV segment sent from a prefill server on another host
-        (body: what GET /kv_segments/{name} answered); answers its name here, for X-Slimserve-KV."""
+        (body: what GET /kv_segments/{name} answered); answers its name here, for X-Slimserve-KV.
+        Refused with 503 + Retry-After while the stored segments are at their count or byte
+        limit, 408 when the body has not all arrived within the body timeout."""
         self._require_role("decode", "POST /kv_segments")
+        one = self.engine.kv_segment_max_bytes()
+        total = self.kv_segments_max_bytes or DEFAULT_KV_SEGMENTS_MAX_CONTEXTS * one
+        name = None
         try:
-            name = await receive_segment(request.stream(), self.engine.kv_segment_max_bytes(),
-                                         self.engine.kv_segments)
+            with anyio.move_on_after(self.body_timeout_s):
+                name = await receive_segment(request.stream(), one, self.engine.kv_segments,
+                                             max_count=self.kv_segments_max, max_bytes=total)
+        except KVStoreFull as e:
+            raise APIError(e.status, str(e), code=e.code,
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except KVTransferError as e:
             raise APIError(e.status, str(e), code=e.code) from None
+        if name is None:  # cut off: receive_segment removed the partial file
+            raise APIError(408, f"KV segment upload not received within {self.body_timeout_s:g} s "
+                                "(--body-timeout)", code="body_timeout")
         return JSONResponse({"kv_segment": name}, 201)
 
     async def metrics_text(self) -> Response:
@@ -212,17 +248,18 @@ class OpenAIServing:
 
     async def start_profile(self, request: Request) -> Response:
         """Start a torch profiler trace of the engine's steps. Optional JSON body:
-        {"record_shapes": bool (default false), "max_steps": int >= 1 (the cap, default
-        runtime/profiler.py PROFILE_MAX_STEPS)}."""
+        {"record_shapes": bool (default false), "max_steps": int >= 1 (the cap, default and
+        at most runtime/profiler.py PROFILE_MAX_STEPS; the answer gives the cap in force)}."""
         opts = _profile_options(await read_body(request, self.body_timeout_s))
         cap = await self._profile_call(self.engine.start_profile(**opts))
         return JSONResponse({"status": "profiling", "max_steps": cap})
 
     async def stop_profile(self) -> Response:
-        """Stop the trace and write it; answers with the file's path."""
+        """Stop the trace and write it; answers with the file's name in the --profile-dir (never
+        the server's absolute path)."""
         result = await self._profile_call(self.engine.stop_profile())
-        return JSONResponse({"status": "stopped", "path": result.path, "steps": result.steps,
-                             "capped": result.capped})
+        return JSONResponse({"status": "stopped", "path": os.path.basename(result.path),
+                             "steps": result.steps, "capped": result.capped})
 
     @staticmethod
     async def _profile_call(call: Any) -> Any:
@@ -252,6 +289,7 @@ class OpenAIServing:
         req: CompletionRequest = parse_request(await read_body(request, self.body_timeout_s),
                                                CompletionRequest)
         self._check_model(req.model)
+        self._check_cache_salt(req.cache_salt)
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo: echo with logprobs needs prompt logprobs, which this "
                                 "server does not compute; drop one of them", param="echo")
@@ -272,6 +310,7 @@ class OpenAIServing:
         req: ChatCompletionRequest = parse_request(await read_body(request, self.body_timeout_s),
                                                    ChatCompletionRequest)
         self._check_model(req.model)
+        self._check_cache_salt(req.cache_salt)
         logprobs = chat_logprobs(req)
         self._check_prompt_size("".join(m.content for m in req.messages), "messages")
         ids = await asyncio.to_thread(render_chat, self.engine.tokenizer, req.messages)
@@ -299,6 +338,12 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
                                 f"`{self.engine.model_name}`", param="model",
                            code="model_not_found")
+
+    def _check_cache_salt(self, salt: str | None) -> None:
+        if salt is None and self.require_cache_salt:
+            raise APIError(400, "cache_salt: this server requires one per request (--require-"
+                                "cache-salt); send your tenant's salt, e.g. \"cache_salt\": "
+                                "\"tenant-a\"", param="cache_salt")
 
     def _check_prompt_size(self, prompt: str | list[int], field: str) -> None:
         """Refuse, before any tokenizing or decoding, a prompt that cannot fit the context."""
@@ -388,7 +433,8 @@ class OpenAIServing:
                            param=KV_HEADER)
         for asked, header, role in ((prefill, PREFILL_HEADER, "prefill"),
                                     (kv is not None, KV_HEADER, "decode")):
-            if asked:
+            if asked:  # the credential first: a client learns nothing else about hand-overs
+                check_internal_key(request, self.internal_key, f"the {header} header")
                 self._require_role(role, header, param=header)
         try:
             return prefill, None if kv is None else parse_kv_header(kv, n)
@@ -602,11 +648,20 @@ def _profile_options(body: bytes) -> dict[str, Any]:
 def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None,
               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
               stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
-              role: str = "colocated", kv_host: str | None = None) -> FastAPI:
+              role: str = "colocated", kv_host: str | None = None,
+              internal_key: str | None = None, require_cache_salt: bool = False,
+              kv_segments_max: int = DEFAULT_KV_SEGMENTS_MAX,
+              kv_segments_max_bytes: int | None = None) -> FastAPI:
     """The FastAPI app serving `engine`; the lifespan starts it and shuts it down.
 
-    api_key: require `Authorization: Bearer <api_key>` on /v1/* and the profiler endpoints
-    (/health, /metrics, /state stay open).
+    api_key: require `Authorization: Bearer <api_key>` on /v1/* (/health, /metrics, /state stay
+    open).
+    internal_key: the deployment's internal credential (runtime/server/trust.py), required in
+    `X-Slimserve-Internal-Key` by the KV hand-over (headers and /kv_segments) and the admin
+    endpoints (/reset_prefix_cache, /start_profile, /stop_profile); None refuses them all (403).
+    require_cache_salt: refuse (400) /v1 requests without `cache_salt`.
+    kv_segments_max / kv_segments_max_bytes: the KV segments a decode server stores at most
+    (count; bytes, default DEFAULT_KV_SEGMENTS_MAX_CONTEXTS whole-context prompts' worth).
     max_queue: answer 503 with Retry-After while this many admitted requests wait.
     body_timeout_s: answer 408 when a request body has not arrived within this.
     stream_timeout_s: end and abort a stream whose client has read nothing for this long.
@@ -629,20 +684,21 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
 
     app = FastAPI(title="slimserve", lifespan=lifespan)
     serving = OpenAIServing(engine, ServerMetrics(engine), max_queue, body_timeout_s,
-                            stream_timeout_s, role, kv_host)
+                            stream_timeout_s, role, kv_host, internal_key, require_cache_salt,
+                            kv_segments_max, kv_segments_max_bytes)
     app.state.serving = serving
     install_error_handlers(app)
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics_text, methods=["GET"])
     app.add_api_route("/state", serving.state, methods=["GET"])
-    auth = [Depends(bearer_auth(api_key))]
-    app.add_api_route("/start_profile", serving.start_profile, methods=["POST"], dependencies=auth)
-    app.add_api_route("/reset_prefix_cache", serving.reset_prefix_cache, methods=["POST"],
-                      dependencies=auth)
-    app.add_api_route("/stop_profile", serving.stop_profile, methods=["POST"], dependencies=auth)
-    app.add_api_route("/kv_segments/{name}", serving.send_segment, methods=["GET"],
-                      dependencies=auth)
-    app.add_api_route("/kv_segments", serving.receive_segment, methods=["POST"], dependencies=auth)
+    for path, handler, method in (("/start_profile", serving.start_profile, "POST"),
+                                  ("/stop_profile", serving.stop_profile, "POST"),
+                                  ("/reset_prefix_cache", serving.reset_prefix_cache, "POST"),
+                                  ("/kv_segments/{name}", serving.send_segment, "GET"),
+                                  ("/kv_segments", serving.receive_segment, "POST")):
+        what = f"{method} {path.removesuffix('/{name}')}"
+        app.add_api_route(path, handler, methods=[method],
+                          dependencies=[Depends(internal_auth(internal_key, what))])
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
     v1.add_api_route("/models", serving.models, methods=["GET"])
     v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slimserve.runtime.server.protocol import MAX_BODY_BYTES, APIError, error_body
+from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER, key_matches
 
 log = logging.getLogger("slimserve.runtime.server.app")
 
@@ -91,6 +92,27 @@ def bearer_auth(api_key: str | None):
             raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer "
                                 "<key>'", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
+
+    return check
+
+
+def check_internal_key(request: Request, internal_key: str | None, what: str) -> None:
+    """APIError unless `request` carries this deployment's internal key (runtime/server/trust.py):
+    403 when the server has none (`what` is refused outright), 401 when it is missing or wrong."""
+    if internal_key is None:
+        raise APIError(403, f"{what} is internal and this server has no internal key; start it "
+                            "with --internal-key (or SLIMSERVE_INTERNAL_KEY) and send the key as "
+                            "X-Slimserve-Internal-Key", code="internal_key_required")
+    if not key_matches(internal_key, request.headers.get(INTERNAL_KEY_HEADER)):
+        raise APIError(401, f"{what} is internal: missing or incorrect X-Slimserve-Internal-Key",
+                       code="invalid_internal_key")
+
+
+def internal_auth(internal_key: str | None, what: str):
+    """A dependency: `check_internal_key` for every request of a route."""
+
+    async def check(request: Request) -> None:
+        check_internal_key(request, internal_key, what)
 
     return check
 

@@ -101,6 +101,8 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None  # only with stream=true
     n: int = 1  # choices per prompt, each its own engine request (seed + i when seeded)
     user: str | None = None  # end-user id; accepted and ignored
+    # prefix-cache namespace (vLLM's): only requests with the same salt share cached prefixes
+    cache_salt: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -225,7 +227,7 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             seed=req.seed, stop=list(req.stop or []), stop_token_ids=frozenset(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs, cache_salt=req.cache_salt)
     except SamplingError as e:
         raise APIError(400, str(e), param=e.field) from None
 

@@ -14,6 +14,7 @@ so every measurement also exercises the file the user will serve with.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -32,6 +33,7 @@ from slimserve.runtime.bench.driver import (
 from slimserve.runtime.bench.server_process import free_port, launched_server
 from slimserve.runtime.bench.workload import BenchRequest, compute_metrics, poisson_arrivals
 from slimserve.runtime.serve_config import write_serve_config
+from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, new_internal_key
 from slimserve.runtime.tune.search import Setting
 
 WARM_BATCH = 48  # untimed requests (at most) sent at once to each new server
@@ -57,6 +59,7 @@ class BenchMeasure:
         self.on_server = on_server
         self.setting: Setting | None = None
         self.url: str | None = None
+        self.internal_key: str | None = None  # the running server's (runtime/server/trust.py)
         self.model_name: str | None = None
         self.server_starts = 0
         self.server_start_s = 0.0  # total s spent starting servers (load + warm-up)
@@ -87,9 +90,10 @@ class BenchMeasure:
         port = free_port()
         cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", "--config", str(config),
                "--host", "127.0.0.1", "--port", str(port)]
+        self.internal_key = new_internal_key()  # its admin key (prefix-cache resets), in its env
         self.url = self._stack.enter_context(launched_server(
             cmd, f"http://127.0.0.1:{port}", self.args.server_start_timeout_s,
-            self.workdir / f"{name}.log"))
+            self.workdir / f"{name}.log", {**os.environ, INTERNAL_KEY_ENV: self.internal_key}))
         self.setting = setting
         self.model_name = served_model_name(self.url, self.args)
         if self.args.warmup_requests:
@@ -114,7 +118,7 @@ class BenchMeasure:
         arrivals = poisson_arrivals(len(reqs), rate, self.args.seed)
         # every run sends the same prompts: without a reset, all but the first run of a server
         # would find them cached and measure no prefill
-        reset_prefix_cache(self.url, self.args.api_key)
+        reset_prefix_cache(self.url, self.args.api_key, self.internal_key)
         results, duration = asyncio.run(run_requests(
             self.url, self.model_name, reqs, arrivals, max_concurrency=self.args.max_concurrency,
             text_prompts=self.args.text_prompts, timeout_s=self.args.request_timeout_s,

@@ -40,11 +40,14 @@ from slimserve.runtime.router.app import build_router_app
 from slimserve.runtime.router.policy import LeastLatency, ReplicaState, RoundRobin
 from slimserve.runtime.sequence import SamplingParams
 from slimserve.runtime.server.app import build_app
+from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
 
 from tests.helpers.live_server import serve_in_thread, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
+KEY = "test-internal-key"  # the deployment's internal key (runtime/server/trust.py)
+IK = {INTERNAL_KEY_HEADER: KEY}
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    " * 3
 
 
@@ -230,10 +233,10 @@ def live():
     with ExitStack() as stack:
         cfg = dict(model=str(DEMO), device="cpu", kv_cache_memory=8 * 2**20)
         p_url = stack.enter_context(serve_in_thread(build_app(
-            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="prefill"), 60))
+            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="prefill", internal_key=KEY), 60))
         d_url = stack.enter_context(serve_in_thread(build_app(
-            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="decode"), 60))
-        app = build_router_app([p_url, d_url], poll_interval_s=0.05)
+            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="decode", internal_key=KEY), 60))
+        app = build_router_app([p_url, d_url], poll_interval_s=0.05, internal_key=KEY)
         r_url = stack.enter_context(serve_in_thread(app, 30))
         wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
         yield {"prefill": p_url, "decode": d_url, "router": r_url, "app": app}
@@ -274,22 +277,22 @@ def test_handover_errors_are_clear(live):
                    headers={KV_HEADER: gone, PREFILL_HEADER: "1"}, trust_env=False)
     assert r.status_code == 200  # a client's hand-over headers are not forwarded
     r = httpx.post(live["decode"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                   headers={KV_HEADER: gone}, trust_env=False)
+                   headers={**IK, KV_HEADER: gone}, trust_env=False)
     assert r.status_code == 410 and r.json()["error"]["code"] == "kv_segment_missing"
     r = httpx.post(live["decode"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                   headers={KV_HEADER: "x", PREFILL_HEADER: "1"}, trust_env=False)
+                   headers={**IK, KV_HEADER: "x", PREFILL_HEADER: "1"}, trust_env=False)
     assert r.status_code == 400 and "send one of them" in r.json()["error"]["message"]
     r = httpx.post(live["prefill"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                   headers={KV_HEADER: gone}, trust_env=False)  # a hand-over outside its role
+                   headers={**IK, KV_HEADER: gone}, trust_env=False)  # a hand-over outside its role
     assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_role"
     assert "needs `runtime serve --role decode`" in r.json()["error"]["message"]
     # a segment computed for another prompt
     r = httpx.post(live["prefill"] + "/v1/completions", json={"prompt": "import os", "max_tokens": 4},
-                   headers={PREFILL_HEADER: "1"}, trust_env=False)
+                   headers={**IK, PREFILL_HEADER: "1"}, trust_env=False)
     assert r.status_code == 200, r.text
     seg = r.json()["kv_segments"]
     r = httpx.post(live["decode"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                   headers={KV_HEADER: ",".join(seg)}, trust_env=False)
+                   headers={**IK, KV_HEADER: ",".join(seg)}, trust_env=False)
     assert r.status_code == 409 and "not this request's" in r.json()["error"]["message"]
     state = httpx.get(live["prefill"] + "/state", trust_env=False).json()
     assert state["role"] == "prefill"
@@ -327,7 +330,7 @@ def _broken_decode_replica():
 def test_a_failing_decode_replica_gives_a_clear_error(live):
     stub = _broken_decode_replica()
     with serve_in_thread(stub) as d_url:
-        app = build_router_app([live["prefill"], d_url], poll_interval_s=0.05)
+        app = build_router_app([live["prefill"], d_url], poll_interval_s=0.05, internal_key=KEY)
         with serve_in_thread(app) as r_url:
             wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
             body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
@@ -387,10 +390,10 @@ def two_hosts():
     with ExitStack() as stack:
         cfg = dict(model=str(DEMO), device="cpu", kv_cache_memory=8 * 2**20)
         p_url = stack.enter_context(serve_in_thread(build_app(
-            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="prefill", kv_host="host-a"), 60))
+            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="prefill", kv_host="host-a", internal_key=KEY), 60))
         d_url = stack.enter_context(serve_in_thread(build_app(
-            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="decode", kv_host="host-b"), 60))
-        app = build_router_app([p_url, d_url], poll_interval_s=0.05)
+            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="decode", kv_host="host-b", internal_key=KEY), 60))
+        app = build_router_app([p_url, d_url], poll_interval_s=0.05, internal_key=KEY)
         r_url = stack.enter_context(serve_in_thread(app, 30))
         wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
         yield {"prefill": p_url, "decode": d_url, "router": r_url}
@@ -424,20 +427,20 @@ def test_segment_endpoints_refuse_clearly(two_hosts, kv_dir):
         assert r.status_code == status, r.text
         return r.json()["error"]
 
-    assert err(httpx.get(p + "/kv_segments/passwd", trust_env=False), 400)["code"] == "bad_kv_handle"
-    assert err(httpx.get(p + f"/kv_segments/{new_name()}", trust_env=False), 410)["code"] == \
+    assert err(httpx.get(p + "/kv_segments/passwd", headers=IK, trust_env=False), 400)["code"] == "bad_kv_handle"
+    assert err(httpx.get(p + f"/kv_segments/{new_name()}", headers=IK, trust_env=False), 410)["code"] == \
         "kv_segment_missing"
     assert "needs `runtime serve --role prefill`" in err(
-        httpx.get(d + f"/kv_segments/{new_name()}", trust_env=False), 400)["message"]
-    assert err(httpx.post(p + "/kv_segments", content=MAGIC, trust_env=False), 400)["code"] == \
+        httpx.get(d + f"/kv_segments/{new_name()}", headers=IK, trust_env=False), 400)["message"]
+    assert err(httpx.post(p + "/kv_segments", content=MAGIC, headers=IK, trust_env=False), 400)["code"] == \
         "wrong_role"
     assert "bad magic" in err(httpx.post(d + "/kv_segments", content=b"GIF89a" * 10,
-                                         trust_env=False), 400)["message"]
+                                         headers=IK, trust_env=False), 400)["message"]
     too_big = MAGIC + bytes(6 * 2**20)  # the demo model's whole context is ~5 MB of KV
-    assert "more than" in err(httpx.post(d + "/kv_segments", content=too_big, trust_env=False,
+    assert "more than" in err(httpx.post(d + "/kv_segments", content=too_big, headers=IK, trust_env=False,
                                          timeout=60), 400)["message"]
     assert not list(kv_dir.iterdir())  # nothing half-written left behind
-    r = httpx.post(d + "/kv_segments", content=MAGIC + b"rest", trust_env=False)
+    r = httpx.post(d + "/kv_segments", content=MAGIC + b"rest", headers=IK, trust_env=False)
     assert r.status_code == 201 and (kv_dir / r.json()["kv_segment"]).exists()  # then expires
     (kv_dir / r.json()["kv_segment"]).unlink()
 
@@ -455,7 +458,7 @@ def test_a_failed_move_between_hosts_is_a_clear_502(two_hosts):
         return JSONResponse({"error": {"message": "no room", "type": "server_error"}}, 507)
 
     with serve_in_thread(stub) as d_url:
-        app = build_router_app([two_hosts["prefill"], d_url], poll_interval_s=0.05)
+        app = build_router_app([two_hosts["prefill"], d_url], poll_interval_s=0.05, internal_key=KEY)
         with serve_in_thread(app) as r_url:
             wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
             r = httpx.post(r_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},

@@ -24,6 +24,7 @@ from slimserve.runtime.bench.workload import LengthDist
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.profiler import prepare_profile_dir
 from slimserve.runtime.server.app import build_app
+from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
 from slimserve.runtime.server.metrics import STEP_PHASE_SECONDS
 from slimserve.runtime.step_timing import PHASES, StepTimings, split_gpu_forward
 
@@ -41,14 +42,18 @@ def fresh_prompt(n: int) -> list[int]:
     return [_rng.randrange(10, 2000) for _ in range(n)]
 
 
+KEY = "test-internal-key"  # the admin endpoints need it (runtime/server/trust.py)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     profiles = tmp_path_factory.mktemp("profiles")
     engine = AsyncEngine.from_config(
         EngineConfig(model=str(DEMO_MODEL), device="cpu", dtype="float32", max_num_seqs=8,
                      kv_cache_memory="16MiB"), profile_dir=profiles)
-    with serve_in_thread(build_app(engine)) as url:
-        with httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
+    with serve_in_thread(build_app(engine, internal_key=KEY)) as url:
+        with httpx.Client(base_url=url, timeout=60, trust_env=False,
+                          headers={INTERNAL_KEY_HEADER: KEY}) as client:
             yield client, profiles
 
 
@@ -153,8 +158,9 @@ def test_profile_writes_a_chrome_trace_with_the_phase_ranges(served):
     r = client.post("/stop_profile")
     assert r.status_code == 200, r.text
     body = r.json()
-    path = Path(body["path"])
-    assert path.parent == profiles.resolve() and path.name.endswith(".trace.json")
+    assert "/" not in body["path"]  # a file name in the --profile-dir, no server path
+    path = profiles / body["path"]
+    assert path.name.endswith(".trace.json")
     assert body["steps"] >= 3 and body["capped"] is False
     trace = json.loads(path.read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
@@ -172,15 +178,41 @@ def test_profile_writes_a_chrome_trace_with_the_phase_ranges(served):
 
 
 def test_profile_stops_itself_at_its_step_cap(served):
-    client, _ = served
+    client, profiles = served
     r = client.post("/start_profile", json={"max_steps": 2, "record_shapes": False})
     assert r.status_code == 200 and r.json()["max_steps"] == 2, r.text
     complete(client, fresh_prompt(7), 5)  # 5 steps: the profile stopped after 2
     body = client.post("/stop_profile").json()
     assert body["capped"] is True and body["steps"] == 2
-    names = [e.get("name") for e in json.loads(Path(body["path"]).read_text())["traceEvents"]]
+    names = [e.get("name") for e in json.loads((profiles / body["path"]).read_text())["traceEvents"]]
     assert names.count("slimserve.forward") == 2
     _one_line_error(client.post("/stop_profile"), 409, "no profile is running")
+
+
+def test_max_steps_is_clamped_to_the_server_cap_and_old_traces_are_rotated(served):
+    from slimserve.runtime.profiler import PROFILE_KEEP_TRACES, PROFILE_MAX_STEPS
+
+    client, profiles = served
+    r = client.post("/start_profile", json={"max_steps": 10**9})
+    assert r.status_code == 200 and r.json()["max_steps"] == PROFILE_MAX_STEPS, r.text
+    assert client.post("/stop_profile").status_code == 200
+    (profiles / "notes.txt").write_text("not a trace: never removed")
+    for _ in range(PROFILE_KEEP_TRACES + 1):
+        assert client.post("/start_profile").status_code == 200
+        last = client.post("/stop_profile").json()["path"]
+    traces = sorted(p.name for p in profiles.glob("*.trace.json"))
+    assert len(traces) == PROFILE_KEEP_TRACES and last in traces  # the newest kept
+    assert (profiles / "notes.txt").exists()
+
+
+def test_admin_endpoints_need_the_internal_key(served):
+    client, _ = served
+    for route in ("/start_profile", "/stop_profile", "/reset_prefix_cache"):
+        r = client.post(route, headers={INTERNAL_KEY_HEADER: "wrong"})
+        _one_line_error(r, 401, "missing or incorrect X-Slimserve-Internal-Key")
+    with TestClient(build_app(FakeEngine())) as c:  # started without one: refused outright
+        for route in ("/start_profile", "/stop_profile", "/reset_prefix_cache"):
+            _one_line_error(c.post(route), 403, "start it with --internal-key")
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -196,13 +228,15 @@ def test_start_profile_refuses_bad_bodies(served, body, needle):
 
 
 def test_profiling_off_without_profile_dir():
-    with TestClient(build_app(FakeEngine())) as c:
+    with TestClient(build_app(FakeEngine(), internal_key=KEY)) as c:
         for route in ("/start_profile", "/stop_profile"):
-            _one_line_error(c.post(route), 400, "start the server with --profile-dir")
+            _one_line_error(c.post(route, headers={INTERNAL_KEY_HEADER: KEY}), 400,
+                            "start the server with --profile-dir")
         text = c.get("/metrics").text  # the step histograms render, empty
         assert 'slimserve:step_phase_seconds_count{phase="forward"} 0.0' in text
-    with TestClient(build_app(FakeEngine(), api_key="k")) as c:  # behind the API key
-        assert c.post("/start_profile").status_code == 401
+    with TestClient(build_app(FakeEngine(), api_key="k", internal_key=KEY)) as c:
+        # an admin endpoint: the client's API key is not its credential
+        assert c.post("/start_profile", headers={"Authorization": "Bearer k"}).status_code == 401
 
 
 def test_serve_profile_dir_is_created_or_refused_in_one_line(tmp_path):
@@ -250,7 +284,7 @@ def test_bench_profile_and_breakdown_against_a_live_server(served, tmp_path, cap
     client, profiles = served
     args = BenchArgs(url=str(client.base_url).rstrip("/"), tokenizer=str(DEMO_MODEL), num_prompts=3,
                      input_len=LengthDist(16, 0.2, 8, 24), output_len=LengthDist(4, 0.2, 2, 6),
-                     max_concurrency=2, profile=True, progress=False,
+                     max_concurrency=2, profile=True, progress=False, internal_key=KEY,
                      json_out=str(tmp_path / "b.json"))
     result = run_bench(args)
     run = result["runs"][0]
@@ -259,8 +293,8 @@ def test_bench_profile_and_breakdown_against_a_live_server(served, tmp_path, cap
     assert b["steps"] >= max(r["output_tokens"] for r in run["requests"])
     assert sum(p["share"] for p in b["phases"]) == pytest.approx(1.0)
     assert [p["phase"] for p in b["phases"]] == list(PHASES)
-    trace = Path(run["profile_trace"])
-    assert trace.parent == profiles.resolve() and run["profile_steps"] == b["steps"]
+    trace = profiles / run["profile_trace"]  # a --url server's trace: its name in its folder
+    assert run["profile_steps"] == b["steps"]
     assert "slimserve.sample" in trace.read_text()
     saved = json.loads((tmp_path / "b.json").read_text())
     assert saved["runs"][0]["step_breakdown"]["steps"] == b["steps"]
@@ -277,8 +311,9 @@ def test_bench_profile_against_a_server_without_profile_dir_is_one_line():
     app = typer.Typer()
     app.command("bench")(bench_main)
     app.command("other")(lambda: None)
-    with serve_in_thread(build_app(FakeEngine())) as url:
-        r = CliRunner().invoke(app, ["bench", "--url", url, "--tokenizer", str(DEMO_MODEL),
+    with serve_in_thread(build_app(FakeEngine(), internal_key=KEY)) as url:
+        r = CliRunner().invoke(app, ["bench", "--url", url, "--internal-key", KEY,
+                                     "--tokenizer", str(DEMO_MODEL),
                                      "--num-prompts", "2", "--input-len-median", "8",
                                      "--input-len-min", "4", "--input-len-max", "12",
                                      "--output-len-median", "2", "--output-len-min", "1",

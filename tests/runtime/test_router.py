@@ -232,10 +232,13 @@ def test_prompt_info_reads_completions_chat_and_token_ids():
 # -- live: two fake replicas behind the router -----------------------------------------------------
 
 @contextmanager
-def _cluster(n=2, policy="round-robin", delay=0.01, **router_kw):
+def _cluster(n=2, policy="round-robin", delay=0.01, internal_key=None, **router_kw):
     engines = [FakeEngine(delay=delay, max_model_len=4096) for _ in range(n)]
     with ExitStack() as stack:
-        urls = [stack.enter_context(serve_in_thread(build_app(e))) for e in engines]
+        urls = [stack.enter_context(serve_in_thread(build_app(e, internal_key=internal_key)))
+                for e in engines]
+        if internal_key is not None:
+            router_kw["internal_key"] = internal_key
         router = build_router_app(urls, policy=policy, poll_interval_s=0.05, **router_kw)
         url = stack.enter_context(serve_in_thread(router))
         yield engines, urls, url, router.state.router
@@ -458,11 +461,14 @@ def test_killing_a_replica_mid_load_loses_no_unstarted_request_and_hangs_no_clie
 
 
 def test_reset_prefix_cache_reaches_every_replica_and_clears_the_affinity():
-    with _cluster(policy="least-latency") as (engines, _, url, router):
+    ik = {"x-slimserve-internal-key": "k"}  # an admin call, on the router as on a replica
+    with _cluster(policy="least-latency", internal_key="k") as (engines, _, url, router):
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=20)
         c.completions.create(model="fake-model", prompt="x" * 600, max_tokens=2)
         assert sum(len(r.state.prefixes) for r in router.replicas) > 0
-        r = httpx.post(url + "/reset_prefix_cache", trust_env=False)
+        assert httpx.post(url + "/reset_prefix_cache", trust_env=False).status_code == 401
+        assert [e.prefix_cache_resets for e in engines] == [0, 0]
+        r = httpx.post(url + "/reset_prefix_cache", headers=ik, trust_env=False)
         assert r.status_code == 200 and r.json()["status"] == "ok"
         assert [e.prefix_cache_resets for e in engines] == [1, 1]
         assert sum(len(r.state.prefixes) for r in router.replicas) == 0
@@ -470,7 +476,7 @@ def test_reset_prefix_cache_reaches_every_replica_and_clears_the_affinity():
             raise EngineDeadError("the engine stopped")
 
         engines[1].reset_prefix_cache = refuse
-        r = httpx.post(url + "/reset_prefix_cache", trust_env=False)
+        r = httpx.post(url + "/reset_prefix_cache", headers=ik, trust_env=False)
         assert r.status_code == 502 and r.json()["status"] == "failed"
         assert engines[0].prefix_cache_resets == 2
 

@@ -443,3 +443,106 @@ def test_ray_executor_gives_the_same_tokens_and_names_a_killed_actor(demo_refere
             pp.shutdown()
     finally:
         ray.shutdown()
+
+
+# -- listening sockets: a single-host TP server exposes nothing but its API port -------------------
+
+def _pid_tree(pid: int) -> set[int]:
+    """`pid` and every process below it (from /proc/<pid>/task/*/children)."""
+    from pathlib import Path
+
+    seen, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return seen
+
+
+def _listening(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state held by `pids`; addresses as the
+    kernel gives them, decoded (IPv4 dotted, IPv6 as 32 hex digits)."""
+    import socket as socketlib
+    from pathlib import Path
+
+    inodes = set()
+    for p in pids:
+        for fd in Path(f"/proc/{p}/fd").glob("*"):
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: TCP_LISTEN
+                continue
+            addr, port = f[1].split(":")
+            if len(addr) == 8:
+                addr = socketlib.inet_ntop(socketlib.AF_INET, bytes.fromhex(addr)[::-1])
+            out.append((addr, int(port, 16)))
+    return out
+
+
+def _loopback(addr: str) -> bool:
+    if "." in addr:
+        return addr.startswith("127.")
+    words = [addr[i:i + 8] for i in range(0, 32, 8)]  # four little-endian 32-bit words
+    v6 = b"".join(bytes.fromhex(w)[::-1] for w in words)
+    return v6 == bytes(15) + b"\x01" or (v6[:12] == bytes(10) + b"\xff\xff" and v6[12] == 127)
+
+
+def test_a_single_host_tp2_server_listens_on_nothing_but_its_api_port(tmp_path):
+    """The rendezvous store and gloo's sockets are bound to loopback (runtime/distributed/
+    group.py): served on every interface, the API port is the only socket others can reach."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from slimserve.runtime.bench.server_process import free_port
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "slimserve.runtime.cli", "serve", str(DEMO_MODEL),
+                             "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                             "--tensor-parallel-size", "2", "--host", "0.0.0.0", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "the TP=2 server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2,
+                             trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", trust_env=False, timeout=60,
+                       json={"prompt": "hello", "max_tokens": 4})  # the ranks have talked
+        assert r.status_code == 200, r.text
+        pids = _pid_tree(proc.pid)
+        assert len(pids) >= 2  # the server and its rank-1 worker
+        sockets = _listening(pids)
+        exposed = {(a, p) for a, p in sockets if not _loopback(a)}
+        assert {p for _, p in exposed} == {port}, sockets
+        assert any(_loopback(a) for a, _ in sockets), sockets  # the store: there, on loopback
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
