@@ -55,11 +55,13 @@ class W4A16Config:
 # split-K fills 2 programs per SM; the mid rows are wgmma-sized tiles (BLOCK_M 64 per warpgroup);
 # from M = 513 on, dequantizing a 4096x4096 W (~40 MB of traffic, ~10 us at 4 TB/s) is small
 # next to the matmul (17 GFLOP, ~25 us at ~700 TFLOP/s), so cuBLAS takes over.
+# Measured on an H200 (docs/gpu.md, eval/kernels/w4a16.py's sweep over M 1..4096 at N, K of
+# 4096 / 11008, fp16): one K slice beats the SM-filling split at M <= 16 (70 against 149 us at
+# M = 1, N = K = 4096); the dequant + cuBLAS path already wins from M = 256 (50 against 141 us).
 DISPATCH: tuple[tuple[int | None, W4A16Config], ...] = (
-    (16, W4A16Config("gemm", 16, 64, 128, split_k=0, num_warps=4, num_stages=4)),
-    (64, W4A16Config("gemm", 64, 64, 64, split_k=0, num_warps=4, num_stages=4)),
-    (512, W4A16Config("gemm", 128, 128, 64, split_k=0, num_warps=8, num_stages=3)),
-    (None, W4A16Config("dequant", 0, 64, 128, num_warps=4, num_stages=1)),
+    (16, W4A16Config("gemm", 16, 64, 128, split_k=1, num_warps=4, num_stages=4)),
+    (64, W4A16Config("gemm", 32, 64, 128, split_k=0, num_warps=4, num_stages=4)),
+    (None, W4A16Config("dequant", 0, 64, 128, split_k=0, num_warps=4, num_stages=1)),
 )
 _REDUCE_BLOCK = 1024  # elements of [M, N] per program of the split-K reduction
 _GROUP_M = 8  # M tiles that walk one N column together, so W tiles are reused from L2

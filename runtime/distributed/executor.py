@@ -38,6 +38,7 @@ import torch
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.distributed.group import TPGroup, create_store, timeout_s
 from slimserve.runtime.distributed.rank_stats import RankStats, read_published, rss_bytes, worker_row
+from slimserve.runtime.distributed.signed_store import SignedStore, new_secret
 from slimserve.runtime.distributed.worker import HEADER, STOP, pack_batch, worker_main
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class MultiprocExecutor:
         self.threads = cpu_threads(world) if device.type == "cpu" else None
         bind = self._bind_address()
         store = create_store(world, bind)
+        self.secret = new_secret()  # signs what the ranks say through the store (signed_store.py)
+        self.signed = SignedStore(store, self.secret)
         self._closed = False
         self.ready_info: dict[int, dict] = {}  # rank -> its "ready" message (weight/KV bytes, pid)
         self._start_workers(config, store)
@@ -90,7 +93,8 @@ class MultiprocExecutor:
         for rank in range(1, self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"slimserve-tp-rank{rank}", daemon=True,
-                            args=(rank, self.world, store.port, config, child, self.threads))
+                            args=(rank, self.world, store.port, config, child, self.threads),
+                            kwargs={"secret": self.secret})
             p.start()
             child.close()
             self.procs.append(p)
@@ -200,7 +204,7 @@ class MultiprocExecutor:
             try:
                 if self._closed or self._exit_status(rank)[0]:
                     continue  # a dead worker: no row
-                published = read_published(self.group.store, rank)
+                published = read_published(self.signed, rank)
                 row = worker_row(rank, self.ready_info.get(rank, {}), published,
                                  self._worker_memory(rank, published))
             except Exception:  # noqa: BLE001 (a scrape must not fail: the row is left out)

@@ -6,8 +6,11 @@ cores / N}` on CPU; rank 0's bundle is the driver's own share) and starts one ac
 rank in its bundle. Each actor runs the same worker code as the `mp` executor
 (`worker_main`, runtime/distributed/worker.py); what differs is the transport: rank 0's TCPStore
 listens on this node's address (the one Ray reports, `ray.util.get_node_ip_address`; only
-there, not on every interface) and each actor's gloo sockets on its own node's, the step headers and the workers' messages travel through it
-(`StoreChannel`) instead of pipes, and a worker's liveness is its actor's. Ray gives each actor
+there, not on every interface: the address given to `ray start --node-ip-address`) and each
+actor's gloo sockets on its own node's, the step headers and the workers' messages travel
+through it (`StoreChannel`) instead of pipes, signed with the run's secret
+(runtime/distributed/signed_store.py: a value written by anything without it is refused), and a
+worker's liveness is its actor's. Ray gives each actor
 its one GPU as cuda:0.
 
 /metrics: an actor may run on another node, so the driver reads no /proc of its own here: each
@@ -37,11 +40,12 @@ def _ray():
 class RayWorker:
     """One rank, as a Ray actor."""
 
-    def run(self, rank, world, host, port, config, threads, cuda):
+    def run(self, rank, world, host, port, config, threads, cuda, secret):
         import ray
 
         worker_main(rank, world, port, config, None, threads, host=host,
-                    cuda_index=0 if cuda else None, bind=ray.util.get_node_ip_address())
+                    cuda_index=0 if cuda else None, bind=ray.util.get_node_ip_address(),
+                    secret=secret)
 
 
 class RayExecutor(MultiprocExecutor):
@@ -58,7 +62,7 @@ class RayExecutor(MultiprocExecutor):
 
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-        self._ray, self.store, self.steps = ray, store, 0
+        self._ray, self.store, self.steps = ray, self.signed, 0  # every value signed
         cuda = self.device.type == "cuda"
         bundle = {"GPU": 1} if cuda else {"CPU": self.threads or 1}
         self.pg = placement_group([bundle] * self.world, strategy="PACK")
@@ -70,7 +74,8 @@ class RayExecutor(MultiprocExecutor):
             a = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=rank)).remote()
             self.actors.append(a)
-            self.runs.append(a.run.remote(rank, self.world, host, store.port, config, self.threads, cuda))
+            self.runs.append(a.run.remote(rank, self.world, host, store.port, config, self.threads,
+                                          cuda, self.secret))
 
     def _post(self, header: bytes) -> None:
         self.store.set(f"step/{self.steps}", header)  # one write, read by every worker

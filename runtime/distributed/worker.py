@@ -32,6 +32,7 @@ from slimserve.runtime.distributed.rank_stats import (
     process_memory_bytes,
     publish_stats,
 )
+from slimserve.runtime.distributed.signed_store import ForgedMessage, SignedStore
 from slimserve.runtime.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,10 @@ def unpack_batch(header: tuple, payload: torch.Tensor) -> BatchInputs:
 class StoreChannel:
     """The pipe's interface over the group's TCPStore, for workers on other machines (the `ray`
     executor, runtime/distributed/ray_executor.py): the driver posts step n's header under
-    `step/<n>`, a worker posts its messages under `msg/<rank>/<i>`."""
+    `step/<n>`, a worker posts its messages under `msg/<rank>/<i>`, both signed (`store` is a
+    SignedStore: a forged step header raises ForgedMessage)."""
 
-    def __init__(self, store, rank: int):
+    def __init__(self, store: SignedStore, rank: int):
         self.store, self.rank, self.steps, self.sent = store, rank, 0, 0
 
     def recv_bytes(self) -> bytes:
@@ -98,11 +100,12 @@ class StoreChannel:
 
 def worker_main(rank: int, world: int, port: int, config, conn, threads: int | None,
                 host: str = "127.0.0.1", cuda_index: int | None = None,
-                bind: str = "127.0.0.1") -> None:
+                bind: str = "127.0.0.1", *, secret: bytes) -> None:
     """Process entry (multiprocessing spawn, or a Ray actor); errors go back over `conn` as
     ("error", text). conn None: a `StoreChannel` over the group's store. host: where rank 0's
     store listens; cuda_index: this rank's GPU (default: cuda:rank); bind: the address this
-    rank's gloo sockets listen on (runtime/distributed/group.py)."""
+    rank's gloo sockets listen on (runtime/distributed/group.py); secret: the run's key for
+    what goes through the store (runtime/distributed/signed_store.py)."""
     if threads is not None:
         torch.set_num_threads(threads)
     try:
@@ -111,10 +114,11 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
             device = torch.device("cuda", rank if cuda_index is None else cuda_index)
             torch.cuda.set_device(device)
         group = TPGroup(rank, world, device, port=port, host=host, bind=bind)
+        signed = SignedStore(group.store, secret)
         if conn is None:
-            conn = StoreChannel(group.store, rank)
+            conn = StoreChannel(signed, rank)
         runner = ModelRunner(config, group=group)
-        _publish(runner, rank)
+        _publish(runner, signed, rank)
         conn.send(("ready", {"blocks": runner.num_blocks, "weight_bytes": runner.weight_bytes,
                              "kv_cache_bytes": runner.kv_cache_bytes, "pid": os.getpid()}))
     except BaseException as e:  # noqa: BLE001 (any failure is reported to the driver, which names this rank)
@@ -127,9 +131,12 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
     while True:
         try:
             if unpublished and not conn.poll(IDLE_PUBLISH_S):  # idle now: complete counters
-                _publish(runner, rank)
+                _publish(runner, signed, rank)
                 published, unpublished = time.monotonic(), False
             header = HEADER.unpack(conn.recv_bytes())
+        except ForgedMessage as e:  # someone else wrote our step key: stop, say so
+            log.error("tensor-parallel rank %d: %s", rank, e)
+            return
         except (EOFError, OSError, RuntimeError):  # RuntimeError: the store (DistError)
             return  # the driver is gone
         if header[0] == STOP:
@@ -140,16 +147,16 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
             runner.execute(unpack_batch(header, payload))
             unpublished = True
             if time.monotonic() - published >= PUBLISH_EVERY_S:
-                _publish(runner, rank)
+                _publish(runner, signed, rank)
                 published, unpublished = time.monotonic(), False
         except RuntimeError as e:  # a peer died or hung (or the store is gone): nothing left to do
             log.error("tensor-parallel rank %d: %s", rank, str(e).splitlines()[0] if str(e) else e)
             return
 
 
-def _publish(runner: ModelRunner, rank: int) -> None:
+def _publish(runner: ModelRunner, store: SignedStore, rank: int) -> None:
     """This rank's process memory and collective counters into the store, for the driver's
     /metrics (runtime/distributed/rank_stats.py)."""
     comm = runner.comm_stats()
-    publish_stats(runner.group.store, rank, process_memory_bytes(runner.device), comm["comm_s"],
+    publish_stats(store, rank, process_memory_bytes(runner.device), comm["comm_s"],
                   comm["comm_calls"])

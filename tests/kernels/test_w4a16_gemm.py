@@ -161,13 +161,15 @@ def test_dispatch_table():
     assert select_config(10**6).path == "dequant"
     cpu = torch.device("cpu")  # assumes an H200's 132 SMs
     decode = select_config(1)
-    split = _split_k(decode, 1, 4096, 4096 // decode.block_k, cpu)
-    assert 1 < split <= 4096 // decode.block_k
+    assert _split_k(decode, 1, 4096, 4096 // decode.block_k, cpu) == 1  # measured: no split
+    auto = W4A16Config("gemm", 16, 64, 128)  # split_k=0: slices to fill the SMs
+    split = _split_k(auto, 1, 4096, 4096 // auto.block_k, cpu)
+    assert 1 < split <= 4096 // auto.block_k
     assert _split_k(W4A16Config("gemm", 128, 128, 64), 8192, 8192, 64, cpu) == 1
     assert _split_k(W4A16Config("gemm", 16, 64, 128, split_k=7), 1, 64, 5, cpu) == 5
 
 
-@pytest.mark.parametrize("m", [1, 33, 600])  # one per DISPATCH row kind: decode, mid, dequant
+@pytest.mark.parametrize("m", [1, 33, 600])  # one per DISPATCH row: decode, mid, dequant
 def test_default_dispatch_matches_reference(triton_backend, m):
     ct = _make_ct(96, 256, 64, 4, True, "regular", BF16, seed=5)
     w = prepare_w4a16(**ct)
