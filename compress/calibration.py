@@ -4,7 +4,7 @@
    layer's inputs (hidden states + the keyword arguments the model passes: rotary embeddings,
    masks) on the CPU.
 2. For each layer: move it to the device, let the stage observe and compress it through a
-   `LayerContext` (`ctx.forward()` replays the cached inputs through the layer, firing whatever
+   `LayerContext` (compress/stage.py, the stage contract; `ctx.forward()` replays the cached inputs through the layer, firing whatever
    hooks the stage registered), then replay the inputs through the *compressed* layer to get the
    next layer's inputs, and move the layer back.
 
@@ -24,115 +24,16 @@ import torch
 from torch import nn
 
 from slimserve.compress.mappings import ArchMapping, decoder_layers, mapping_for
-from slimserve.compress.stage import CompressionState, Stage
+from slimserve.compress.stage import (
+    CompressionState,
+    LayerContext,
+    LayerInputs,
+    Stage,
+    StopForward,
+    replay,
+    to_device,
+)
 from slimserve.runtime.dtypes import DTYPES
-
-
-class _StopForward(Exception):
-    """Raised by a hook so the model does not run past what a capture needs."""
-
-
-@dataclass(slots=True)
-class LayerInputs:
-    hidden: list[torch.Tensor]  # per batch: [batch, seq_len, hidden] on the CPU
-    kwargs: list[dict[str, Any]]  # per batch: keyword arguments of the layer call, on the CPU
-
-
-@dataclass(slots=True)
-class LayerContext:
-    index: int  # decoder layer index
-    prefix: str  # module name prefix, e.g. 'model.layers.3'
-    layer: nn.Module  # the decoder layer, on `device`
-    inputs: LayerInputs  # this layer's cached inputs (CPU)
-    mapping: ArchMapping  # architecture mapping
-    state: CompressionState  # pipeline state (quantized weights are recorded there)
-    device: torch.device  # compute device
-    extra: dict[str, Any] = field(default_factory=dict)  # per-layer scratch space for the stage
-    # The layer's outputs on `inputs` (per batch, CPU), when the stage computed them with the
-    # layer's final weights: run_layerwise then feeds them to the next layer without a replay.
-    outputs: list[torch.Tensor] | None = None
-
-    def forward(self, module: nn.Module | None = None,
-                stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
-        """Replay every cached batch through the layer (hooks fire); see `replay`."""
-        return replay(module or self.layer, self.inputs, self.device, stop_after)
-
-    def module(self, rel: str) -> nn.Module:
-        return self.layer.get_submodule(rel)
-
-    def capture_calls(self, rel: str, device: torch.device | None = None) -> list[tuple[tuple, dict]]:
-        """Replay the layer once; per batch, the (args, kwargs) submodule `rel` was called with.
-
-        Kept on `device` (default CPU). Lets a stage run e.g. `self_attn` or `mlp` alone on
-        the inputs it sees inside the layer (`run_call`). Other hooks fire during the replay.
-        """
-        calls: list[tuple[tuple, dict]] = []
-        dev = device or torch.device("cpu")
-
-        def hook(_m, args, kwargs):
-            calls.append((_to(args, dev), _to(kwargs, dev)))
-
-        handle = self.module(rel).register_forward_pre_hook(hook, with_kwargs=True)
-        try:
-            self.forward()
-        finally:
-            handle.remove()
-        return calls
-
-    def run_call(self, rel: str, call: tuple[tuple, dict]) -> torch.Tensor:
-        """Submodule `rel` on one captured call; its (first) output, on the compute device."""
-        args, kwargs = call
-        with torch.no_grad():
-            out = self.module(rel)(*_to(args, self.device), **_to(kwargs, self.device))
-        return out[0] if isinstance(out, tuple) else out
-
-
-def replay(module: nn.Module, inputs: LayerInputs, device: torch.device,
-           stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
-    """Run every cached batch through `module` on `device`; its outputs, on the CPU.
-
-    With `stop_after`, each batch stops as soon as every listed submodule has run (their own
-    hooks, registered earlier, fire first) and nothing is returned: a stage that only needs the
-    inputs of, say, q/k/v skips the rest of the layer.
-    """
-    outs: list[torch.Tensor] = []
-    pending: set[int] = set()
-    handles = []
-
-    def stop_hook(mod, _args, _out):
-        pending.discard(id(mod))
-        if not pending:
-            raise _StopForward
-
-    for sub in stop_after or ():
-        handles.append(sub.register_forward_hook(stop_hook))
-    try:
-        with torch.no_grad():
-            for h, kw in zip(inputs.hidden, inputs.kwargs):
-                pending.update(id(sub) for sub in stop_after or ())
-                try:
-                    out = module(h.to(device), **_to(kw, device))
-                except _StopForward:
-                    continue
-                if not stop_after:
-                    outs.append((out[0] if isinstance(out, tuple) else out).cpu())
-    finally:
-        for handle in handles:
-            handle.remove()
-    return outs
-
-
-def _to(obj: Any, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Any:
-    """Tensors inside tuples/lists/dicts moved to `device`, floating ones cast to `dtype`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None)
-    if isinstance(obj, tuple):
-        return tuple(_to(x, device, dtype) for x in obj)
-    if isinstance(obj, list):
-        return [_to(x, device, dtype) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _to(v, device, dtype) for k, v in obj.items()}
-    return obj
 
 
 def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: list[torch.Tensor],
@@ -150,8 +51,8 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
         hidden = args[0] if args else kwargs.pop("hidden_states")
         kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
         cached.hidden.append(hidden.detach().cpu())
-        cached.kwargs.append(_to(kw, torch.device("cpu")))
-        raise _StopForward
+        cached.kwargs.append(to_device(kw, torch.device("cpu")))
+        raise StopForward
 
     move_trunk(model, mapping.layers, device)
     handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
@@ -164,7 +65,7 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
             for ids in batches:
                 try:
                     model(input_ids=ids.to(device), use_cache=False)
-                except _StopForward:
+                except StopForward:
                     pass
     finally:
         for h in handles:
@@ -265,7 +166,7 @@ def run_layerwise(state: CompressionState, stage: Stage, batch_size: int = 8,
                                         torch.float32 if source is not None else None)
     dtype = replay_dtype(state, stage, device)
     if dtype is not None:
-        inputs = LayerInputs([h.to(dtype) for h in inputs.hidden], [_to(kw, dtype=dtype) for kw in inputs.kwargs])
+        inputs = LayerInputs([h.to(dtype) for h in inputs.hidden], [to_device(kw, dtype=dtype) for kw in inputs.kwargs])
     layers = decoder_layers(model, mapping)
     try:
         for i in range(len(layers)):

@@ -2,7 +2,7 @@
 
 The pipeline (compress/pipeline.py) takes this path when every stage of a recipe is layerwise
 (`Stage.layerwise`) and the model is a local, unquantized safetensors checkpoint of an
-architecture in compress/mappings.py. The model is then a skeleton (runtime/lazy_weights.py
+architecture in compress/mappings.py. The model is then a skeleton (runtime/loading/lazy_weights.py
 `empty_model`): the tensors outside the decoder layers (embeddings, final norm, lm_head) are
 held in the checkpoint's dtype, and every decoder layer's parameters are on the meta device
 except while a stage or an evaluation works on it:
@@ -41,7 +41,7 @@ from torch import nn
 
 from slimserve.compress.mappings import ArchMapping
 from slimserve.runtime.artifact.qweight import QuantizedWeight
-from slimserve.runtime.lazy_weights import (
+from slimserve.runtime.loading.lazy_weights import (
     CheckpointTensors,
     TensorEntry,
     assign,

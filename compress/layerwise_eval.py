@@ -8,7 +8,7 @@ measurement) uses it when the whole float32 model does not fit on the device.
 
 `model_perplexity` (`compress eval`) goes one step further when the float32 model does not fit
 in host memory either: a local unquantized safetensors checkpoint is read as a skeleton
-(runtime/loader.py `load_skeleton`) and each decoder layer comes from disk just before its turn
+(runtime/loading/loader.py `load_skeleton`) and each decoder layer comes from disk just before its turn
 (compress/layer_store.py), so the host holds one layer, not the model.
 """
 
@@ -24,7 +24,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from slimserve.compress.calibration import LayerInputs, capture_first_layer_inputs, layer_on_device, move_trunk, replay
+from slimserve.compress.calibration import capture_first_layer_inputs, layer_on_device, move_trunk
+from slimserve.compress.stage import LayerInputs, replay
 from slimserve.compress.layer_store import LayerStore
 from slimserve.compress.mappings import ARCHITECTURES, decoder_layers, mapping_for
 from slimserve.compress.perplexity import (
@@ -37,9 +38,9 @@ from slimserve.compress.perplexity import (
 from slimserve.compress.progress import counting_bar
 from slimserve.runtime.artifact.importers import read_quant_config
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.gguf import resolve_model
-from slimserve.runtime.lazy_weights import CheckpointTensors, available_memory
-from slimserve.runtime.loader import load_config, load_model, load_skeleton
+from slimserve.runtime.loading.gguf import resolve_model
+from slimserve.runtime.loading.lazy_weights import CheckpointTensors, available_memory
+from slimserve.runtime.loading.loader import load_config, load_model, load_skeleton
 
 MEMORY_MODES = ("auto", "layers", "whole")  # model_perplexity(memory=)
 

@@ -44,9 +44,9 @@ from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.runtime.artifact.manifest import ArtifactManifest, hash_checkpoint
 from slimserve.runtime.dtypes import DTYPES, checkpoint_dtype
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.gguf import gguf_file, resolve_model
-from slimserve.runtime.lazy_weights import available_memory
-from slimserve.runtime.loader import load_config, load_model, load_skeleton
+from slimserve.runtime.loading.gguf import gguf_file, resolve_model
+from slimserve.runtime.loading.lazy_weights import available_memory
+from slimserve.runtime.loading.loader import load_config, load_model, load_skeleton
 
 COMPUTE_DTYPE = torch.float32
 MEMORY_MODES = ("auto", "layers", "whole")  # run_recipe(memory=): see its docstring

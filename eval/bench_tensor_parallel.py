@@ -25,7 +25,7 @@ import time
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.corpus import read_texts
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 
 
 def run_one(model: str, tp: int, prompts: list[str], max_tokens: int, device: str, dtype: str,

@@ -185,7 +185,7 @@ def acceptance(model_dir: Path, seq_len: int = 512, prompt: str = "def read_conf
     from slimserve.compress.perplexity import evaluate_perplexity
     from slimserve.compress.quant.stages import RtnOptions, RtnStage
     from slimserve.compress.stage import CompressionState
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     loaded = load_model(model_dir, dtype=torch.float32)
     ids = load_token_documents("stdlib", loaded.tokenizer)

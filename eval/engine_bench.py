@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.engine import LLMEngine
-from slimserve.runtime.model_runner import ModelRunner
+from slimserve.runtime.engine.llm_engine import LLMEngine
+from slimserve.runtime.worker.model_runner import ModelRunner
 from slimserve.runtime.models.fuse import fuse_projections
 from slimserve.runtime.models.llama import CausalLM, ModelSpec
 from slimserve.runtime.models.load import BuiltModel, random_model
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 
 SHAPES = {
     "llama-7b": ModelSpec(

@@ -15,7 +15,7 @@ cannot take the others down; whatever a step saved comes back):
    prompts of 128 tokens are prefilled, then 32 decode steps are timed (synchronized). Beside
    each row the HBM roofline: the bytes one decode step must read (every weight once, plus each
    sequence's K and V so far) over `--hbm-tbps`. Each configuration runs eagerly, then with
-   its decode steps replayed from CUDA graphs (runtime/cuda_graphs.py; the dry run pads into the
+   its decode steps replayed from CUDA graphs (runtime/worker/cuda_graphs.py; the dry run pads into the
    same static buffers without capturing).
 3. **transformers**: `generate` (its default dynamic cache, eager: a static cache makes it
    torch.compile the forward for every batch shape, minutes each) on the same shape in bf16 at
@@ -54,11 +54,11 @@ import torch
 from slimserve.eval.engine_bench import SHAPES, build_engine
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.cuda_graphs import DecodeGraphs
-from slimserve.runtime.engine import LLMEngine
+from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
+from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.models.llama import ModelSpec
 from slimserve.runtime.models.load import random_model
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 
 WEIGHTS = ("bf16", "W4A16", "W8A8")
 KV = ("auto", "fp8_e4m3")

@@ -1,5 +1,5 @@
 """Where slimserve keeps what it builds once per machine and reuses: the compiled CPU kernels
-(kernels/cpu_build.py) and GGUF checkpoints converted to HF folders (runtime/gguf.py)."""
+(kernels/cpu_build.py) and GGUF checkpoints converted to HF folders (runtime/loading/gguf.py)."""
 
 from __future__ import annotations
 

@@ -94,9 +94,9 @@ def generate(
     from pathlib import Path
 
     from slimserve.runtime.errors import ArtifactError, RequestError
-    from slimserve.runtime.gguf import resolve_model
+    from slimserve.runtime.loading.gguf import resolve_model
     from slimserve.runtime.llm import LLM
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.sequence import SamplingParams
 
     if not prompt:
         _fail(ValueError("--prompt is empty; give some text to continue"))
@@ -234,7 +234,7 @@ def serve(
     from slimserve.runtime.errors import ArtifactError
 
     if profile_dir is not None:
-        from slimserve.runtime.profiler import prepare_profile_dir
+        from slimserve.runtime.stats.profiler import prepare_profile_dir
 
         try:
             profile_dir = str(prepare_profile_dir(profile_dir))  # before any model loads
@@ -304,7 +304,7 @@ def serve(
         _fail(e)
     import uvicorn
 
-    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.server.app import build_app
 
     try:
@@ -404,7 +404,7 @@ def _serve_data_parallel(artifact: str, flags: list[str], n: int, device: str, h
 
     from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, new_internal_key
 
-    from slimserve.runtime.bench.server_process import (
+    from slimserve.runtime.server.process import (
         BenchError,
         ServerSpec,
         free_port,

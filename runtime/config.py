@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimserve.runtime.artifact.manifest import VERIFY_MODES
-from slimserve.runtime.gguf import gguf_file, resolve_model
+from slimserve.runtime.loading.gguf import gguf_file, resolve_model
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # Server limits (the defaults of `runtime serve`'s flags; README "Reliability").
@@ -54,7 +54,7 @@ def parse_layers(value: list[int] | str | None) -> list[int] | None:
 class EngineConfig:
     """Everything the engine needs to start; validated in __post_init__ with one-line messages."""
 
-    model: str  # artifact or HF checkpoint folder, or a GGUF checkpoint (its cached conversion, runtime/gguf.py)
+    model: str  # artifact or HF checkpoint folder, or a GGUF checkpoint (its cached conversion, runtime/loading/gguf.py)
     served_model_name: str | None = None  # name in /v1/models; default: the folder's name
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # auto (config's on CUDA; CPU: bf16 if native, else fp32), float16, bfloat16, float32
@@ -71,7 +71,7 @@ class EngineConfig:
     memory_fraction: float = 0.9  # of free device memory (after weights) for the KV cache on CUDA
     cpu_kv_cache_memory: int = 512 * 2**20  # default KV budget on CPU, bytes
     enable_prefix_caching: bool = True
-    # CUDA graphs for decode-only steps (runtime/cuda_graphs.py). Off by default until they have
+    # CUDA graphs for decode-only steps (runtime/worker/cuda_graphs.py). Off by default until they have
     # been validated on a GPU; `--cuda-graphs` turns them on, `--enforce-eager` off.
     cuda_graphs: bool = False
     seed: int = 0  # default RNG seed for requests without one
@@ -84,7 +84,7 @@ class EngineConfig:
     # pipeline stages (contiguous layer ranges, runtime/distributed/pipeline.py); one process each
     pipeline_parallel_size: int = 1
     # how the other ranks start: "mp" (processes on this machine) or "ray" (Ray actors, one per GPU,
-    # on the nodes of a Ray cluster; runtime/distributed/ray_executor.py)
+    # on the nodes of a Ray cluster; runtime/worker/ray_executor.py)
     distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:

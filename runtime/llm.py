@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.engine import LLMEngine
-from slimserve.runtime.sequence import RequestOutput, SamplingParams
+from slimserve.runtime.engine.llm_engine import LLMEngine
+from slimserve.runtime.engine.sequence import RequestOutput, SamplingParams
 
 
 class LLM:
     """Load an artifact (or HF checkpoint folder, or GGUF checkpoint: a .gguf file, a folder holding
-    one, `pkg:<module>`; runtime/gguf.py) once and generate for many prompts at a time.
+    one, `pkg:<module>`; runtime/loading/gguf.py) once and generate for many prompts at a time.
 
     Keyword arguments are EngineConfig fields (max_num_seqs, kv_cache_memory, device,
     tensor_parallel_size, ...);

@@ -101,7 +101,7 @@ class DistillStage(Stage):
             if state.teacher is None:
                 raise RecipeError("distill: no teacher; put a prune stage before it or set distill.teacher")
             return state.teacher
-        from slimserve.runtime.loader import load_model
+        from slimserve.runtime.loading.loader import load_model
 
         path = Path(self.options.teacher).expanduser()
         if not path.is_absolute() and state.base_dir is not None and (state.base_dir / path).exists():

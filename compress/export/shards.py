@@ -22,7 +22,7 @@ from slimserve.compress.export.io import WEIGHTS_NAME, LinearTensorsFn, artifact
 from slimserve.compress.layer_store import LayerStore, is_meta
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.weights import INDEX_NAME
-from slimserve.runtime.lazy_weights import ST_NAMES, read_header, release_memory
+from slimserve.runtime.loading.lazy_weights import ST_NAMES, read_header, release_memory
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default shard size ("5GB")
 _COPY_CHUNK = 64 * 2**20

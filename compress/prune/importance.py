@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimserve.compress.calibration import LayerContext, LayerInputs, capture_first_layer_inputs
+from slimserve.compress.calibration import capture_first_layer_inputs
+from slimserve.compress.stage import LayerContext, LayerInputs
 from slimserve.compress.mappings import decoder_layers, mapping_for
 from slimserve.compress.prune.sizes import Dims
 

@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from slimserve.compress.calibration import LayerContext
+from slimserve.compress.stage import LayerContext
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.mappings import SmoothMapping, decoder_layers, mapping_for
 from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, fake_quantize

@@ -22,7 +22,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from slimserve.compress.calibration import LayerContext
+from slimserve.compress.stage import LayerContext
 from slimserve.compress.mappings import mapping_for
 from slimserve.compress.quant.gptq import accumulate_hessian, gptq_shared, output_loss
 from slimserve.compress.quant.primitives import quantize_weight
@@ -30,7 +30,7 @@ from slimserve.compress.quant.stages import WeightQuantOptions, write_quantized
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
-from slimserve.runtime.lazy_weights import available_memory
+from slimserve.runtime.loading.lazy_weights import available_memory
 
 # The RTN comparison in the report is estimated on at most this many evenly spaced rows of a
 # Linear (GPTQ's own loss comes from its loop, over every row, at no cost).

@@ -1,7 +1,7 @@
 """The `kv_cache` stage: calibrate one static fp8 scale for K and for V in every attention layer.
 
 The scale arithmetic is the artifact's (runtime/artifact/kv_scales.py); the model attends over
-fp8-round-tripped K/V through the runtime's transformers plug-in (runtime/hf_fp8kv.py), so each
+fp8-round-tripped K/V through the runtime's transformers plug-in (runtime/loading/hf_fp8kv.py), so each
 layer is calibrated on the outputs of the fp8-KV layers before it.
 
 Choosing the scale. e4m3 is a float format: above 2^-6 x scale every value keeps 3 mantissa bits
@@ -37,13 +37,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 from torch import nn
 
-from slimserve.compress.calibration import LayerInputs, capture_first_layer_inputs, layer_on_device, replay
+from slimserve.compress.calibration import capture_first_layer_inputs, layer_on_device
+from slimserve.compress.stage import LayerInputs, replay
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.mappings import mapping_for
 from slimserve.compress.stage import CompressionState, Stage, StageReport
 from slimserve.runtime.artifact.kv_scales import SUPPORTED_KV_DTYPES, fp8_e4m3_roundtrip, kv_scale_from_absmax
 from slimserve.runtime.artifact.weights import decoder_layer_index
-from slimserve.runtime.hf_fp8kv import (
+from slimserve.runtime.loading.hf_fp8kv import (
     clear_kv_scale_buffers,
     observing_attention,
     set_kv_scale_buffers,

@@ -8,18 +8,13 @@ computes the same function (up to float rounding). Only the *search* for s diffe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.mappings import SmoothMapping, decoder_layers, mapping_for
+from slimserve.compress.stage import CompressionState, LayerContext
 from slimserve.runtime.artifact.targets import matches
-
-if TYPE_CHECKING:
-    from slimserve.compress.calibration import LayerContext
-    from slimserve.compress.stage import CompressionState
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ import time
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from slimserve.compress.calibration import LayerContext
+from slimserve.compress.stage import LayerContext
 from slimserve.compress.quant.smoothing import apply_smooth_scale, refuse_after_quantizer, round_sig, skip_reason
 from slimserve.compress.quant.smoothquant import smoothquant_scales
 from slimserve.compress.stage import CompressionState, Stage, StageReport

@@ -4,7 +4,7 @@
 
 FAKEQUANT holds `<linear>.weight` tensors the peer had in memory after quantizing (llm-compressor
 keeps GPTQ's fake-quantized weights in its modules: eval/peers/llmcompressor_gptq.py
-`--dump-fakequant`). ARTIFACT is loaded by our loader (runtime/loader.py `load_model`, the one
+`--dump-fakequant`). ARTIFACT is loaded by our loader (runtime/loading/loader.py `load_model`, the one
 `compress eval` uses), and each named Linear's dequantized weight (QuantLinear
 `dequantized_weight`) is compared with the peer's tensor. Elements may differ by the storage
 dtype's rounding (one epsilon of |w|): the peer's fake-quant arithmetic and our dequantization round
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file
 
     from slimserve.runtime.errors import ArtifactError
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:

@@ -1,4 +1,4 @@
-"""Where a benchmark run's engine time went: the server's step histograms (runtime/step_timing.py,
+"""Where a benchmark run's engine time went: the server's step histograms (runtime/stats/step_timing.py,
 exported by runtime/server/metrics.py) scraped from /metrics before and after the measured run
 and subtracted, so warm-up and earlier runs do not count (other clients of the same server do).
 
@@ -25,7 +25,7 @@ from slimserve.runtime.server.metrics import (
     TP_COLLECTIVE_CALLS,
     TP_COLLECTIVE_SECONDS,
 )
-from slimserve.runtime.step_timing import PHASES
+from slimserve.runtime.stats.step_timing import PHASES
 
 # (sum, count) of each histogram series: "phase:<name>" for the phases, else the metric name;
 # COLLECTIVES: rank 0's (collective seconds, collective calls) counters

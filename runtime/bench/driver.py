@@ -46,7 +46,7 @@ import typer
 from tqdm.auto import tqdm
 
 from slimserve.runtime.bench.breakdown import scrape_step_totals, step_breakdown
-from slimserve.runtime.bench.server_process import BenchError, free_port, launched_server
+from slimserve.runtime.server.process import BenchError, free_port, launched_server
 from slimserve.runtime.bench.sse_client import SSEStream, plain_http
 from slimserve.runtime.bench.workload import (
     BenchRequest,
@@ -59,7 +59,7 @@ from slimserve.runtime.bench.workload import (
     jsonl_requests,
     poisson_arrivals,
 )
-from slimserve.runtime.gguf import resolve_model
+from slimserve.runtime.loading.gguf import resolve_model
 from slimserve.runtime.router.policy import POLICIES
 from slimserve.runtime.server.protocol import error_message
 from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, internal_headers, new_internal_key

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from slimserve.runtime.bench.workload import length_stats
-from slimserve.runtime.gguf import resolve_model
+from slimserve.runtime.loading.gguf import resolve_model
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 # (label, key into a run or baseline dict (dots descend), format spec)

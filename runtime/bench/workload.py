@@ -265,7 +265,7 @@ def hf_baseline(requests: list[BenchRequest], model_path: str, batch_size: int, 
     import torch
     from tqdm.auto import tqdm
 
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     dtype = dtype or torch.float32
     loaded = load_model(model_path, dtype=dtype, device=device, verify=verify)

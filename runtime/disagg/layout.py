@@ -1,7 +1,7 @@
 """The KV block layout both sides of a hand-over must share, and its check.
 
 A block is `[block_size, num_kv_heads, head_dim]` of `kv_dtype` per layer, for K and for V (the
-cache of runtime/model_runner.py), except in the layers an fp8 cache keeps unquantized
+cache of runtime/worker/model_runner.py), except in the layers an fp8 cache keeps unquantized
 (`skip_layers`, cached in `skip_dtype`). With an fp8 cache the stored values are `k / k_scale`, so the
 decode side must also hold the same scales: they are compared as tensors of any shape (one per
 layer today, one per head once calibrated per head), exactly, value for value. The model's shape
@@ -95,7 +95,7 @@ def _scales_of(model: torch.nn.Module) -> tuple[tuple[torch.Tensor, torch.Tensor
 
 
 def layout_of(runner: Any) -> KVLayout:
-    """The layout of a ModelRunner's KV cache (runtime/model_runner.py)."""
+    """The layout of a ModelRunner's KV cache (runtime/worker/model_runner.py)."""
     spec = runner.model.spec
     fp8 = runner.kv_dtype.itemsize == 1
     skipped = [i for i, dt in enumerate(runner.kv_dtypes) if dt != runner.kv_dtype]

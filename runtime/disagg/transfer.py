@@ -1,5 +1,5 @@
-"""The engine's KV hand-over hooks (runtime/engine.py calls them on the engine thread; the
-import's read runs in a worker thread of runtime/async_engine.py).
+"""The engine's KV hand-over hooks (runtime/engine/llm_engine.py calls them on the engine thread; the
+import's read runs in a worker thread of runtime/engine/async_engine.py).
 
 Export (prefill side): once a prefill-only request has sampled its first token, the K/V of its
 prompt's blocks (every layer) are gathered from the cache and written into a segment

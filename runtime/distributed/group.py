@@ -7,7 +7,7 @@ and nothing global in `torch.distributed` is touched. Every collective runs with
 at once; one that hangs fails it after the timeout, never forever.
 
 Every socket the group listens on is bound to one address, `bind` (127.0.0.1 for ranks on one
-host, runtime/distributed/executor.py): torch's TCPStore server would listen on every interface
+host, runtime/worker/executor.py): torch's TCPStore server would listen on every interface
 (its `host_name` is only what clients connect to), so `create_store` binds the listening socket
 itself and hands it over (`master_listen_fd`); gloo's pairs listen on the address its device is
 created with. The store has no authentication, so on one host nothing but local processes can

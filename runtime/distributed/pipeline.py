@@ -1,6 +1,6 @@
 """Pipeline parallelism: contiguous layer ranges per stage, activations sent point to point.
 
-Stage s of M (rank s of the `mp` executor, runtime/distributed/executor.py) holds decoder layers
+Stage s of M (rank s of the `mp` executor, runtime/worker/executor.py) holds decoder layers
 `stage_layers(L, M)[s]` and their KV cache; stage 0 also holds the embedding, the last stage the
 final norm and lm_head. Rank 0 (the engine's runner) is stage 0. A step's batch (which every
 rank receives by the executor's broadcast) is cut by sequences into micro-batches

@@ -1,9 +1,9 @@
 """Messages through the group's TCPStore, signed with a per-run secret.
 
 The store has no authentication of its own, and under the `ray` executor it listens on the
-node's address (runtime/distributed/ray_executor.py), where another host of that network can
+node's address (runtime/worker/ray_executor.py), where another host of that network can
 reach it. Everything our ranks say through it (the step headers and the workers' messages of
-`StoreChannel`, the published rank stats of runtime/distributed/rank_stats.py) goes through
+`StoreChannel`, the published rank stats of runtime/stats/rank_stats.py) goes through
 `SignedStore`: each value is stored as HMAC-SHA256(secret, key || 0 || value) followed by the
 value, and a read whose tag does not match raises `ForgedMessage`. The key is inside the tag,
 so a value copied to another key (a replayed step header) fails too. The secret is drawn by

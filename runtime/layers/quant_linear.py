@@ -98,7 +98,7 @@ class QuantLinear(nn.Module):
         """[N, K] weight in `dtype`: fp32 arithmetic, rounded to the storage dtype, then cast."""
         if self.__dict__.get("_released"):
             raise RuntimeError("this layer's compressed-tensors buffers were released after the "
-                               "W4A16 repack at load (runtime/model_runner.py); only the kernel "
+                               "W4A16 repack at load (runtime/worker/model_runner.py); only the kernel "
                                "path (fp16/bf16 inputs) can run it")
         w = self.scheme.weights
         if self.ct_format == PACKED:

@@ -19,7 +19,7 @@ from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_c
 from slimserve.runtime.artifact.manifest import MANIFEST_NAME, ArtifactManifest, check_gate, unverified_manifest
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers.quant_linear import QuantLinear
-from slimserve.runtime.loader import (
+from slimserve.runtime.loading.loader import (
     check_folder,
     check_quant_method,
     has_tokenizer,

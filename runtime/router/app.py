@@ -60,7 +60,7 @@ from prometheus_client.registry import Collector
 
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER
-from slimserve.runtime.disagg.relay import relay_segments
+from slimserve.runtime.router.relay import relay_segments
 from slimserve.runtime.router.policy import (
     Policy,
     PrefixIndex,
@@ -253,7 +253,7 @@ class Router:
             replica = self._next_replica(PromptInfo(1), tried, "decode")
             relay = prefill.state.kv_host != replica.state.kv_host and None not in (
                 prefill.state.kv_host, replica.state.kv_host)  # an older server: one host
-            if relay:  # runtime/disagg/relay.py
+            if relay:  # runtime/router/relay.py
                 assert self.client is not None
                 names = await relay_segments(self.client, prefill.url, replica.url, segments,
                                              self.internal, self.metrics.relayed.inc)

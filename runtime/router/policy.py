@@ -2,7 +2,7 @@
 proxies, runtime/router/replicas.py polls the replicas and keeps the state these functions read).
 
 least-latency (the default) picks the replica with the smallest predicted time to first token,
-from the load each replica reports on GET /state (runtime/async_engine.py `EngineLoad`) and
+from the load each replica reports on GET /state (runtime/engine/async_engine.py `EngineLoad`) and
 what this router sent it since:
 
     new      = prompt tokens - tokens of its prefix this replica likely caches (prefix affinity);
@@ -15,7 +15,7 @@ what this router sent it since:
     decoding = sequences it reported decoding (at least this router's requests past prefill)
                + the requests sent after the poll (they decode while this one waits)
     context  = their tokens (what each decode step's attention reads)
-    decode   = the step cost (runtime/step_cost.py) of one step decoding `decoding` rows of
+    decode   = the step cost (runtime/stats/step_cost.py) of one step decoding `decoding` rows of
                `context` tokens
     work     = queued + new                                  (prefill tokens ahead of the first token)
     steps    = ceil(work / max(max_num_batched_tokens - decoding, 1))    (steps that prefill takes)
@@ -57,7 +57,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from slimserve.runtime.step_cost import FIELDS, StepCost
+from slimserve.runtime.stats.step_cost import FIELDS, StepCost
 
 CHUNK_CHARS = 256  # characters per hashed chunk of a text prompt
 CHUNK_TOKENS = 64  # ids per hashed chunk of a token-id prompt

@@ -25,7 +25,7 @@ import httpx
 from slimserve.runtime.disagg.protocol import ROLES
 from slimserve.runtime.router.policy import PromptInfo, ReplicaState, new_tokens
 from slimserve.runtime.server.protocol import error_message
-from slimserve.runtime.step_cost import StepCost
+from slimserve.runtime.stats.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 POLL_INTERVAL_S = 0.15

@@ -4,7 +4,7 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both stream over SSE), GET
 /v1/models[/{id}], GET /health, GET /metrics, GET /state (the load a router polls: JSON), POST
 /start_profile and /stop_profile (vLLM's names: a torch profiler trace of the engine steps in
-between, runtime/profiler.py; 400 unless the server was started with --profile-dir), POST
+between, runtime/stats/profiler.py; 400 unless the server was started with --profile-dir), POST
 /reset_prefix_cache (vLLM's too: a benchmark's runs do not hit each other's prompts). Every
 error is an OpenAI-style JSON body {"error": {"message", "type", "param", "code"}}; nothing
 internal (tracebacks, paths) leaks.
@@ -34,7 +34,7 @@ Trust boundary (runtime/server/trust.py): the hand-over headers, /kv_segments an
 endpoints (/reset_prefix_cache, /start_profile, /stop_profile) need the deployment's internal
 key in `X-Slimserve-Internal-Key` (403 on a server started without one, 401 without the right
 one); a client's API key is not enough. Imported KV never serves another request
-(runtime/block_manager.py salts its blocks' keys). Stored segments are bounded in number and
+(runtime/engine/block_manager.py salts its blocks' keys). Stored segments are bounded in number and
 bytes (503 + Retry-After beyond), and an upload must arrive within `body_timeout_s` (408, its
 partial file removed). A request may carry `cache_salt` (vLLM's): only requests with the same
 salt share prefix-cache blocks; `require_cache_salt` makes it mandatory.
@@ -64,8 +64,8 @@ from slimserve.runtime.disagg.errors import KVStoreFull, KVTransferError
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER, ROLES, parse_kv_header
 from slimserve.runtime.disagg.segment import host_id, new_name, open_segment, receive_segment
 from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.profiler import ProfileError, ProfileStateError, ProfilingDisabled
-from slimserve.runtime.sequence import OutputAccumulator, RequestOutput, SamplingParams
+from slimserve.runtime.stats.profiler import ProfileError, ProfileStateError, ProfilingDisabled
+from slimserve.runtime.engine.sequence import OutputAccumulator, RequestOutput, SamplingParams
 from slimserve.runtime.server.http import (
     ClientGone,
     ClosingStreamingResponse,
@@ -95,7 +95,7 @@ RETRY_AFTER_S = 1  # Retry-After (whole s) of a 503 for a full queue: the least 
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
 SEGMENT_CHUNK_BYTES = 1 << 20  # a KV segment is sent in pieces of this size
 DEFAULT_KV_SEGMENTS_MAX = 64  # KV segments a server holds at most (received and not imported)
-# bytes of them at most, in prompts of the whole context (runtime/async_engine.py
+# bytes of them at most, in prompts of the whole context (runtime/engine/async_engine.py
 # `kv_segment_max_bytes` is one): what a few hand-overs of the longest prompts need at once
 DEFAULT_KV_SEGMENTS_MAX_CONTEXTS = 4
 
@@ -249,7 +249,7 @@ class OpenAIServing:
     async def start_profile(self, request: Request) -> Response:
         """Start a torch profiler trace of the engine's steps. Optional JSON body:
         {"record_shapes": bool (default false), "max_steps": int >= 1 (the cap, default and
-        at most runtime/profiler.py PROFILE_MAX_STEPS; the answer gives the cap in force)}."""
+        at most runtime/stats/profiler.py PROFILE_MAX_STEPS; the answer gives the cap in force)}."""
         opts = _profile_options(await read_body(request, self.body_timeout_s))
         cap = await self._profile_call(self.engine.start_profile(**opts))
         return JSONResponse({"status": "profiling", "max_steps": cap})
@@ -546,7 +546,7 @@ class OpenAIServing:
     async def _outputs(self, runs: list[_Run]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta output) as the engine produces them, until all finish. The
         queue holds one item per choice at most: while the stream's client is slow, the deltas
-        wait merged in the engine's mailbox of each choice (runtime/async_engine.py)."""
+        wait merged in the engine's mailbox of each choice (runtime/engine/async_engine.py)."""
         if len(runs) == 1:  # one choice: no queue, no pump task (a token's path is short)
             out = runs[0].first
             yield 0, out

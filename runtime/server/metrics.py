@@ -4,14 +4,14 @@ Names follow vLLM's (`vllm:num_requests_running` -> `slimserve:num_requests_runn
 suffixes and histogram bucket edges), so a vLLM dashboard works after renaming the prefix. Each
 app owns its CollectorRegistry: several apps (tests, two models in one process) never collide.
 
-Engine step timing (runtime/step_timing.py) has no vLLM counterpart: `slimserve:step_phase_seconds`
+Engine step timing (runtime/stats/step_timing.py) has no vLLM counterpart: `slimserve:step_phase_seconds`
 is one histogram labelled by `phase` (schedule, prepare, forward, sample, detokenize, output;
 seconds per step, buckets 10 us .. 10 s), beside `slimserve:step_prefill_tokens` and
 `slimserve:step_decode_rows` (per step). The engine thread only counts into its own buckets;
 they become metric families at scrape time from a copy taken under the engine's lock, so the
 step loop never touches a prometheus object.
 
-Ranks (engine.rank_stats(), runtime/distributed/rank_stats.py), labelled `rank` (rank 0 only in
+Ranks (engine.rank_stats(), runtime/stats/rank_stats.py), labelled `rank` (rank 0 only in
 one process): gauges `slimserve:rank_weight_bytes`, `slimserve:rank_kv_cache_bytes` and
 `slimserve:rank_memory_bytes` (process RSS on CPU, `torch.cuda.memory_allocated` of the rank's
 GPU on CUDA), and with tensor/pipeline parallelism the counters
@@ -35,10 +35,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from slimserve.runtime.distributed.rank_stats import RankStats
+from slimserve.runtime.stats.rank_stats import RankStats
 from slimserve.runtime.errors import EngineDeadError
-from slimserve.runtime.sequence import RequestOutput
-from slimserve.runtime.step_timing import HistogramData, StepTimingSnapshot
+from slimserve.runtime.engine.sequence import RequestOutput
+from slimserve.runtime.stats.step_timing import HistogramData, StepTimingSnapshot
 
 log = logging.getLogger(__name__)
 P = "slimserve:"
@@ -101,7 +101,7 @@ class _StepTimingCollector(Collector):
     @staticmethod
     def _families(snap: StepTimingSnapshot | None) -> list[Metric]:
         phases = HistogramMetricFamily(STEP_PHASE_SECONDS, "Time of one engine step's phase "
-                                       "(runtime/step_timing.py), per step.", labels=["phase"])
+                                       "(runtime/stats/step_timing.py), per step.", labels=["phase"])
         prefill = HistogramMetricFamily(STEP_PREFILL_TOKENS, "Prompt (and recomputed) tokens "
                                         "one engine step computes.")
         rows = HistogramMetricFamily(STEP_DECODE_ROWS, "Sequences one engine step decodes a "

@@ -15,13 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from slimserve.runtime.sequence import MIN_TEMPERATURE, SamplingError, SamplingParams
-from slimserve.runtime.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: F401 (re-exported)
+from slimserve.runtime.engine.sequence import MIN_TEMPERATURE, SamplingError, SamplingParams
+from slimserve.runtime.engine.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS  # noqa: F401 (re-exported)
 
 MAX_BODY_BYTES = 32 * 2**20  # request bodies above this are refused (413) before parsing
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_CHOICES = 16  # the largest `n`: each choice is its own engine request
-# `stop` limits (defined in runtime/stops.py, enforced by SamplingParams): more or longer stop
+# `stop` limits (defined in runtime/engine/stops.py, enforced by SamplingParams): more or longer stop
 # strings are refused with a 400 naming the limit, so stop matching stays cheap per token.
 
 # Known OpenAI/vLLM fields we do not implement -> the values that mean "off" and may pass.

@@ -2,8 +2,8 @@
 
 The engine hands the server deltas (only what is new per step), already safe to send: while a
 request runs, the engine holds back a tail of the text that could be the start of a stop string
-(runtime/stops.py, `StopHoldBack`). A stream turns each delta into one chunk; a non-streamed
-answer is built from the deltas merged (runtime/sequence.py, `OutputAccumulator`).
+(runtime/engine/stops.py, `StopHoldBack`). A stream turns each delta into one chunk; a non-streamed
+answer is built from the deltas merged (runtime/engine/sequence.py, `OutputAccumulator`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from slimserve.runtime.sequence import RequestOutput
+from slimserve.runtime.engine.sequence import RequestOutput
 
 DONE = "data: [DONE]\n\n"  # the OpenAI stream terminator
 
@@ -46,7 +46,7 @@ class Delta:
 
 
 def delta(out: RequestOutput) -> Delta:
-    """The Delta carried by one engine output (the engine sends deltas; see runtime/engine.py)."""
+    """The Delta carried by one engine output (the engine sends deltas; see runtime/engine/llm_engine.py)."""
     c = out.outputs[0]
     return Delta(c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
 

@@ -29,10 +29,10 @@ from slimserve.runtime.bench.driver import (
     OutputLenSigma,
     build_requests,
 )
-from slimserve.runtime.bench.server_process import BenchError
+from slimserve.runtime.server.process import BenchError
 from slimserve.runtime.bench.workload import BenchRequest, LengthDist, length_stats
 from slimserve.runtime.config import KV_CACHE_DTYPES, EngineConfig
-from slimserve.runtime.gguf import resolve_model
+from slimserve.runtime.loading.gguf import resolve_model
 from slimserve.runtime.serve_config import write_serve_config
 from slimserve.runtime.tune.search import (
     Evaluation,

@@ -30,7 +30,7 @@ from slimserve.runtime.bench.driver import (
     served_model_name,
     warm_up,
 )
-from slimserve.runtime.bench.server_process import free_port, launched_server
+from slimserve.runtime.server.process import free_port, launched_server
 from slimserve.runtime.bench.workload import BenchRequest, compute_metrics, poisson_arrivals
 from slimserve.runtime.serve_config import write_serve_config
 from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, new_internal_key

@@ -147,7 +147,8 @@ def test_awq_stage_picks_the_scales_and_clips_of_plain_loops(tiny_checkpoint):
     tokens (clip_tokens covers them)."""
     from transformers import AutoModelForCausalLM
 
-    from slimserve.compress.calibration import LayerContext, capture_first_layer_inputs
+    from slimserve.compress.calibration import capture_first_layer_inputs
+    from slimserve.compress.stage import LayerContext
     from slimserve.compress.mappings import mapping_for
     from slimserve.compress.quant.awq_stage import AwqOptions, AwqStage
     from slimserve.compress.stage import CompressionState

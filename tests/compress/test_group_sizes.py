@@ -140,7 +140,7 @@ def test_cli_refuses_with_one_line_exit_2(tmp_path, narrow_checkpoint):
 def test_opt_in_exports_partial_groups_that_load_with_the_reported_ppl(tmp_path, narrow_checkpoint):
     from slimserve.compress.datasets import load_token_documents
     from slimserve.compress.perplexity import evaluate_perplexity
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     logged = []
     recipe = _recipe("  - rtn: {scheme: W4A16, group_size: 64}", "{allow_partial_groups: true}",

@@ -12,13 +12,13 @@ from slimserve.compress.stage import CompressionState
 from slimserve.runtime.artifact.compressed_tensors import kv_cache_scheme, kv_tensors, quantization_config
 from slimserve.runtime.artifact.kv_scales import FP8_E4M3_MAX, fp8_e4m3_roundtrip, kv_scale_from_absmax
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.hf_fp8kv import (
+from slimserve.runtime.loading.hf_fp8kv import (
     fp8kv_attention_forward,
     observing_attention,
     register_fp8kv_attention,
     use_fp8kv_attention,
 )
-from slimserve.runtime.loader import pop_kv_scales
+from slimserve.runtime.loading.loader import pop_kv_scales
 
 
 def _fp8_grid() -> torch.Tensor:

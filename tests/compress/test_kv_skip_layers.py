@@ -11,7 +11,7 @@ from slimserve.compress.quant.kv_cache import KvCacheOptions, KvCacheStage
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.stage import CompressionState
 from slimserve.runtime.artifact.kv_scales import fp8_e4m3_roundtrip
-from slimserve.runtime.hf_fp8kv import decoder_layer_index
+from slimserve.runtime.loading.hf_fp8kv import decoder_layer_index
 
 
 def _model(layers: int = 4):

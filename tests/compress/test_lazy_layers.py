@@ -21,8 +21,8 @@ from slimserve.runtime.artifact.scheme import preset
 from slimserve.runtime.artifact.weights import INDEX_NAME, weight_files
 from slimserve.runtime.corpus import read_texts
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.lazy_weights import CheckpointTensors
-from slimserve.runtime.loader import load_model, load_skeleton
+from slimserve.runtime.loading.lazy_weights import CheckpointTensors
+from slimserve.runtime.loading.loader import load_model, load_skeleton
 
 from tests.helpers.tiny_model import save_tiny_llama
 

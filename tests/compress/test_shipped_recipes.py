@@ -39,8 +39,8 @@ def test_recipe_passes_the_preflight_on_its_model(path):
     from transformers import LlamaConfig
 
     from slimserve.compress.pipeline import build_stages
-    from slimserve.runtime.gguf import PACKAGE_PREFIX, resolve_model
-    from slimserve.runtime.loader import load_config
+    from slimserve.runtime.loading.gguf import PACKAGE_PREFIX, resolve_model
+    from slimserve.runtime.loading.loader import load_config
 
     r = load_recipe(path)
     if str(r.model).startswith(PACKAGE_PREFIX):  # a GGUF shipped in a package: its cached HF conversion

@@ -55,7 +55,7 @@ def test_transformers_matches_our_loader_on_artifact(quickstart):
 
     from slimserve.compress.datasets import load_token_documents
     from slimserve.compress.perplexity import evaluate_perplexity
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     _, out = quickstart
     ours = load_model(out, dtype=torch.float32)
@@ -76,7 +76,7 @@ def test_runtime_serves_the_quickstart_artifact_to_the_openai_client(quickstart)
     import openai
     import uvicorn
 
-    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.config import EngineConfig
     from slimserve.runtime.server.app import build_app
 

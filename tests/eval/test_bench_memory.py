@@ -85,7 +85,7 @@ def test_written_checkpoint_loads_and_matches_the_config(tmp_path):
     from transformers import AutoTokenizer
 
     from slimserve.runtime.corpus import read_texts
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     from tests.helpers.tiny_model import tiny_tokenizer
 

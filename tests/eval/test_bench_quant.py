@@ -240,7 +240,7 @@ def test_schedule_alternates_ours_and_the_peer():
 
 
 def test_model_aliases_and_folders_resolve_through_gguf(tmp_path, monkeypatch):
-    import slimserve.runtime.gguf as gguf
+    import slimserve.runtime.loading.gguf as gguf
 
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -261,7 +261,7 @@ def test_model_aliases_and_folders_resolve_through_gguf(tmp_path, monkeypatch):
 
 
 def test_a_gguf_that_cannot_convert_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
-    import slimserve.runtime.gguf as gguf
+    import slimserve.runtime.loading.gguf as gguf
     from slimserve.runtime.errors import ArtifactError
 
     def broken(ref, log=None):

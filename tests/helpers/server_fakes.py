@@ -3,7 +3,7 @@
 
 The fake generates one character per step ("a", "b", "c", ... shifted by the seed) after a
 small delay, so every answer is known in advance and the tests need no model. Like the real
-engine it yields deltas, holding back text that may begin a stop string (runtime/stops.py).
+engine it yields deltas, holding back text that may begin a stop string (runtime/engine/stops.py).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import json
 import time
 from dataclasses import dataclass
 
-from slimserve.runtime.async_engine import EngineLoad
-from slimserve.runtime.distributed.rank_stats import RankStats
+from slimserve.runtime.engine.async_engine import EngineLoad
+from slimserve.runtime.stats.rank_stats import RankStats
 from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.profiler import ProfilingDisabled
-from slimserve.runtime.sequence import CompletionOutput, RequestOutput, SamplingParams
-from slimserve.runtime.step_timing import StepTimings
-from slimserve.runtime.stops import StopHoldBack
+from slimserve.runtime.stats.profiler import ProfilingDisabled
+from slimserve.runtime.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from slimserve.runtime.stats.step_timing import StepTimings
+from slimserve.runtime.engine.stops import StopHoldBack
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 

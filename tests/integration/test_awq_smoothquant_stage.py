@@ -15,7 +15,7 @@ from slimserve.compress.quant.smoothquant_stage import SmoothQuantOptions, Smoot
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.stage import CompressionState
 from slimserve.runtime.corpus import read_texts
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 
 RECIPE = """
 model: {model}

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.loader import load_model
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.loading.loader import load_model
+from slimserve.runtime.engine.sequence import SamplingParams
 
 from tests.helpers import DEMO_MODEL
 

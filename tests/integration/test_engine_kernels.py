@@ -6,9 +6,9 @@ import torch
 
 from slimserve.eval.engine_bench import quantize_randomly
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.engine import LLMEngine
-from slimserve.runtime.model_runner import ModelRunner
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.llm_engine import LLMEngine
+from slimserve.runtime.worker.model_runner import ModelRunner
+from slimserve.runtime.engine.sequence import SamplingParams
 
 from tests.helpers import DEMO_MODEL
 

@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from slimserve.runtime.async_engine import AsyncEngine
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.engine import LLMEngine
+from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.sequence import OutputAccumulator, SamplingParams
-from slimserve.runtime.step_cost import MIN_STEPS
+from slimserve.runtime.engine.sequence import OutputAccumulator, SamplingParams
+from slimserve.runtime.stats.step_cost import MIN_STEPS
 
 from tests.helpers import DEMO_MODEL
 

@@ -24,7 +24,7 @@ from slimserve.runtime.artifact.manifest import ArtifactManifest
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantArgs, SchemeError
 from slimserve.runtime.layers import QuantLinear
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 
 W4 = QuantArgs(4, group_size=32)
 W4_ASYM = W4.with_(symmetric=False)

@@ -10,7 +10,7 @@ from slimserve.compress.errors import RecipeError
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.corpus import read_texts
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -169,7 +169,7 @@ def test_layer_outputs_from_kept_down_proj_inputs(tiny_checkpoint, monkeypatch, 
     from dataclasses import replace
 
     from slimserve.compress import mappings
-    from slimserve.compress.calibration import LayerContext
+    from slimserve.compress.stage import LayerContext
     from slimserve.compress.quant import gptq_stage
 
     compared = []

@@ -13,7 +13,7 @@ import torch
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 
 from tests.helpers import DEMO_MODEL
 
@@ -41,7 +41,7 @@ def test_engine_on_cuda_matches_cpu_greedy():
 
 
 def test_cuda_graph_replay_gives_the_eager_tokens():
-    """Decode steps replayed from CUDA graphs (runtime/cuda_graphs.py) against eager steps, fp16
+    """Decode steps replayed from CUDA graphs (runtime/worker/cuda_graphs.py) against eager steps, fp16
     on the kernel path, with batches that fall between buckets (padding rows)."""
     kw = dict(device="cuda", dtype="float16", kv_cache_memory="256MiB", max_num_seqs=6)
     llm = LLM(str(DEMO_MODEL), cuda_graphs=True, **kw)

@@ -21,7 +21,7 @@ from slimserve.runtime.artifact.manifest import ArtifactManifest
 from slimserve.runtime.artifact.scheme import QuantArgs
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import QuantLinear
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 
 ct = pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")

@@ -24,7 +24,7 @@ from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.corpus import read_texts
 from slimserve.runtime.layers import QuantLinear
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import BaseCompressor  # noqa: E402

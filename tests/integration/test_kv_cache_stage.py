@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.artifact.compressed_tensors import kv_cache_scheme
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 
 RECIPE = """
 model: {model}

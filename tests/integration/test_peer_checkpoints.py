@@ -25,7 +25,7 @@ from torch import nn
 
 from slimserve.eval.peers.tiny_llama import TOKENIZER_FILES
 from slimserve.runtime.layers.quant_linear import QuantLinear
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 
 from tests.helpers import DEMO_MODEL
 
@@ -122,7 +122,7 @@ def test_sharded_peer_checkpoint_loads_the_same(tmp_path):
 def test_engine_serves_peer_checkpoint_like_the_dense_loop(tmp_path, name):
     """LLM(path) greedy == argmax of the loaded model recomputed every step (fp32 both)."""
     from slimserve.runtime.llm import LLM
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.sequence import SamplingParams
 
     path = tmp_path / name
     shutil.copytree(FIXTURES / name, path)

@@ -50,7 +50,7 @@ def test_final_ppl_is_the_artifacts_ppl(tmp_path, tiny_checkpoint):
     """The ppl the pipeline reports is what a loader measures on the exported artifact."""
     from slimserve.compress.datasets import load_token_documents
     from slimserve.compress.perplexity import evaluate_perplexity
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     res = run_recipe(parse_recipe(_recipe(tmp_path, tiny_checkpoint).read_text(), tmp_path / "r.yaml"),
                      log=lambda m: None, progress=False)

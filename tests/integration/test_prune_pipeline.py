@@ -78,7 +78,7 @@ def test_config_carries_the_pruned_shape_and_params_match(pruned):
 def test_pruned_artifact_loads_in_transformers_and_ours_with_the_reported_ppl(pruned, texts):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     art, reported = pruned.artifact, pruned.summary["final"]["ppl"]
     hf = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32)
@@ -93,7 +93,7 @@ def test_pruned_artifact_serves_from_our_engine(pruned):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slimserve.runtime.llm import LLM
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.sequence import SamplingParams
 
     art = pruned.artifact
     hf = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32)
@@ -127,7 +127,7 @@ def test_report_lists_importance_and_loss_curve(pruned):
 
 
 def test_prune_distill_quantize_loads_with_the_reported_ppl(tmp_path, tiny_checkpoint, texts):
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     rtn = "  - rtn: {scheme: W4A16, group_size: 32}"
     res = _run(tmp_path, tiny_checkpoint, texts, [PRUNE, DISTILL.replace("steps: 4", "steps: 2"), rtn], "q")
@@ -158,7 +158,7 @@ def test_impossible_target_is_refused_before_any_work(tmp_path, tiny_checkpoint,
 def test_distill_from_a_teacher_checkpoint(tiny_checkpoint, texts):
     from slimserve.compress.distill.stages import DistillOptions, DistillStage
     from slimserve.compress.stage import CompressionState
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     loaded = load_model(tiny_checkpoint, dtype=torch.float32)
     with torch.no_grad():
@@ -181,7 +181,7 @@ def test_distill_refuses_the_evaluation_split(tiny_checkpoint):
     from slimserve.compress.datasets import DatasetError
     from slimserve.compress.distill.stages import DistillOptions, DistillStage
     from slimserve.compress.stage import CompressionState
-    from slimserve.runtime.loader import load_model
+    from slimserve.runtime.loading.loader import load_model
 
     loaded = load_model(tiny_checkpoint, dtype=torch.float32)
     state = CompressionState(loaded.model, loaded.tokenizer, torch.bfloat16, teacher=loaded.model)

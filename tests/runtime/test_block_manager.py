@@ -2,8 +2,8 @@
 
 import pytest
 
-from slimserve.runtime.block_manager import BlockManager, block_hash, hash_blocks
-from slimserve.runtime.sequence import SamplingParams, Sequence
+from slimserve.runtime.engine.block_manager import BlockManager, block_hash, hash_blocks
+from slimserve.runtime.engine.sequence import SamplingParams, Sequence
 
 
 def _seq(rid: str, tokens: list[int]) -> Sequence:

@@ -1,4 +1,4 @@
-"""The CPU engine's KV-cache dtype (runtime/model_runner.py `_kv_dtype`): the compute dtype where
+"""The CPU engine's KV-cache dtype (runtime/worker/model_runner.py `_kv_dtype`): the compute dtype where
 the compiled CPU attention reads it in place (kernels/cpu_attention.py), fp32 where the torch twin
 attends (it reads fp32, and bf16/fp16 K/V are stored exactly); the tokens are the same either way."""
 
@@ -7,8 +7,8 @@ import torch
 
 from slimserve.kernels import cpu_attention
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.model_runner import ModelRunner
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.worker.model_runner import ModelRunner
+from slimserve.runtime.engine.sequence import SamplingParams
 
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7] * 40, [300, 2, 11]]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -53,7 +53,7 @@ def test_fp8_cache_is_kept_on_cpu(tiny_checkpoint):
 
 
 def test_start_up_says_which_cpu_path_serves(tiny_checkpoint, monkeypatch, caplog):
-    caplog.set_level("INFO", logger="slimserve.runtime.model_runner")
+    caplog.set_level("INFO", logger="slimserve.runtime.worker.model_runner")
     monkeypatch.setenv("SLIMSERVE_KERNELS", "auto")
     if cpu_attention.available():
         LLM(str(tiny_checkpoint), device="cpu", dtype="bfloat16")

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from slimserve.runtime import model_runner
+from slimserve.runtime.worker import model_runner
 from slimserve.runtime.layers import cpu_linear
 from slimserve.runtime.layers.cpu_linear import PackedLinear, pack_linears
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.float32),
                                 reason="oneDNN's reordered Linear is not available in this torch")

@@ -1,4 +1,4 @@
-"""glibc tuning for CPU inference (runtime/cpu_malloc.py): freed activations stay in the heap
+"""glibc tuning for CPU inference (runtime/worker/cpu_malloc.py): freed activations stay in the heap
 instead of being unmapped (or trimmed) and faulted in again on the next step."""
 
 import subprocess
@@ -12,11 +12,11 @@ from tests.helpers import DEMO_MODEL
 # "default" keeps glibc's own settings (the runner's call is replaced by a no-op).
 PROBE = r"""
 import resource, sys
-from slimserve.runtime import cpu_malloc, model_runner
+from slimserve.runtime.worker import cpu_malloc, model_runner
 if sys.argv[2] == "default":
     model_runner.keep_freed_memory = lambda: False
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 llm = LLM(sys.argv[1], device="cpu")
 prompts = [[(7 * i + j) % 3000 + 10 for j in range(40 + 37 * i)] for i in range(12)]
 params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)

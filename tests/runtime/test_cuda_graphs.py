@@ -1,4 +1,4 @@
-"""The CPU half of the decode CUDA graphs (runtime/cuda_graphs.py): bucket sizes, the padding of
+"""The CPU half of the decode CUDA graphs (runtime/worker/cuda_graphs.py): bucket sizes, the padding of
 a batch into the static buffers, and that a padded step over those buffers computes the same
 logits for the real rows and writes the same KV cache as the unpadded eager step. (Capture and
 replay themselves run where CUDA exists: tests/integration/test_gpu.py.)"""
@@ -6,8 +6,8 @@ replay themselves run where CUDA exists: tests/integration/test_gpu.py.)"""
 import torch
 
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
-from slimserve.runtime.model_runner import ModelRunner
+from slimserve.runtime.worker.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
+from slimserve.runtime.worker.model_runner import ModelRunner
 
 from tests.helpers import DEMO_MODEL
 

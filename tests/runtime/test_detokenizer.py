@@ -4,7 +4,7 @@ import random
 
 from transformers import AutoTokenizer
 
-from slimserve.runtime.detokenizer import DetokenizerState, make_decoder
+from slimserve.runtime.engine.detokenizer import DetokenizerState, make_decoder
 
 from tests.helpers import DEMO_MODEL
 

@@ -20,7 +20,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from slimserve.runtime.async_engine import AsyncEngine
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.disagg.errors import KVHandleError, KVLayoutError, KVSegmentMissing
 from slimserve.runtime.disagg.layout import KVLayout
@@ -35,10 +35,10 @@ from slimserve.runtime.disagg.segment import (
     write_segment,
 )
 from slimserve.runtime.disagg.transfer import load_import
-from slimserve.runtime.engine import LLMEngine
+from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.router.app import build_router_app
 from slimserve.runtime.router.policy import LeastLatency, ReplicaState, RoundRobin
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
 

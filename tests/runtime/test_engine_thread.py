@@ -1,15 +1,15 @@
 """`AsyncEngine.from_config` builds the engine on the thread that later steps it, so torch's CPU
-work runs on one OpenMP team (runtime/async_engine.py, `_HomeThread`)."""
+work runs on one OpenMP team (runtime/engine/async_engine.py, `_HomeThread`)."""
 
 import asyncio
 import threading
 
 import pytest
 
-from slimserve.runtime.async_engine import AsyncEngine
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.engine import LLMEngine
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.llm_engine import LLMEngine
+from slimserve.runtime.engine.sequence import SamplingParams
 
 
 def test_engine_is_built_and_stepped_on_one_thread(tiny_checkpoint, monkeypatch):

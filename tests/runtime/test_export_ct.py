@@ -24,7 +24,7 @@ from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import PRESETS, QuantArgs, QuantScheme
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import QuantLinear
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 
 CT_012_ARG_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure",
                    "dynamic", "actorder", "observer", "observer_kwargs"}

@@ -1,4 +1,4 @@
-"""GGUF checkpoints as model input (runtime/gguf.py): the demo model written as a GGUF by the
+"""GGUF checkpoints as model input (runtime/loading/gguf.py): the demo model written as a GGUF by the
 `gguf` package (tests/helpers/gguf_checkpoint.py) converts back to the same weights, tokenizer
 and chat template, is converted once, and loads in every command that takes a model."""
 
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from slimserve.runtime import gguf as rg
+from slimserve.runtime.loading import gguf as rg
 from slimserve.runtime.errors import ArtifactError
 
 from tests.helpers import DEMO_MODEL
@@ -110,7 +110,7 @@ def test_engine_greedy_tokens_match_transformers(gguf_dir, converted):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slimserve.runtime.llm import LLM
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.sequence import SamplingParams
 
     llm = LLM(str(gguf_dir / "demo.gguf"), device="cpu")
     assert llm.engine.config.served_model_name == "demo"  # the GGUF's name, not the cache key
@@ -125,7 +125,7 @@ def test_engine_greedy_tokens_match_transformers(gguf_dir, converted):
 
 def test_runtime_generate_cli(gguf_dir, converted, cache):
     from slimserve.runtime.llm import LLM
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.sequence import SamplingParams
 
     env = {**os.environ, rg.CACHE_ENV: str(cache), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "slimserve.runtime.cli", "generate", str(gguf_dir / "demo.gguf"),

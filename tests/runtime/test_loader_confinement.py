@@ -1,6 +1,6 @@
 """The confined loader: files only from inside the folder, a manifest covering every file of a
 slimserve artifact (refused when missing under verify="strict"), config values checked against
-the safetensors headers before anything is allocated. Both loaders (runtime/loader.py
+the safetensors headers before anything is allocated. Both loaders (runtime/loading/loader.py
 `load_model`, runtime/models/load.py `build_model`) are exercised."""
 
 import json
@@ -13,7 +13,7 @@ import torch
 
 from slimserve.runtime.artifact.manifest import MANIFEST_NAME, MARKER_KEY
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 from slimserve.runtime.models.load import build_model
 
 RECIPE = """

@@ -51,7 +51,7 @@ def test_mixed_step_splits_decode_and_prefill_kernels(monkeypatch, q_lens, start
 
 def test_engine_puts_one_token_sequences_first():
     from slimserve.runtime.llm import LLM
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.sequence import SamplingParams
 
     from tests.helpers import DEMO_MODEL
 

@@ -10,8 +10,8 @@ from slimserve.runtime.config import EngineConfig, parse_layers
 from slimserve.runtime.disagg.errors import KVLayoutError
 from slimserve.runtime.disagg.layout import layout_of
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.model_runner import kv_block_bytes
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.worker.model_runner import kv_block_bytes
+from slimserve.runtime.engine.sequence import SamplingParams
 
 FP8 = torch.float8_e4m3fn
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7] * 40, [300, 2, 11]]
@@ -76,7 +76,7 @@ def test_a_mixed_cache_hands_over_between_replicas(tiny_checkpoint, tmp_path, mo
     another: the tokens of one engine."""
     from slimserve.runtime.disagg.segment import new_name
     from slimserve.runtime.disagg.transfer import load_import
-    from slimserve.runtime.engine import LLMEngine
+    from slimserve.runtime.engine.llm_engine import LLMEngine
 
     monkeypatch.setenv("SLIMSERVE_KV_DIR", str(tmp_path / "kv"))
 

@@ -16,17 +16,17 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from slimserve.runtime.async_engine import AsyncEngine
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.bench.breakdown import parse_step_totals, scrape_step_totals, step_breakdown
 from slimserve.runtime.bench.driver import BenchArgs, run_bench, serve_command
 from slimserve.runtime.bench.report import format_breakdown
 from slimserve.runtime.bench.workload import LengthDist
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.profiler import prepare_profile_dir
+from slimserve.runtime.stats.profiler import prepare_profile_dir
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
 from slimserve.runtime.server.metrics import STEP_PHASE_SECONDS
-from slimserve.runtime.step_timing import PHASES, StepTimings, split_gpu_forward
+from slimserve.runtime.stats.step_timing import PHASES, StepTimings, split_gpu_forward
 
 from tests.helpers import DEMO_MODEL
 from tests.helpers.live_server import serve_in_thread
@@ -190,7 +190,7 @@ def test_profile_stops_itself_at_its_step_cap(served):
 
 
 def test_max_steps_is_clamped_to_the_server_cap_and_old_traces_are_rotated(served):
-    from slimserve.runtime.profiler import PROFILE_KEEP_TRACES, PROFILE_MAX_STEPS
+    from slimserve.runtime.stats.profiler import PROFILE_KEEP_TRACES, PROFILE_MAX_STEPS
 
     client, profiles = served
     r = client.post("/start_profile", json={"max_steps": 10**9})

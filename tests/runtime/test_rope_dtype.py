@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.loader import load_model
+from slimserve.runtime.loading.loader import load_model
 from slimserve.runtime.models.llama import CausalLM
 from slimserve.runtime.models.load import build_model, random_model
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 
 from tests.helpers import DEMO_MODEL, REPO
 

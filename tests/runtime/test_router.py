@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from slimserve.runtime.bench.server_process import ServerSpec, free_port, launched_servers
+from slimserve.runtime.server.process import ServerSpec, free_port, launched_servers
 from slimserve.runtime.errors import EngineDeadError
 from slimserve.runtime.router.app import build_router_app
 from slimserve.runtime.router.policy import (
@@ -39,7 +39,7 @@ from slimserve.runtime.router.policy import (
 )
 from slimserve.runtime.router.replicas import Replica
 from slimserve.runtime.server.app import build_app
-from slimserve.runtime.step_cost import StepCost
+from slimserve.runtime.stats.step_cost import StepCost
 
 from tests.helpers.live_server import serve_in_thread, wait_for
 from tests.helpers.server_fakes import FakeEngine, chat_messages
@@ -485,10 +485,10 @@ def test_load_counts_only_the_prefill_left_to_compute():
     """GET /state's queued_prefill_tokens (what least-latency reads) leaves out the prompt
     tokens the prefix cache serves and those chunked prefill has computed: a replica holding
     a shared prefix must not look busier than it is."""
-    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.config import EngineConfig
-    from slimserve.runtime.engine import LLMEngine
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.llm_engine import LLMEngine
+    from slimserve.runtime.engine.sequence import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(REPO / "recipes" / "demo-model"), device="cpu",
                                     kv_cache_memory=8 * 2**20, max_num_batched_tokens=32))

@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from slimserve.runtime.sampler import SampleResult, _ranked_by_value, rank_keys, sample, sampling_probs
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sampler import SampleResult, _ranked_by_value, rank_keys, sample, sampling_probs
+from slimserve.runtime.engine.sequence import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

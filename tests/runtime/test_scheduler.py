@@ -11,9 +11,9 @@ import zlib
 
 import pytest
 
-from slimserve.runtime.block_manager import BlockManager
-from slimserve.runtime.scheduler import Scheduler, SchedulerConfig
-from slimserve.runtime.sequence import SamplingParams, Sequence, SequenceStatus
+from slimserve.runtime.engine.block_manager import BlockManager
+from slimserve.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from slimserve.runtime.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 _clock = iter(range(10**9))
 

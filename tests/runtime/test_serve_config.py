@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from slimserve.runtime import cli
-from slimserve.runtime.async_engine import AsyncEngine
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.serve_config import (
     ServeConfigError,
     check_serve_config,

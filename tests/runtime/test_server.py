@@ -169,7 +169,7 @@ def test_a_refused_later_choice_ends_the_started_ones(client, engine, monkeypatc
 
 
 def test_choice_seeds_wrap_into_the_seed_range():
-    from slimserve.runtime.sequence import SamplingParams
+    from slimserve.runtime.engine.sequence import SamplingParams
     from slimserve.runtime.server.protocol import choice_params
 
     seeds = [p.seed for p in choice_params(SamplingParams(max_tokens=1, seed=2**64 - 1), 3)]

@@ -78,7 +78,7 @@ def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
     from slimserve.runtime import cli
-    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.errors import ArtifactError
 
     run = CliRunner().invoke

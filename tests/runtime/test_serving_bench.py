@@ -29,7 +29,7 @@ from slimserve.runtime.bench.driver import (
     send_one,
     serve_command,
 )
-from slimserve.runtime.bench.server_process import BenchError, free_port, launched_server
+from slimserve.runtime.server.process import BenchError, free_port, launched_server
 from slimserve.runtime.bench.workload import (
     BenchRequest,
     LengthDist,

@@ -10,9 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from slimserve.runtime.distributed.group import create_store
-from slimserve.runtime.distributed.rank_stats import publish_stats, read_published
+from slimserve.runtime.stats.rank_stats import publish_stats, read_published
 from slimserve.runtime.distributed.signed_store import ForgedMessage, SignedStore, new_secret
-from slimserve.runtime.distributed.worker import HEADER, STEP, StoreChannel
+from slimserve.runtime.worker.rank_process import HEADER, STEP, StoreChannel
 
 
 @pytest.fixture

@@ -1,18 +1,18 @@
 """Start-up of the ModelRunner: timed parts for the start-up log, and the profiling forward at
-the largest step that sizes the KV cache on a GPU (runtime/model_runner.py)."""
+the largest step that sizes the KV cache on a GPU (runtime/worker/model_runner.py)."""
 
 import pytest
 import torch
 
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.layers.cpu_linear import PackedLinear
-from slimserve.runtime.model_runner import ModelRunner, startup_line
+from slimserve.runtime.worker.model_runner import ModelRunner, startup_line
 
 from tests.helpers import DEMO_MODEL
 
 
 def test_startup_parts_are_timed_in_order_and_logged(caplog):
-    caplog.set_level("INFO", logger="slimserve.runtime.model_runner")
+    caplog.set_level("INFO", logger="slimserve.runtime.worker.model_runner")
     runner = ModelRunner(EngineConfig(model=str(DEMO_MODEL), device="cpu"))
     packed = any(isinstance(m, PackedLinear) for m in runner.model.modules())
     warm = ["linear_warmup"] if packed else []  # oneDNN's primitives built (runtime/layers/cpu_linear.py)

@@ -1,4 +1,4 @@
-"""runtime/step_cost.py: the engine's online fit of what a step costs (fixed, per prefill token,
+"""runtime/stats/step_cost.py: the engine's online fit of what a step costs (fixed, per prefill token,
 per decoding sequence, per context token), which the router's least-latency policy reads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from slimserve.runtime.step_cost import MIN_STEPS, StepCost, StepCostFit
+from slimserve.runtime.stats.step_cost import MIN_STEPS, StepCost, StepCostFit
 
 TRUE = StepCost(0.012, 4.5e-4, 5e-4, 8.5e-6)
 

@@ -13,14 +13,14 @@ import struct
 import pytest
 from fastapi.testclient import TestClient
 
-from slimserve.runtime import engine as engine_mod
-from slimserve.runtime.block_manager import ROOT_HASH, BlockManager, block_hash, hash_blocks
-from slimserve.runtime.detokenizer import DetokenizerState
-from slimserve.runtime.engine import LLMEngine, _Request
-from slimserve.runtime.sequence import SamplingError, SamplingParams, Sequence
+from slimserve.runtime.engine import llm_engine as engine_mod
+from slimserve.runtime.engine.block_manager import ROOT_HASH, BlockManager, block_hash, hash_blocks
+from slimserve.runtime.engine.detokenizer import DetokenizerState
+from slimserve.runtime.engine.llm_engine import LLMEngine, _Request
+from slimserve.runtime.engine.sequence import SamplingError, SamplingParams, Sequence
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from slimserve.runtime.stops import StopHoldBack, StopPrefixMatcher, find_stop, partial_stop
+from slimserve.runtime.engine.stops import StopHoldBack, StopPrefixMatcher, find_stop, partial_stop
 
 from tests.helpers.server_fakes import FakeEngine, events
 

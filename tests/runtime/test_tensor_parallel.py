@@ -17,11 +17,11 @@ import torch
 from typer.testing import CliRunner
 
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.distributed.executor import WorkerDiedError
+from slimserve.runtime.worker.executor import WorkerDiedError
 from slimserve.runtime.distributed.sharding import check_tensor_parallel
 from slimserve.runtime.llm import LLM
 from slimserve.runtime.models.llama import model_spec
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 
 from tests.helpers import DEMO_MODEL
 from tests.helpers.metrics_text import step_metrics
@@ -251,7 +251,7 @@ def test_rank_slices_of_quantized_formats_put_together_are_the_full_weights(tiny
 
 def test_a_batch_travels_as_one_header_and_one_int64_payload():
     from slimserve.runtime.batch import prepare_batch
-    from slimserve.runtime.distributed.worker import HEADER, pack_batch, unpack_batch
+    from slimserve.runtime.worker.rank_process import HEADER, pack_batch, unpack_batch
 
     batch = prepare_batch([[5, 6, 7], [9]], [0, 20], [[3], [1, 4]], [True, True], 16, torch.device("cpu"))
     header, payload = pack_batch(batch)
@@ -320,8 +320,8 @@ def test_metrics_of_a_tp2_server_report_each_rank_and_the_collectives(demo_tp2):
     its RSS from /proc/<pid>/statm, its collective counters from what it publishes."""
     from fastapi.testclient import TestClient
 
-    from slimserve.runtime.async_engine import AsyncEngine
-    from slimserve.runtime.distributed.rank_stats import rss_bytes
+    from slimserve.runtime.engine.async_engine import AsyncEngine
+    from slimserve.runtime.stats.rank_stats import rss_bytes
     from slimserve.runtime.server.app import build_app
 
     from tests.helpers.live_server import wait_for
@@ -397,7 +397,7 @@ def test_a_killed_worker_fails_the_engine_with_its_rank_and_health_turns_503(dem
     """Last in the module: it kills the shared engine's worker."""
     from fastapi.testclient import TestClient
 
-    from slimserve.runtime.async_engine import AsyncEngine
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.server.app import build_app
 
     executor = demo_tp2.engine.runner.executor
@@ -509,7 +509,7 @@ def test_a_single_host_tp2_server_listens_on_nothing_but_its_api_port(tmp_path):
 
     import httpx
 
-    from slimserve.runtime.bench.server_process import free_port
+    from slimserve.runtime.server.process import free_port
 
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")

@@ -1,6 +1,6 @@
 """No client can write another client's KV (issue 37): the internal endpoints and hand-over
 headers need the internal key (runtime/server/trust.py), a forged segment imported over the
-internal boundary never serves another request (runtime/block_manager.py salts imported blocks),
+internal boundary never serves another request (runtime/engine/block_manager.py salts imported blocks),
 `cache_salt` keeps tenants' prefix blocks apart, and the KV segment store is bounded in count,
 bytes and upload time (runtime/disagg/segment.py, runtime/server/app.py)."""
 
@@ -15,13 +15,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from slimserve.runtime.async_engine import AsyncEngine
-from slimserve.runtime.block_manager import BlockManager
+from slimserve.runtime.engine.async_engine import AsyncEngine
+from slimserve.runtime.engine.block_manager import BlockManager
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER
 from slimserve.runtime.disagg.segment import MAGIC, new_name, read_segment, write_segment
-from slimserve.runtime.engine import LLMEngine
-from slimserve.runtime.sequence import SamplingParams, Sequence
+from slimserve.runtime.engine.llm_engine import LLMEngine
+from slimserve.runtime.engine.sequence import SamplingParams, Sequence
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
 

@@ -22,8 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from slimserve.runtime.block_manager import BlockManager
-from slimserve.runtime.sequence import Sequence, SequenceStatus
+from slimserve.runtime.engine.block_manager import BlockManager
+from slimserve.runtime.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)

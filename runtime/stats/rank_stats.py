@@ -2,7 +2,7 @@
 
 `RankStats` is one rank's row: the bytes of its weights and of its KV cache (fixed once it has
 loaded), its process memory, and its time in collectives. Rank 0 (the engine's `ModelRunner`,
-runtime/model_runner.py) fills its own row; the executor (runtime/distributed/executor.py) the
+runtime/worker/model_runner.py) fills its own row; the executor (runtime/worker/executor.py) the
 workers' rows from what the workers themselves report:
 
 - the static numbers (weight and KV bytes) in the worker's "ready" message (`ready_info`);

@@ -1,12 +1,12 @@
 """A tensor-parallel worker process (ranks 1..N-1): build the rank's runner, then run steps.
 
-The loop waits on its pipe for the driver's step header (runtime/distributed/executor.py),
+The loop waits on its pipe for the driver's step header (runtime/worker/executor.py),
 receives the batch with one broadcast, runs the rank's forward (its share of the all-reduces and
 of the logits gather happen inside it, runtime/distributed/layers.py) and waits again. It ends on
 the driver's stop command, on the pipe's end-of-file (the driver died), or on a failed collective
 (another rank died); it never samples, schedules or detokenizes.
 
-For /metrics the worker reports its own numbers (runtime/distributed/rank_stats.py): the bytes
+For /metrics the worker reports its own numbers (runtime/stats/rank_stats.py): the bytes
 of its weights and KV cache in its "ready" message, and its process memory and collective
 counters in the group's store, at most every second while it steps and once when it goes idle.
 """
@@ -26,14 +26,14 @@ from torch.distributed import DistError, DistStoreError
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.group import TPGroup
-from slimserve.runtime.distributed.rank_stats import (
+from slimserve.runtime.stats.rank_stats import (
     IDLE_PUBLISH_S,
     PUBLISH_EVERY_S,
     process_memory_bytes,
     publish_stats,
 )
 from slimserve.runtime.distributed.signed_store import ForgedMessage, SignedStore
-from slimserve.runtime.model_runner import ModelRunner
+from slimserve.runtime.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 STEP, STOP = 1, 0
@@ -62,7 +62,7 @@ def unpack_batch(header: tuple, payload: torch.Tensor) -> BatchInputs:
 
 class StoreChannel:
     """The pipe's interface over the group's TCPStore, for workers on other machines (the `ray`
-    executor, runtime/distributed/ray_executor.py): the driver posts step n's header under
+    executor, runtime/worker/ray_executor.py): the driver posts step n's header under
     `step/<n>`, a worker posts its messages under `msg/<rank>/<i>`, both signed (`store` is a
     SignedStore: a forged step header raises ForgedMessage)."""
 
@@ -156,7 +156,7 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
 
 def _publish(runner: ModelRunner, store: SignedStore, rank: int) -> None:
     """This rank's process memory and collective counters into the store, for the driver's
-    /metrics (runtime/distributed/rank_stats.py)."""
+    /metrics (runtime/stats/rank_stats.py)."""
     comm = runner.comm_stats()
     publish_stats(store, rank, process_memory_bytes(runner.device), comm["comm_s"],
                   comm["comm_calls"])

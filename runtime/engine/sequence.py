@@ -8,7 +8,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from slimserve.runtime.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from slimserve.runtime.engine.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): fp32 logits divided by e.g.
 # 1e-45 overflow to inf, the softmax turns NaN and torch.multinomial fails in the engine thread.
@@ -39,7 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the EOS token
     logprobs: int | None = None  # return this many top logprobs per generated token (0 = chosen only)
     # prefix-cache namespace (vLLM's cache_salt): requests share prefix blocks only when their
-    # salts are equal (runtime/block_manager.py), so tenants with different salts never do
+    # salts are equal (runtime/engine/block_manager.py), so tenants with different salts never do
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
@@ -131,7 +131,7 @@ class Sequence:
 
     @property
     def prefix_salt(self) -> bytes | None:
-        """What salts its prefix-cache keys (runtime/block_manager.py): its cache_salt and its
+        """What salts its prefix-cache keys (runtime/engine/block_manager.py): its cache_salt and its
         import salt, each length-prefixed so that no two different pairs encode alike; None
         when it has neither (the shared, unsalted namespace)."""
         if self.params.cache_salt is None and self.import_salt is None:

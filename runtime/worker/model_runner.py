@@ -1,9 +1,9 @@
 """ModelRunner: owns the model and the paged KV cache on the device, runs one step's batch.
 
 With `tensor_parallel_size` N and/or `pipeline_parallel_size` M above 1 the runner the engine
-holds is rank 0 of N x M, made by runtime/distributed/launch.py (`make_runner`): it checks that
+holds is rank 0 of N x M, made by runtime/worker/launch.py (`make_runner`): it checks that
 the model splits that way (before anything loads), starts the other ranks through the executor
-(`mp`: runtime/distributed/executor.py, `ray`: runtime/distributed/ray_executor.py), each of
+(`mp`: runtime/worker/executor.py, `ray`: runtime/worker/ray_executor.py), each of
 which builds a runner of its own (`group=` given), and gives rank 0's runner the executor. Rank
 0 holds shard 0: its share of the heads and the vocabulary (TP), its stage's layers
 (PP), and the KV cache of those. Every rank sizes its KV cache from its own memory, and all take
@@ -11,7 +11,7 @@ the smallest block count, so the one block manager's block ids are valid everywh
 sends the step's batch to the workers first, then runs rank 0's part (runtime/distributed/
 pipeline.py for PP); the logits come back whole on rank 0. With N = M = 1 nothing of this runs:
 no process, no collective. `rank_stats()` gives every rank's weight, KV and process memory
-and collective time for /metrics (runtime/distributed/rank_stats.py).
+and collective time for /metrics (runtime/stats/rank_stats.py).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from slimserve.kernels import cpu_attention, cpu_layer_ops
 from slimserve.kernels._launch import kernel_backend
 from slimserve.runtime.batch import BatchInputs, BlockTableCache, StagingBuffer, prepare_batch
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.cpu_malloc import keep_freed_memory
-from slimserve.runtime.cuda_graphs import DecodeGraphs
+from slimserve.runtime.worker.cpu_malloc import keep_freed_memory
+from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.group import TPGroup
 from slimserve.runtime.distributed.loading import TensorShard
 from slimserve.runtime.distributed.pipeline import StageShard, pipeline_step, stage_layers
-from slimserve.runtime.distributed.rank_stats import RankStats, model_bytes, process_memory_bytes
+from slimserve.runtime.stats.rank_stats import RankStats, model_bytes, process_memory_bytes
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import ops
@@ -55,7 +55,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, built: BuiltModel | None = None,
                  group: TPGroup | None = None, executor=None):
         """group: this rank's communicator (all ranks) when the model is split over several
-        (runtime/distributed/launch.py makes rank 0's, runtime/distributed/worker.py the others');
+        (runtime/worker/launch.py makes rank 0's, runtime/worker/rank_process.py the others');
         executor: on rank 0, the executor that runs ranks 1.. (sent each step's batch)."""
         self.config = config
         self.device = resolve_device(config.device)
@@ -70,14 +70,14 @@ class ModelRunner:
                 raise ValueError("tensor/pipeline parallelism builds its own shards; pass no `built` model")
             if group is None:
                 raise ValueError("a tensor/pipeline-parallel runner needs its group; make the "
-                                 "engine's with runtime/distributed/launch.py (make_runner)")
+                                 "engine's with runtime/worker/launch.py (make_runner)")
             if self.device.type == "cuda":  # a rank's GPU is its group's (cuda:rank, or Ray's one)
                 self.device = group.device
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device: without this `cuda:1` would run on cuda:0
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
-            keep_freed_memory()  # activations stay in the heap between steps (runtime/cpu_malloc.py)
+            keep_freed_memory()  # activations stay in the heap between steps (runtime/worker/cpu_malloc.py)
         self._setup(config, built)
 
     def _setup(self, config: EngineConfig, built: BuiltModel | None) -> None:

@@ -1,10 +1,10 @@
 """On-demand torch profiler traces of the engine's steps (`runtime serve --profile-dir DIR`, the
 server's POST /start_profile and /stop_profile, runtime/server/app.py).
 
-A `StepProfiler` lives on the engine thread (runtime/async_engine.py hands it the start and stop
+A `StepProfiler` lives on the engine thread (runtime/engine/async_engine.py hands it the start and stop
 commands through the engine's command queue), so the profiler sees the ops of every step it
 covers. While it runs, each step is one `slimserve.step` range holding the `slimserve.<phase>`
-ranges of runtime/step_timing.py (schedule, prepare, forward, sample, detokenize, output);
+ranges of runtime/stats/step_timing.py (schedule, prepare, forward, sample, detokenize, output);
 activities are the CPU's, plus CUDA's when the engine runs on CUDA; shapes are not recorded
 unless asked for. Stopping writes `DIR/<UTC timestamp>-<pid>.trace.json` with
 `export_chrome_trace` (Chrome trace JSON: chrome://tracing and https://ui.perfetto.dev open it).
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimserve.runtime.step_timing import StepTimings
+from slimserve.runtime.stats.step_timing import StepTimings
 
 log = logging.getLogger(__name__)
 PROFILE_MAX_STEPS = 200  # steps one profile covers at most (its events stay in memory until then)
@@ -138,7 +138,7 @@ class StepProfiler:
 
     def after_step(self) -> None:
         """After `LLMEngine.step`: count the steps recorded since the start (steps that
-        schedule nothing are not, as in runtime/step_timing.py); at the cap stop and write
+        schedule nothing are not, as in runtime/stats/step_timing.py); at the cap stop and write
         the trace."""
         if self._prof is None:
             return

@@ -20,13 +20,13 @@ Load (`load()`, for the router's least-latency policy through the server's GET /
 tokens that requests without a first output still have to compute (queued prefill work: less
 what chunked prefill has computed already and what the prefix cache serves, so a replica
 holding a shared prefix does not look busier than it is); the sequences decoding and their
-context tokens; the engine's step cost fit online on the engine thread (runtime/step_cost.py:
+context tokens; the engine's step cost fit online on the engine thread (runtime/stats/step_cost.py:
 fixed, per prefill token, per decoding sequence, per context token), and the characters per
 prompt token of its tokenizer (a router without a tokenizer estimates prompts with it).
 
 Step timing and profiling: `step_timing()` is a copy of the engine's per-phase histograms
-(runtime/step_timing.py) for /metrics. With a `profile_dir`, `start_profile()` and
-`stop_profile()` run a `StepProfiler` (runtime/profiler.py) on the engine thread: they travel
+(runtime/stats/step_timing.py) for /metrics. With a `profile_dir`, `start_profile()` and
+`stop_profile()` run a `StepProfiler` (runtime/stats/profiler.py) on the engine thread: they travel
 over the command queue like adds and aborts, so the profiler starts and stops between steps
 and sees each step whole; writing the trace pauses the steps while it lasts.
 
@@ -38,7 +38,7 @@ the first output for a bad one) and continues the request from its first token. 
 thread unlinks segments nobody imported after their TTL, and all of its own at shutdown.
 
 Ranks (`rank_stats()`, for /metrics): each rank's weight, KV-cache and process memory and its
-time in collectives (runtime/distributed/rank_stats.py), read without touching the engine thread.
+time in collectives (runtime/stats/rank_stats.py), read without touching the engine thread.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ from typing import Any
 from slimserve.runtime.config import DEFAULT_STEP_WATCHDOG_S, EngineConfig
 from slimserve.runtime.disagg.segment import SegmentRegistry, sweep_orphans
 from slimserve.runtime.disagg.transfer import load_import
-from slimserve.runtime.distributed.rank_stats import RankStats
-from slimserve.runtime.engine import EngineStats, LLMEngine
+from slimserve.runtime.stats.rank_stats import RankStats
+from slimserve.runtime.engine.llm_engine import EngineStats, LLMEngine
 from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.model_runner import startup_line
-from slimserve.runtime.profiler import (
+from slimserve.runtime.worker.model_runner import startup_line
+from slimserve.runtime.stats.profiler import (
     PROFILE_MAX_STEPS,
     ProfileError,
     ProfileResult,
@@ -68,14 +68,14 @@ from slimserve.runtime.profiler import (
     StepProfiler,
     prepare_profile_dir,
 )
-from slimserve.runtime.sequence import (
+from slimserve.runtime.engine.sequence import (
     OutputAccumulator,
     RequestOutput,
     SamplingParams,
     SequenceStatus,
 )
-from slimserve.runtime.step_cost import StepCost, StepCostFit
-from slimserve.runtime.step_timing import StepTimingSnapshot
+from slimserve.runtime.stats.step_cost import StepCost, StepCostFit
+from slimserve.runtime.stats.step_timing import StepTimingSnapshot
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -290,7 +290,7 @@ class AsyncEngine:
         return self.engine.step_timing.snapshot()
 
     def startup_line(self) -> str:
-        """How long each part of the start-up took (runtime/model_runner.py, the start-up log)."""
+        """How long each part of the start-up took (runtime/worker/model_runner.py, the start-up log)."""
         runner = self.engine.runner
         return startup_line(runner.startup, runner.activation_bytes)
 
@@ -301,13 +301,13 @@ class AsyncEngine:
         return self.engine.runner.rank_stats()
 
     async def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block (runtime/block_manager.py), between steps: what a
+        """Forget every cached prefix block (runtime/engine/block_manager.py), between steps: what a
         benchmark calls before each measured run so that prompts it sent before are not served
         from the cache (vLLM's POST /reset_prefix_cache)."""
         await self._on_engine_thread(self.engine.block_manager.reset_prefix_cache)
 
     async def start_profile(self, record_shapes: bool = False, max_steps: int | None = None) -> int:
-        """Profile the steps from now on (runtime/profiler.py); returns the step cap in force.
+        """Profile the steps from now on (runtime/stats/profiler.py); returns the step cap in force.
         ProfilingDisabled without a profile_dir, ProfileStateError while one runs."""
         profiler = self._require_profiler()
         return await self._on_engine_thread(lambda: profiler.start(record_shapes, max_steps))

@@ -17,7 +17,7 @@ engine then dies the ordinary way (AsyncEngine fails every open request; /health
 CPU: every rank gets cores // N threads (torch.set_num_threads), the driver included. CUDA: rank r
 runs on cuda:r with NCCL.
 
-Per-rank numbers for /metrics (`worker_stats`, runtime/distributed/rank_stats.py): each
+Per-rank numbers for /metrics (`worker_stats`, runtime/stats/rank_stats.py): each
 worker's weight and KV bytes from its "ready" message, its collective counters (and, on CUDA,
 its allocated memory) from what it publishes in the store, its RSS on CPU read here from
 /proc/<pid>/statm. A worker that has exited has no row. Called from the server's thread at
@@ -37,9 +37,9 @@ import torch
 
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.distributed.group import TPGroup, create_store, timeout_s
-from slimserve.runtime.distributed.rank_stats import RankStats, read_published, rss_bytes, worker_row
+from slimserve.runtime.stats.rank_stats import RankStats, read_published, rss_bytes, worker_row
 from slimserve.runtime.distributed.signed_store import SignedStore, new_secret
-from slimserve.runtime.distributed.worker import HEADER, STOP, pack_batch, worker_main
+from slimserve.runtime.worker.rank_process import HEADER, STOP, pack_batch, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class MultiprocExecutor:
     """Starts ranks 1..N-1, is rank 0's end of their pipes, and sends them each step.
 
     The transport-specific parts (`_start_workers`, `_post`, `_messages`, `_exit_status`,
-    `_stop_workers`) are what the `ray` executor (runtime/distributed/ray_executor.py) replaces;
+    `_stop_workers`) are what the `ray` executor (runtime/worker/ray_executor.py) replaces;
     the rest is shared."""
 
     name = "mp"

@@ -4,13 +4,13 @@
 `pipeline_parallel_size` M both 1 it is a plain `ModelRunner`. Otherwise it refuses, from
 config.json alone and before any process starts, a size the model cannot take
 (runtime/distributed/sharding.py, runtime/distributed/pipeline.py), starts ranks 1..N x M - 1
-through the executor the config names (`mp`: runtime/distributed/executor.py, `ray`:
-runtime/distributed/ray_executor.py), builds rank 0's runner on the executor's group, and waits
+through the executor the config names (`mp`: runtime/worker/executor.py, `ray`:
+runtime/worker/ray_executor.py), builds rank 0's runner on the executor's group, and waits
 until every rank has loaded its shard. A failure on any rank stops the others and is raised
 naming the rank.
 
-It lives here, above runtime/model_runner.py, so that the runner never imports the executor:
-the executor starts workers (runtime/distributed/worker.py) that build runners themselves.
+It lives here, above runtime/worker/model_runner.py, so that the runner never imports the executor:
+the executor starts workers (runtime/worker/rank_process.py) that build runners themselves.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from slimserve.runtime.artifact.importers import read_quant_config
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.pipeline import stage_layers
-from slimserve.runtime.distributed.ray_executor import make_executor
+from slimserve.runtime.worker.ray_executor import make_executor
 from slimserve.runtime.distributed.sharding import check_tensor_parallel
-from slimserve.runtime.model_runner import ModelRunner
+from slimserve.runtime.worker.model_runner import ModelRunner
 from slimserve.runtime.models.llama import model_spec
 
 

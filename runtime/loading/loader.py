@@ -1,6 +1,6 @@
 """Load a model for serving: a slimserve / compressed-tensors artifact, a GPTQ or AWQ GEMM
 checkpoint, a plain HF folder, a hub id, or a GGUF checkpoint (dequantized once into a cached HF
-folder by runtime/gguf.py).
+folder by runtime/loading/gguf.py).
 
 Artifacts are built without transformers' own quantizer: the HF architecture is created from
 config.json with the quantization block removed, GPTQ/AWQ tensors are converted to CT buffers
@@ -9,7 +9,7 @@ safetensors are loaded strictly (no pickle, ever).
 
 `load_skeleton` is the other way in, for compressing models larger than memory: the module tree
 with every decoder layer's parameters on the meta device and only the rest loaded; the layers are
-read one at a time later (runtime/lazy_weights.py, compress/layer_store.py).
+read one at a time later (runtime/loading/lazy_weights.py, compress/layer_store.py).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from slimserve.runtime.artifact.targets import matches
 from slimserve.runtime.artifact.weights import check_config_bounds, tensor_shapes, weight_files
 from slimserve.runtime.dtypes import torch_dtype
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.gguf import resolve_model
-from slimserve.runtime.hf_fp8kv import install_kv_scales
+from slimserve.runtime.loading.gguf import resolve_model
+from slimserve.runtime.loading.hf_fp8kv import install_kv_scales
 from slimserve.runtime.layers.quant_linear import QuantLinear
-from slimserve.runtime.lazy_weights import CheckpointTensors, assign, empty_model, state_names
+from slimserve.runtime.loading.lazy_weights import CheckpointTensors, assign, empty_model, state_names
 
 SUPPORTED_QUANT_METHODS = (QUANT_METHOD, *IMPORTERS)  # gptq/awq are converted to CT on load
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
@@ -99,7 +99,7 @@ def load_model(
     verify: str = "strict",
 ) -> LoadedModel:
     """Load an artifact folder, a plain HF checkpoint folder, a hub id or a GGUF checkpoint
-    (a .gguf file, a folder holding one, `pkg:<module>`: runtime/gguf.py `resolve_model`).
+    (a .gguf file, a folder holding one, `pkg:<module>`: runtime/loading/gguf.py `resolve_model`).
 
     dtype: None keeps the checkpoint's dtype. verify: "strict" (a slimserve artifact needs a
     matching slimserve.json; plain checkpoints load unchecked) or "none" (no manifest check).
@@ -133,7 +133,7 @@ def load_model(
 
 @dataclass(slots=True)
 class SkeletonModel:
-    """A model whose decoder layers stay on disk until asked for (runtime/lazy_weights.py)."""
+    """A model whose decoder layers stay on disk until asked for (runtime/loading/lazy_weights.py)."""
 
     model: nn.Module  # HF causal LM, eval mode: tensors outside `layers` loaded, the layers' on meta
     tokenizer: object | None  # HF tokenizer, or None when the folder has none

@@ -30,26 +30,26 @@ from functools import cached_property
 
 import torch
 
-from slimserve.runtime.block_manager import BlockManager
+from slimserve.runtime.engine.block_manager import BlockManager
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.detokenizer import DetokenizerState, make_decoder
+from slimserve.runtime.engine.detokenizer import DetokenizerState, make_decoder
 from slimserve.runtime.disagg.layout import KVLayout, layout_of
 from slimserve.runtime.disagg.segment import SegmentRegistry
 from slimserve.runtime.disagg.transfer import ImportedKV, export_blocks, scatter
-from slimserve.runtime.distributed.launch import make_runner
+from slimserve.runtime.worker.launch import make_runner
 from slimserve.runtime.errors import RequestError
-from slimserve.runtime.model_runner import ModelRunner
-from slimserve.runtime.sampler import sample
-from slimserve.runtime.scheduler import Scheduler, SchedulerConfig
-from slimserve.runtime.sequence import (
+from slimserve.runtime.worker.model_runner import ModelRunner
+from slimserve.runtime.engine.sampler import sample
+from slimserve.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from slimserve.runtime.engine.sequence import (
     CompletionOutput,
     RequestOutput,
     SamplingParams,
     Sequence,
     SequenceStatus,
 )
-from slimserve.runtime.step_timing import StepTimings, batch_composition
-from slimserve.runtime.stops import StopHoldBack, find_stop
+from slimserve.runtime.stats.step_timing import StepTimings, batch_composition
+from slimserve.runtime.engine.stops import StopHoldBack, find_stop
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an update for every request that produced a token. Each
-        phase is timed into `self.step_timing` (runtime/step_timing.py)."""
+        phase is timed into `self.step_timing` (runtime/stats/step_timing.py)."""
         imported = self._admit_imports() if self._imports else []
         clock = self.step_timing.begin()
         out = self.scheduler.schedule()

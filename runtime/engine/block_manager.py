@@ -12,7 +12,7 @@ blocks 0..j-1 match too. The hash is a cryptographic one, as vLLM uses since GHS
 Python's `hash()` of tuples is deterministic and not collision-resistant, so crafted prompts
 could have collided with another request's blocks and been served its K/V.
 
-Salts (vLLM's `cache_salt`): a sequence's `prefix_salt` (runtime/sequence.py: the request's
+Salts (vLLM's `cache_salt`): a sequence's `prefix_salt` (runtime/engine/sequence.py: the request's
 `cache_salt` and, for a prompt whose KV was imported from a prefill replica, a random secret
 drawn at import) replaces the root digest by `sha256(root || "salt" || salt)`, and the chain
 carries it to every later block: sequences share blocks only when their salts are equal. So
@@ -36,7 +36,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence as _Ints
 from dataclasses import dataclass, field
 
-from slimserve.runtime.sequence import Sequence, SequenceStatus
+from slimserve.runtime.engine.sequence import Sequence, SequenceStatus
 
 BlockKey = bytes  # a block's chained sha256 digest (32 bytes)
 

@@ -28,7 +28,7 @@ results back:
    on NaN); the engine fails that request instead of using it.
 
 Why one uniform per row and not the exponential race (argmax(p / q), q ~ Exp(1)^V): the
-request's generator is a CPU torch.Generator (runtime/engine.py), and a seeded request must give
+request's generator is a CPU torch.Generator (runtime/engine/llm_engine.py), and a seeded request must give
 the same tokens whatever else is batched, so every random number of a row must come from that
 row's own stream. The race needs V numbers per row: S x V CPU draws plus an S x V host-to-device
 copy per step (or one device generator and one launch per row). Inverse-transform sampling needs
@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slimserve.runtime.sequence import SamplingParams
+from slimserve.runtime.engine.sequence import SamplingParams
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Per-step timing of the engine: how long each phase of `LLMEngine.step` takes and what the
 step's batch held, aggregated as histograms that `/metrics` exports (runtime/server/metrics.py).
 
-The phases, in step order (runtime/engine.py):
+The phases, in step order (runtime/engine/llm_engine.py):
 
 | phase | covers |
 |---|---|
@@ -26,7 +26,7 @@ has already waited for them (`Event.query()` says so; otherwise at a later step)
 and `sample` gets the rest of the host time of forward + sample (`split_gpu_forward`), so the
 phases still add up to the step's wall time. On CPU the host timers are exact.
 
-Profiling (runtime/profiler.py) sets `ranges`: while it is on, each step runs inside a
+Profiling (runtime/stats/profiler.py) sets `ranges`: while it is on, each step runs inside a
 `torch.profiler.record_function` range `slimserve.step` and each of its phases inside one named
 `slimserve.<phase>` (slimserve.schedule, ..., slimserve.output); otherwise no range is made.
 """
@@ -113,7 +113,7 @@ def split_gpu_forward(host_forward: float, host_sample: float, gpu_forward: floa
 
 
 def batch_composition(items: list) -> tuple[int, int]:
-    """(prefill tokens, decode rows) of a step's `ScheduledSeq`s (runtime/scheduler.py): a
+    """(prefill tokens, decode rows) of a step's `ScheduledSeq`s (runtime/engine/scheduler.py): a
     decode row computes one output token; every other scheduled token (prompt chunks, and
     tokens recomputed after a preemption) is prefill."""
     prefill = rows = 0
@@ -144,7 +144,7 @@ class StepTimings:
                  device: Any = None) -> None:
         self.cuda = cuda
         self.device = device  # torch.device of the forward; None: the current device
-        self.ranges = False  # profiler ranges around each phase (set by runtime/profiler.py)
+        self.ranges = False  # profiler ranges around each phase (set by runtime/stats/profiler.py)
         self.recorded = 0  # steps recorded so far (engine thread)
         self._lock = threading.Lock()
         self._phases = {p: _Histogram(PHASE_BUCKETS) for p in PHASES}

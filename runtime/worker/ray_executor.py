@@ -4,7 +4,7 @@
 local one), reserves one bundle per rank in a placement group (`{"GPU": 1}` on CUDA, `{"CPU":
 cores / N}` on CPU; rank 0's bundle is the driver's own share) and starts one actor per other
 rank in its bundle. Each actor runs the same worker code as the `mp` executor
-(`worker_main`, runtime/distributed/worker.py); what differs is the transport: rank 0's TCPStore
+(`worker_main`, runtime/worker/rank_process.py); what differs is the transport: rank 0's TCPStore
 listens on this node's address (the one Ray reports, `ray.util.get_node_ip_address`; only
 there, not on every interface: the address given to `ray start --node-ip-address`) and each
 actor's gloo sockets on its own node's, the step headers and the workers' messages travel
@@ -15,7 +15,7 @@ its one GPU as cuda:0.
 
 /metrics: an actor may run on another node, so the driver reads no /proc of its own here: each
 worker's process memory (its RSS on CPU, its allocated CUDA memory on GPUs) is the value the
-worker publishes in the store (runtime/distributed/rank_stats.py), at most about a second old.
+worker publishes in the store (runtime/stats/rank_stats.py), at most about a second old.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import json
 
 import torch
 
-from slimserve.runtime.distributed.executor import MultiprocExecutor
-from slimserve.runtime.distributed.worker import worker_main
+from slimserve.runtime.worker.executor import MultiprocExecutor
+from slimserve.runtime.worker.rank_process import worker_main
 
 
 def _ray():
