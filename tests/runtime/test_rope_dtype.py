@@ -34,7 +34,8 @@ def prompt(hf32) -> list[int]:
     """Python source of this repository (the demo model is trained on Python), as long as the
     model's context allows with NEW tokens to generate."""
     limit = hf32.model.config.max_position_embeddings
-    text = "".join((REPO / "runtime" / f).read_text() for f in ("scheduler.py", "block_manager.py", "engine.py"))
+    text = "".join((REPO / "runtime" / "engine" / f).read_text()
+                   for f in ("scheduler.py", "block_manager.py", "llm_engine.py"))
     ids = hf32.tokenizer(text).input_ids[: limit - NEW]
     assert len(ids) == limit - NEW
     return ids
