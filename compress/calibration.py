@@ -80,7 +80,7 @@ def layer_on_device(layer: nn.Module, device: torch.device, dtype: torch.dtype |
     Each floating tensor gets a working copy and its original storage is kept and written back
     at the end: moving or casting the layer back and forth would free and reallocate every
     layer's weights, and the allocator's fragmentation then made working memory grow with depth
-    (eval/bench_memory.py with bf16 replays; the README has the numbers).
+    (eval/bench_memory.py with bf16 replays; docs/results-quality.md has the numbers).
     """
     if device.type == "cpu" and dtype is None:
         yield

@@ -10,7 +10,7 @@ from slimserve.runtime.artifact.manifest import VERIFY_MODES
 from slimserve.runtime.loading.gguf import gguf_file, resolve_model
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-# Server limits (the defaults of `runtime serve`'s flags; README "Reliability").
+# Server limits (the defaults of `runtime serve`'s flags; docs/serving.md, "Reliability").
 DEFAULT_STEP_WATCHDOG_S = 300.0  # an engine step longer than this makes /health answer 503
 DEFAULT_STREAM_TIMEOUT_S = 60.0  # a stream whose client reads nothing this long is aborted
 DEFAULT_BODY_TIMEOUT_S = 30.0  # a request body must arrive within this, else 408

@@ -48,7 +48,7 @@ class DistillOptions(BaseModel):
     hidden_layers: list[int] | None = None  # student layers matched by the hidden MSE; None: all
     gradient_checkpointing: bool = False  # recompute activations in backward (saves memory)
     device: str = "auto"  # 'auto' (the recipe's device), 'cpu', 'cuda', 'cuda:1', ...
-    # bf16 autocast of the forwards: 'auto' = on CUDA only; CPUs with AVX512-BF16/AMX gain too (README)
+    # bf16 autocast of the forwards: 'auto' = on CUDA only; CPUs with AVX512-BF16/AMX gain too (docs/compressing.md)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     seed: int = 0  # seed of the window sampler
 

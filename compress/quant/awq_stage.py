@@ -17,7 +17,7 @@ loss, so the scale is chosen for the clipped weights that will actually be quant
 replays it to make the next layer's inputs, so layer i+1 is searched on what the quantized model
 will feed it (as GPTQ is), and its weights are restored before the next layer is searched (and
 at the end), so the quantizer that follows still sees the unquantized weights. The demo model's
-drift with each option on and off is in the README ("Quantization quality (measured)").
+drift with each option on and off is in docs/results-quality.md ("Quantization quality (measured)").
 
 Cost: a scale candidate replays the inspected submodule (self_attn, mlp) on every calibration
 token, except where that submodule is the mapping's one Linear (up_proj -> down_proj): there the

@@ -3,7 +3,7 @@ asyncio connection, its response read as server-sent events.
 
 Why not httpx, which the benchmark uses for everything else: the client shares the machine with
 the server it measures, and httpx's async streaming costs ~120 us of CPU per event (1.18 s of
-client CPU in a 5 s run of the README's serving workload on 2 cores, measured with getrusage),
+client CPU in a 5 s run of docs/results-serving.md's serving workload on 2 cores, measured with getrusage),
 CPU the server's threads then do not get. Reading the socket directly costs a fraction of that.
 HTTPS URLs (and anything this module does not parse) stay on httpx (runtime/bench/driver.py).
 

@@ -5,7 +5,7 @@ dynamically up to 32 MiB) with its own mmap and gives it back to the kernel with
 free; the heap is also trimmed whenever 128 KiB at its top are free. An engine step on CPU
 allocates and frees activations of a few hundred KiB to tens of MiB in every layer, so each
 step maps fresh pages and faults them in again: ~250,000 minor faults and ~1 s of system time
-per run of the README's serving workload (demo model), measured with getrusage. With the mmap
+per run of the serving workload of docs/results-serving.md (demo model), measured with getrusage. With the mmap
 threshold pinned at its 32 MiB maximum and trimming deferred to 256 MiB, freed activations stay
 in the heap for the next layer: ~1,000-50,000 faults and 0.04-0.26 s of system time for the
 same run. This is what vLLM gets on CPU by preloading tcmalloc; glibc's own knobs need no extra

@@ -1,6 +1,6 @@
 """eval/bench_router.py: the two workloads it compares on (seeded, shaped as the issue asks),
 the per-configuration summary (TTFT, TPOT as vLLM defines it, per kind) and the verdict lines.
-The run itself starts replicas; it is the benchmark (README), not a default-suite test."""
+The run itself starts replicas; it is the benchmark (docs/results-serving.md), not a default-suite test."""
 
 from __future__ import annotations
 
