@@ -31,7 +31,7 @@ from slimserve.compress.datasets import calibration_batches, load_token_document
 from slimserve.compress.devices import resolve_device
 from slimserve.compress.errors import RecipeError, UnsupportedModelError
 from slimserve.compress.export.formats import LIMITS, check_exportable, export_artifact
-from slimserve.compress.export.io import failed_output, replace_problem, size_bytes
+from slimserve.compress.export.io import ExportOptions, failed_output, replace_problem, size_bytes
 from slimserve.compress.layer_store import LayerStore
 from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.mappings import ARCHITECTURES
@@ -181,8 +181,10 @@ def _run(recipe: Recipe, stages: list[Stage], state: CompressionState, store: La
         summary["seconds"] = time.perf_counter() - t_start
         write_report(folder, summary)
 
-    artifact = export_artifact(recipe.export.format, model, tok, state.quantized, dest, manifest,
-                               state.schemes, kv_scales=state.kv_scales, before_move=report, layers=store)
+    options = ExportOptions(model=model, tokenizer=tok, quantized=state.quantized, out_dir=dest,
+                            manifest=manifest, schemes=state.schemes, kv_scales=state.kv_scales,
+                            before_move=report)
+    artifact = export_artifact(recipe.export.format, options, layers=store)
     return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
 
 

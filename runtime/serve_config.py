@@ -7,18 +7,19 @@ The file is a mapping from `runtime serve`'s option names to values, e.g.
     max_num_batched_tokens: 512
     enable_prefix_caching: false
 
-The keys are checked against the serve command's own signature (`options_of`: names, types and
-ranges of its typer parameters; runtime/cli.py hands the function over), so every serve option
-can come from the file and a new option needs no change here. Values must
+The keys are checked against a schema of the serve options (`OptionSpec`: names, types and
+ranges): runtime/cli.py passes `file_options()` of runtime/serve_options.py, where every serve
+option is defined and marked as a file key or not, so a new option needs no change here
+(`options_of` reads the same schema from any typer command's signature). Values must
 have the option's type (an int for an int option, true/false for a flag; a string option also
 takes a number, e.g. a byte count for `kv_cache_memory`) and lie in its range; `null` means the
 option's default. A relative `model` path is resolved against the file's folder when it exists
 there. The CLI puts the values into click's `default_map`, so flags on the command line override
 the file. Every problem is one `ServeConfigError` line naming the file, the key and the fix.
 
-`runtime tune` (runtime/tune/) writes its chosen setting with `write_serve_config` and starts
-every server it measures through `runtime serve --config`, so the writer and the reader are
-exercised together.
+`runtime tune` (runtime/tune/) writes its chosen setting with `write_serve_config` (checked
+against the same schema before anything is written) and starts every server it measures through
+`runtime serve --config`, so the writer and the reader are exercised together.
 """
 
 from __future__ import annotations
@@ -163,9 +164,11 @@ def load_serve_config(path: str | Path, options: Mapping[str, OptionSpec]) -> di
 
 
 def write_serve_config(path: str | Path, values: Mapping[str, Any],
-                       comment: str | None = None) -> Path:
+                       comment: str | None = None,
+                       options: Mapping[str, OptionSpec] | None = None) -> Path:
     """Write `values` (serve parameter names -> plain values; `model` for the positional
-    argument, first) as a file `runtime serve --config` reads; `comment` lines go on top."""
+    argument, first) as a file `runtime serve --config` reads; `comment` lines go on top.
+    `options`: the schema the reader will check (ServeConfigError before anything is written)."""
     path = Path(path)
     body = {normalize_key(k): v for k, v in values.items() if v is not None}
     if any(k in body for k in NOT_IN_FILE):
@@ -173,6 +176,8 @@ def write_serve_config(path: str | Path, values: Mapping[str, Any],
     models = [body.pop(k) for k in MODEL_KEYS if k in body]
     if len(models) > 1:
         raise ValueError(f"{path}: give the model once (as `model`)")
+    if options is not None:
+        check_serve_config({**({"model": models[0]} if models else {}), **body}, options, path)
     head = "".join(f"# {line}\n" for line in (comment or "").splitlines())
     text = yaml.safe_dump({**({"model": models[0]} if models else {}), **body}, sort_keys=False,
                           default_flow_style=False)

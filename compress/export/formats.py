@@ -29,11 +29,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from slimserve.compress.export.io import (
-    BeforeMoveFn,
+    ExportOptions,
     artifact_tensors,
     compressed_tensors_plan,
     export_compressed_tensors,
@@ -44,7 +45,6 @@ from slimserve.compress.export.shards import all_quantized, layer_by_layer_weigh
 from slimserve.compress.layer_store import LayerStore
 from slimserve.runtime.artifact import awq_format, gptq_format
 from slimserve.runtime.artifact.compressed_tensors import SUPPORTED_FORMATS
-from slimserve.runtime.artifact.manifest import ArtifactManifest
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 
@@ -92,27 +92,19 @@ def check_exportable(fmt: str, scheme: QuantScheme, partial_groups: bool = False
         awq_format.check_awq_scheme(scheme)
 
 
-def export_artifact(
-    fmt: str,
-    model: torch.nn.Module,
-    tokenizer,
-    quantized: dict[str, QuantizedWeight],
-    out_dir: Path,
-    manifest: ArtifactManifest,
-    schemes: dict[str, QuantScheme] | None = None,
-    kv_scales: dict[str, tuple[float, float]] | None = None,
-    before_move: BeforeMoveFn | None = None,
-    layers: LayerStore | None = None,
-) -> Path:
-    """Export `model` in format `fmt` at `out_dir` (atomically) and return that path.
+def export_artifact(fmt: str, *args: Any, layers: LayerStore | None = None, **kwargs: Any) -> Path:
+    """Export a model in format `fmt` (atomically) and return the artifact's folder.
 
-    Arguments as for `export_compressed_tensors`; `out_dir` must be free, empty or an earlier
-    artifact (ArtifactError otherwise, before anything is written). gptq and awq need at least one quantized
+    Arguments: one `ExportOptions` (compress/export/io.py), or its fields as for
+    `export_compressed_tensors`; `out_dir` must be free, empty or an earlier artifact
+    (ArtifactError otherwise, before anything is written). gptq and awq need at least one quantized
     Linear and one weight scheme shared by all of them, and have no place for fp8 KV-cache
     scales; SchemeError says what to change. With `layers` (compress/layer_store.py) the model
     holds no decoder layer and `quantized` holds the committed layers' weights as shapes only:
     the weights are written layer by layer (compress/export/shards.py), the same tensors.
     """
+    opts = ExportOptions.of(*args, **kwargs)
+    model, quantized = opts.model, opts.quantized
 
     def weights(linear_fn, extra=None):
         if layers is not None:
@@ -121,19 +113,17 @@ def export_artifact(
 
     if fmt == COMPRESSED_TENSORS:
         if layers is None:
-            return export_compressed_tensors(model, tokenizer, quantized, out_dir, manifest, schemes,
-                                             kv_scales=kv_scales, before_move=before_move)
-        linear_fn, extra, qc = compressed_tensors_plan(model, quantized, schemes, kv_scales)
-        return write_artifact(model, tokenizer, weights(linear_fn, extra), out_dir, manifest, qc,
-                              before_move=before_move)
+            return export_compressed_tensors(opts)
+        linear_fn, extra, qc = compressed_tensors_plan(opts)
+        return write_artifact(opts, weights(linear_fn, extra), qc)
     if fmt not in FORMATS:
         raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
-    if kv_scales and not LIMITS[fmt].kv_cache_scales:
+    if opts.kv_scales and not LIMITS[fmt].kv_cache_scales:
         raise SchemeError(f"fp8 KV-cache scales cannot be stored in a {fmt} checkpoint; export "
                           "format 'compressed-tensors' or drop the kv_cache stage")
     for name, qw in quantized.items():
         try:
-            check_exportable(fmt, (schemes or {}).get(name) or QuantScheme(qw.args))
+            check_exportable(fmt, (opts.schemes or {}).get(name) or QuantScheme(qw.args))
         except SchemeError as e:
             raise SchemeError(f"{name}: {e}") from None
     unquantized = _check_modules(fmt, model, quantized)
@@ -146,11 +136,9 @@ def export_artifact(
         qc = gptq_format.gptq_config(next(iter(quantized.values())).args, desc_act=desc_act,
                                      checkpoint_format=version)
         tensors = weights(lambda n, qw: gptq_format.gptq_tensors(n, qw, checkpoint_format=version))
-        return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, {GPTQ_CONFIG_FILE: qc},
-                              before_move=before_move)
+        return write_artifact(opts, tensors, qc, {GPTQ_CONFIG_FILE: qc})
     qc = awq_format.awq_config(next(iter(quantized.values())).args, unquantized)
-    return write_artifact(model, tokenizer, weights(awq_format.awq_tensors), out_dir, manifest, qc,
-                          before_move=before_move)
+    return write_artifact(opts, weights(awq_format.awq_tensors), qc)
 
 
 def _output_embedding_name(model: torch.nn.Module) -> str | None:

@@ -5,7 +5,8 @@ Everything is written into a temporary sibling folder, given the user's umask mo
 so a crash never leaves a folder that looks like a finished artifact. An existing output folder is
 replaced only when it is an earlier artifact (holds slimserve.json) or empty (`replace_problem`).
 The writing is format-neutral (`write_artifact`, `artifact_tensors`); each on-disk format only
-supplies its per-Linear tensors and its `quantization_config` block (see formats.py).
+supplies its per-Linear tensors and its `quantization_config` block (see formats.py). What an
+export is given, whatever the format, is defined once: `ExportOptions`, passed through.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
@@ -53,43 +55,57 @@ def size_bytes(directory: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors"))
 
 
-def export_compressed_tensors(
-    model: torch.nn.Module,
-    tokenizer,
-    quantized: dict[str, QuantizedWeight],
-    out_dir: Path,
-    manifest: ArtifactManifest,
-    schemes: dict[str, QuantScheme] | None = None,
-    kv_scales: dict[str, tuple[float, float]] | None = None,
-    before_move: BeforeMoveFn | None = None,
-) -> Path:
-    """Export `model` as a compressed-tensors artifact at `out_dir` and return that path.
+@dataclass(frozen=True, slots=True)
+class ExportOptions:
+    """What an export writes, whatever the format: the arguments of `export_compressed_tensors`
+    and `formats.export_artifact`, defined once (a new one is a field here). Those functions take
+    one ExportOptions, or its fields as arguments (`ExportOptions.of`)."""
 
-    model: HF causal LM whose quantized Linears hold fake-quantized weights.
-    quantized: module name -> its QuantizedWeight; {} writes a dense (unquantized) artifact.
-    schemes: module name -> full scheme (for input activations, e.g. W8A8); default is
-    weight-only `QuantScheme(qw.args)`.
-    kv_scales: attention module name -> static fp8 (k_scale, v_scale); written as
-    `<attn>.k_scale`/`.v_scale` [1] in the model dtype with a `kv_cache_scheme` block.
-    tokenizer: saved with `save_pretrained`; may be None.
-    before_move: see `write_artifact`.
+    model: torch.nn.Module  # HF causal LM whose quantized Linears hold fake-quantized weights
+    tokenizer: Any  # saved with `save_pretrained`; may be None
+    quantized: dict[str, QuantizedWeight]  # module name -> its QuantizedWeight; {}: dense
+    out_dir: Path  # where the artifact goes (free, empty or an earlier artifact: `replace_problem`)
+    manifest: ArtifactManifest  # written as slimserve.json, with the files' hashes filled in
+    # module name -> full scheme (for input activations, e.g. W8A8); default: weight-only
+    # `QuantScheme(qw.args)`
+    schemes: dict[str, QuantScheme] | None = None
+    # attention module name -> static fp8 (k_scale, v_scale); written as `<attn>.k_scale`/`.v_scale`
+    # [1] in the model dtype with a `kv_cache_scheme` block
+    kv_scales: dict[str, tuple[float, float]] | None = None
+    # called with the finished temporary folder just before it is moved into place
+    before_move: BeforeMoveFn | None = None
+
+    @classmethod
+    def of(cls, *args: Any, **kwargs: Any) -> ExportOptions:
+        """One ExportOptions passed as it is, or one made of its fields: positional in field
+        order (model, tokenizer, quantized, out_dir, manifest, ...) and/or by name."""
+        if len(args) == 1 and not kwargs and isinstance(args[0], cls):
+            return args[0]
+        return cls(*args, **kwargs)
+
+
+def export_compressed_tensors(*args: Any, **kwargs: Any) -> Path:
+    """Export a model as a compressed-tensors artifact and return its folder.
+
+    Arguments: one `ExportOptions`, or its fields (model, tokenizer, quantized, out_dir,
+    manifest, schemes=, kv_scales=, before_move=).
     """
-    linear_fn, extra, qc = compressed_tensors_plan(model, quantized, schemes, kv_scales)
-    tensors = artifact_tensors(model, quantized, linear_fn)
+    opts = ExportOptions.of(*args, **kwargs)
+    linear_fn, extra, qc = compressed_tensors_plan(opts)
+    tensors = artifact_tensors(opts.model, opts.quantized, linear_fn)
     tensors.update(extra)
-    return write_artifact(model, tokenizer, tensors, out_dir, manifest, qc, before_move=before_move)
+    return write_artifact(opts, tensors, qc)
 
 
 def compressed_tensors_plan(
-    model: torch.nn.Module,
-    quantized: dict[str, QuantizedWeight],
-    schemes: dict[str, QuantScheme] | None = None,
-    kv_scales: dict[str, tuple[float, float]] | None = None,
+    opts: ExportOptions,
 ) -> tuple[LinearTensorsFn, dict[str, torch.Tensor], dict | None]:
     """What a compressed-tensors export writes besides the state dict: the per-Linear tensor
     function, the extra tensors (fp8 KV scales) and the `quantization_config` block (None when
-    nothing is quantized). Needs only the names, shapes and arguments of `quantized`."""
-    schemes = {n: (schemes or {}).get(n) or QuantScheme(qw.args) for n, qw in quantized.items()}
+    nothing is quantized). Needs only the names, shapes and arguments of `opts.quantized`."""
+    model, kv_scales = opts.model, opts.kv_scales
+    schemes = {n: (opts.schemes or {}).get(n) or QuantScheme(qw.args)
+               for n, qw in opts.quantized.items()}
     extra: dict[str, torch.Tensor] = {}
     qc = None
     if schemes or kv_scales:
@@ -101,26 +117,24 @@ def compressed_tensors_plan(
 
 
 def write_artifact(
-    model: torch.nn.Module,
-    tokenizer,
+    opts: ExportOptions,
     tensors: dict[str, torch.Tensor] | WeightsWriter,
-    out_dir: Path,
-    manifest: ArtifactManifest,
     quant_config: dict | None,
     extra_json: dict[str, dict] | None = None,
-    before_move: BeforeMoveFn | None = None,
 ) -> Path:
     """Write tensors, config.json (+ `quant_config` as its quantization_config), generation
-    config, tokenizer, `extra_json` files (name -> dict) and the manifest, atomically.
+    config, tokenizer, `extra_json` files (name -> dict) and the manifest of `opts`, atomically,
+    at `opts.out_dir`.
 
     `tensors` is the weights as one dict (written as model.safetensors) or a function that
     writes the weight files into the temporary folder (compress/export/shards.py, for a model
-    whose layers are on disk). `before_move(folder)` may add files (the run report) to the
+    whose layers are on disk). `opts.before_move(folder)` may add files (the run report) to the
     finished temporary folder. An
     existing `out_dir` that is neither an earlier artifact nor empty raises ArtifactError before
     anything is written; it is never deleted.
     """
-    out_dir = Path(out_dir)
+    model = opts.model
+    out_dir = Path(opts.out_dir)
     problem = replace_problem(out_dir)
     if problem:
         raise ArtifactError(problem)
@@ -136,14 +150,14 @@ def write_artifact(
             (tmp / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        if opts.tokenizer is not None:
+            opts.tokenizer.save_pretrained(tmp)
         # every file written so far (config, tokenizer, chat template, generation config,
         # weights); the report files come after the artifact and are not covered (manifest.py)
         files = artifact_file_hashes(tmp)
-        write_manifest(tmp, dataclasses.replace(manifest, files=files))
-        if before_move is not None:
-            before_move(tmp)
+        write_manifest(tmp, dataclasses.replace(opts.manifest, files=files))
+        if opts.before_move is not None:
+            opts.before_move(tmp)
         _finish_files(tmp)
         _move_into_place(tmp, out_dir)
     except BaseException:

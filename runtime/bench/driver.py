@@ -33,7 +33,6 @@ import asyncio
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -46,7 +45,7 @@ import typer
 from tqdm.auto import tqdm
 
 from slimserve.runtime.bench.breakdown import scrape_step_totals, step_breakdown
-from slimserve.runtime.server.process import BenchError, free_port, launched_server
+from slimserve.runtime.server.process import BenchError, free_port, launched_server, serve_cmd
 from slimserve.runtime.bench.sse_client import SSEStream, plain_http
 from slimserve.runtime.bench.workload import (
     BenchRequest,
@@ -62,6 +61,7 @@ from slimserve.runtime.bench.workload import (
 from slimserve.runtime.loading.gguf import resolve_model
 from slimserve.runtime.router.policy import POLICIES
 from slimserve.runtime.server.protocol import error_message
+from slimserve.runtime.serve_options import serve_argv
 from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, internal_headers, new_internal_key
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
@@ -184,16 +184,12 @@ def build_requests(args: BenchArgs) -> list[BenchRequest]:
 
 
 def serve_command(args: BenchArgs, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", str(args.model),
-           "--host", "127.0.0.1", "--port", str(port)]
-    for name in ENGINE_FLAGS:
-        if (value := getattr(args, name)) is not None:
-            cmd += [f"--{name.replace('_', '-')}", str(value)]
-    if args.allow_failed_gate:
-        cmd.append("--allow-failed-gate")
-    if args.profile_dir is not None:
-        cmd += ["--profile-dir", args.profile_dir]
-    return cmd
+    """`runtime serve MODEL` on 127.0.0.1:port with the engine flags that are set (spelled as
+    serve's option table says, runtime/serve_options.py)."""
+    return serve_cmd(serve_argv({
+        "artifact": str(args.model), "host": "127.0.0.1", "port": port,
+        **{name: getattr(args, name) for name in ENGINE_FLAGS},  # None: left out
+        "allow_failed_gate": args.allow_failed_gate, "profile_dir": args.profile_dir}))
 
 
 def default_profile_dir(args: BenchArgs) -> str:

@@ -1,7 +1,8 @@
 """The `runtime serve` child process a benchmark measures: start it on a free port, wait until
 /health answers, stop it (SIGTERM, then kill after a grace period) when the block ends.
 
-runtime/bench/driver.py decides what to serve (the command line); this module only runs it.
+runtime/bench/driver.py decides what to serve (the command line, `serve_cmd` + the options'
+words from runtime/serve_options.py); this module only runs it.
 `runtime serve --data-parallel-size N` starts its replicas with `launched_servers` (all at once,
 then waits for each; on Linux each child also gets SIGTERM if the parent dies, so none outlives
 it).
@@ -22,6 +23,7 @@ from typing import Iterator
 import httpx
 
 STOP_GRACE_S = 30  # s the served engine gets to exit on SIGTERM before it is killed
+SERVE_MODULE = "slimserve.runtime.cli"  # `python -m` this, then `serve`: the `runtime serve` CLI
 
 
 class BenchError(RuntimeError):
@@ -32,6 +34,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_cmd(argv: list[str]) -> list[str]:
+    """`runtime serve ARGV` as a child process's command line (this interpreter)."""
+    return [sys.executable, "-m", SERVE_MODULE, "serve", *argv]
 
 
 def _last_line(path: Path) -> str:

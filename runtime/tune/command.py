@@ -34,6 +34,7 @@ from slimserve.runtime.bench.workload import BenchRequest, LengthDist, length_st
 from slimserve.runtime.config import KV_CACHE_DTYPES, EngineConfig
 from slimserve.runtime.loading.gguf import resolve_model
 from slimserve.runtime.serve_config import write_serve_config
+from slimserve.runtime.serve_options import file_options
 from slimserve.runtime.tune.search import (
     Evaluation,
     Setting,
@@ -333,7 +334,8 @@ def run_tune(args: BenchArgs, requests: list[BenchRequest], settings: list[Setti
                f"{slo_text(slo)}\non {workload['dataset']} (seed {args.seed}); serve it with: "
                f"runtime serve --config {yaml_path.name}")
     write_serve_config(yaml_path, serve_options(local_model(str(args.model)), base,
-                                                chosen.setting), comment=comment)
+                                                chosen.setting), comment=comment,
+                       options=file_options())
     save_plot(res, plot_path)
     write_json(res, json_path)
     console.print(format_search_table(res))

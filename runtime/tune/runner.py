@@ -8,14 +8,15 @@ SLO term. The server is restarted only when the setting changes, so the search
 (runtime/tune/search.py), which evaluates one setting at a time, starts one server per setting
 per round. Each server is started as `runtime serve --config FILE` from a file written by
 `write_serve_config` (runtime/serve_config.py), the same writer that produces the tuned file,
-so every measurement also exercises the file the user will serve with.
+so every measurement also exercises the file the user will serve with. The file's keys and the
+command line come from serve's option table (runtime/serve_options.py: `file_options`,
+`serve_argv`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 from contextlib import ExitStack
 from dataclasses import replace
@@ -30,9 +31,10 @@ from slimserve.runtime.bench.driver import (
     served_model_name,
     warm_up,
 )
-from slimserve.runtime.server.process import free_port, launched_server
+from slimserve.runtime.server.process import free_port, launched_server, serve_cmd
 from slimserve.runtime.bench.workload import BenchRequest, compute_metrics, poisson_arrivals
 from slimserve.runtime.serve_config import write_serve_config
+from slimserve.runtime.serve_options import file_options, serve_argv
 from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, new_internal_key
 from slimserve.runtime.tune.search import Setting
 
@@ -86,10 +88,10 @@ class BenchMeasure:
         config = write_serve_config(self.workdir / f"{name}.yaml",
                                     serve_options(local_model(str(self.args.model)), self.base,
                                                   setting),
-                                    comment=f"runtime tune: {setting.label}")
+                                    comment=f"runtime tune: {setting.label}",
+                                    options=file_options())
         port = free_port()
-        cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", "--config", str(config),
-               "--host", "127.0.0.1", "--port", str(port)]
+        cmd = serve_cmd(serve_argv({"config": str(config), "host": "127.0.0.1", "port": port}))
         self.internal_key = new_internal_key()  # its admin key (prefix-cache resets), in its env
         self.url = self._stack.enter_context(launched_server(
             cmd, f"http://127.0.0.1:{port}", self.args.server_start_timeout_s,

@@ -38,18 +38,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-# serve's option names of the settings searched (runtime/cli.py `serve`), in table order
-SETTING_KEYS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "enable_prefix_caching")
+from slimserve.runtime.serve_options import serve_default, tune_settings
+
+# serve's option names of the settings searched: those marked `tune` in runtime/serve_options.py,
+# in table order (= Setting's fields; tests/runtime/test_serve_options.py checks the two agree)
+SETTING_KEYS = tune_settings()
 
 
 @dataclass(frozen=True, slots=True, order=True)
 class Setting:
-    """One point of the search space; the fields are `runtime serve` options of the same name."""
+    """One point of the search space; the fields are `runtime serve` options of the same name
+    (SETTING_KEYS), defaulting to serve's defaults."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = serve_default("kv_cache_dtype")
+    enable_prefix_caching: bool = serve_default("enable_prefix_caching")
 
     def flags(self) -> dict[str, Any]:
         """serve option name -> value (what the YAML file and the served command get)."""

@@ -18,6 +18,7 @@ from slimserve.runtime.serve_config import (
     read_serve_config,
     write_serve_config,
 )
+from slimserve.runtime.serve_options import file_options, replica_argv
 from slimserve.runtime.tune.runner import serve_options
 from slimserve.runtime.tune.search import Setting
 
@@ -91,18 +92,15 @@ def test_relative_model_is_resolved_against_the_file(engine_config, tmp_path):
 
 def test_data_parallel_children_get_the_file_values(monkeypatch, tmp_path):
     seen = {}
-
-    def fake_dp(artifact, flags, n, device, host, port, api_key, policy, *rest):
-        seen.update(artifact=artifact, flags=flags, n=n, device=device, port=port)
-
-    monkeypatch.setattr(cli, "_serve_data_parallel", fake_dp)
+    monkeypatch.setattr(cli, "_serve_data_parallel", lambda o: seen.update(o=o))
     cfg = tmp_path / "dp.yaml"
     cfg.write_text(f"model: {DEMO}\ndata_parallel_size: 2\nmax_num_seqs: 24\nport: 8123\n"
                    "enable_prefix_caching: false\n")
     r = invoke("--config", str(cfg), "--max-num-batched-tokens", "768")
     assert r.exit_code == 0, r.output
-    flags = seen["flags"]
-    assert (seen["artifact"], seen["n"], seen["port"]) == (str(DEMO), 2, 8123)
+    o = seen["o"]
+    flags = replica_argv(o)  # what each child gets on its command line
+    assert (o.artifact, o.data_parallel_size, o.port) == (str(DEMO), 2, 8123)
     assert flags[flags.index("--max-num-seqs") + 1] == "24"
     assert flags[flags.index("--max-num-batched-tokens") + 1] == "768"
     assert "--no-enable-prefix-caching" in flags and "--config" not in flags
@@ -153,7 +151,7 @@ def test_tune_writer_round_trips_through_serve_reader(tmp_path):
                               comment="written by a test\nsecond line")
     text = path.read_text()
     assert text.startswith("# written by a test\n# second line\nmodel: ")
-    loaded = load_serve_config(path, options_of(cli.serve))
+    loaded = load_serve_config(path, file_options())
     assert loaded == {"artifact": str(DEMO), **base, **setting.flags()}
     # every key tune writes is one of serve's options with the type serve declares
     opts = options_of(cli.serve)
