@@ -13,7 +13,13 @@ LAYERS = ("kernels", "runtime", "compress", "eval")
 
 setup(
     package_dir={f"slimserve.{layer}": layer for layer in LAYERS},
-    packages=[f"slimserve.{p}" for p in find_namespace_packages(
-        include=[*LAYERS, *(f"{x}.*" for x in LAYERS)], exclude=["*.__pycache__"])],
-    package_data={"slimserve.kernels": ["*.c"]},  # C sources compiled at first use (kernels/cpu_attention.py)
+    packages=[
+        f"slimserve.{p}"
+        for p in find_namespace_packages(
+            include=[*LAYERS, *(f"{x}.*" for x in LAYERS)], exclude=["*.__pycache__"]
+        )
+    ],
+    package_data={
+        "slimserve.kernels": ["*.c"]
+    },  # C sources compiled at first use (kernels/cpu_attention.py)
 )

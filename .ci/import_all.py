@@ -15,7 +15,10 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> int:
     names = sorted(
         "slimserve." + ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
-        for layer in LAYERS for p in (REPO / layer).rglob("*.py") if "__pycache__" not in p.parts)
+        for layer in LAYERS
+        for p in (REPO / layer).rglob("*.py")
+        if "__pycache__" not in p.parts
+    )
     failed = 0
     for name in names:
         try:

@@ -34,11 +34,17 @@ def _norm(name: str) -> str:
 
 
 def installed() -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "pip", "list", "--format=json",
-                          "--disable-pip-version-check"], check=True, capture_output=True,
-                         text=True).stdout
-    return {_norm(p["name"]): p["version"].split("+")[0] for p in json.loads(out)
-            if _norm(p["name"]) not in SKIP}
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "list", "--format=json", "--disable-pip-version-check"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {
+        _norm(p["name"]): p["version"].split("+")[0]
+        for p in json.loads(out)
+        if _norm(p["name"]) not in SKIP
+    }
 
 
 def read(path: Path) -> dict[str, str]:
@@ -63,10 +69,16 @@ def main(argv: list[str]) -> int:
         print(f"lockfile: wrote {len(have)} pins to {path}")
         return 0
     pins = read(path)
-    bad = [f"{n} {v} installed, {pins[n]} locked" for n, v in sorted(have.items())
-           if n in pins and pins[n] != v]
-    bad += [f"{n} {v} installed but not in {path.name} (refresh it with .ci/lock)"
-            for n, v in sorted(have.items()) if n not in pins]
+    bad = [
+        f"{n} {v} installed, {pins[n]} locked"
+        for n, v in sorted(have.items())
+        if n in pins and pins[n] != v
+    ]
+    bad += [
+        f"{n} {v} installed but not in {path.name} (refresh it with .ci/lock)"
+        for n, v in sorted(have.items())
+        if n not in pins
+    ]
     bad += [f"{n} {pins[n]} locked but not installed" for n in sorted(pins) if n not in have]
     for line in bad:
         print(f"lockfile: {line}")

@@ -16,9 +16,9 @@ turn and handed back after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -30,14 +30,18 @@ from slimserve.compress.stage import (
     LayerInputs,
     Stage,
     StopForward,
-    replay,
     to_device,
 )
 from slimserve.runtime.dtypes import DTYPES
 
 
-def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: list[torch.Tensor],
-                               device: torch.device, dtype: torch.dtype | None = None) -> LayerInputs:
+def capture_first_layer_inputs(
+    model: nn.Module,
+    mapping: ArchMapping,
+    batches: list[torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> LayerInputs:
     """Inputs of decoder layer 0 for each batch of token ids [b, seq_len].
 
     dtype: the dtype the input embeddings' output is cast to before anything reads it (so the
@@ -49,7 +53,11 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
 
     def hook(_module, args, kwargs):
         hidden = args[0] if args else kwargs.pop("hidden_states")
-        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")}
+        kw = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("past_key_values", "past_key_value", "use_cache")
+        }
         cached.hidden.append(hidden.detach().cpu())
         cached.kwargs.append(to_device(kw, torch.device("cpu")))
         raise StopForward
@@ -58,8 +66,11 @@ def capture_first_layer_inputs(model: nn.Module, mapping: ArchMapping, batches: 
     handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     handles = [handle]
     if dtype is not None:
-        handles.append(model.get_input_embeddings().register_forward_hook(
-            lambda _m, _args, out: out.to(dtype) if out.is_floating_point() else out))
+        handles.append(
+            model.get_input_embeddings().register_forward_hook(
+                lambda _m, _args, out: out.to(dtype) if out.is_floating_point() else out
+            )
+        )
     try:
         with torch.no_grad():
             for ids in batches:
@@ -128,7 +139,7 @@ def move_trunk(model: nn.Module, layers_path: str, device: torch.device) -> None
     for name, mod in model.named_modules():
         if name == layers_path or name.startswith(layers_path + "."):
             continue
-        for key, p in mod.named_parameters(recurse=False):
+        for _key, p in mod.named_parameters(recurse=False):
             p.data = p.data.to(device)
         for key, b in mod.named_buffers(recurse=False):
             mod._buffers[key] = b.to(device)
@@ -142,10 +153,14 @@ class LayerSource(Protocol):
     def done(self, i: int) -> None: ...  # the stage finished layer i
 
 
-def run_layerwise(state: CompressionState, stage: Stage, batch_size: int = 8,
-                  device: torch.device | str | None = None,
-                  on_layer: Callable[[int, int], None] | None = None,
-                  source: LayerSource | None = None) -> None:
+def run_layerwise(
+    state: CompressionState,
+    stage: Stage,
+    batch_size: int = 8,
+    device: torch.device | str | None = None,
+    on_layer: Callable[[int, int], None] | None = None,
+    source: LayerSource | None = None,
+) -> None:
     """Apply a layerwise stage to every decoder layer, feeding each the compressed previous one.
 
     The one runner of layerwise stages (`Stage.compress_layer`): the pipeline calls it between the
@@ -162,19 +177,27 @@ def run_layerwise(state: CompressionState, stage: Stage, batch_size: int = 8,
     model, device = state.model, torch.device(device) if device is not None else state.device
     mapping = mapping_for(model)
     batches = list(state.calibration.split(batch_size))
-    inputs = capture_first_layer_inputs(model, mapping, batches, device,
-                                        torch.float32 if source is not None else None)
+    inputs = capture_first_layer_inputs(
+        model, mapping, batches, device, torch.float32 if source is not None else None
+    )
     dtype = replay_dtype(state, stage, device)
     if dtype is not None:
-        inputs = LayerInputs([h.to(dtype) for h in inputs.hidden], [to_device(kw, dtype=dtype) for kw in inputs.kwargs])
+        inputs = LayerInputs(
+            [h.to(dtype) for h in inputs.hidden],
+            [to_device(kw, dtype=dtype) for kw in inputs.kwargs],
+        )
     layers = decoder_layers(model, mapping)
     try:
         for i in range(len(layers)):
             layer = source.load(i) if source is not None else layers[i]
             with layer_on_device(layer, device, dtype):
-                ctx = LayerContext(i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device)
+                ctx = LayerContext(
+                    i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device
+                )
                 stage.compress_layer(ctx)
-                inputs = LayerInputs(ctx.outputs if ctx.outputs is not None else ctx.forward(), inputs.kwargs)
+                inputs = LayerInputs(
+                    ctx.outputs if ctx.outputs is not None else ctx.forward(), inputs.kwargs
+                )
             if source is not None:
                 source.done(i)
             if on_layer:

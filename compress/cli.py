@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -34,20 +33,31 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from slimserve.runtime.artifact.scheme import SchemeError
     from slimserve.runtime.errors import ArtifactError
 
-    return (RecipeError, UnsupportedModelError, SchemeError, DatasetError, ArtifactError, FileNotFoundError)
+    return (
+        RecipeError,
+        UnsupportedModelError,
+        SchemeError,
+        DatasetError,
+        ArtifactError,
+        FileNotFoundError,
+    )
 
 
 def _fail(message: str) -> None:
     first = str(message).strip().splitlines()[0] if str(message).strip() else "unknown error"
     # soft_wrap: one line however long the paths in it are (tests and scripts read it)
-    console.print(f"[bold red]error:[/] {escape(first)}", highlight=False, markup=True, soft_wrap=True)
+    console.print(
+        f"[bold red]error:[/] {escape(first)}", highlight=False, markup=True, soft_wrap=True
+    )
     raise typer.Exit(EXIT_BAD_INPUT)
 
 
 @app.command()
 def run(
     recipe: Path = typer.Argument(..., help="recipe YAML file (see recipes/)"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="artifact folder (overrides the recipe's output)"),
+    output: Path | None = typer.Option(
+        None, "--output", "-o", help="artifact folder (overrides the recipe's output)"
+    ),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bars"),
 ) -> None:
     """Run a recipe: baseline ppl, every stage with ppl after it, the gate, export and report."""
@@ -56,7 +66,9 @@ def run(
 
     try:
         rec = load_recipe(recipe, output)
-        result = run_recipe(rec, log=lambda m: console.print(m, highlight=False), progress=not no_progress)
+        result = run_recipe(
+            rec, log=lambda m: console.print(m, highlight=False), progress=not no_progress
+        )
     except _user_errors() as e:
         _fail(str(e))
     gate = result.summary["gate"]
@@ -67,8 +79,10 @@ def run(
     )
     console.print(f"artifact: {result.artifact}  report: {result.artifact / 'report.md'}")
     if not result.passed:
-        typer.echo(f"gate failed: the artifact was written to {result.artifact}, not {rec.output} "
-                   "(left as it was); serving it needs --allow-failed-gate")
+        typer.echo(
+            f"gate failed: the artifact was written to {result.artifact}, not {rec.output} "
+            "(left as it was); serving it needs --allow-failed-gate"
+        )
         raise typer.Exit(EXIT_GATE_FAILED)
 
 
@@ -77,17 +91,33 @@ def eval_cmd(
     model: str = typer.Argument(..., help="HF model id, local HF checkpoint or slimserve artifact"),
     dataset: str = typer.Option("stdlib", help="stdlib | wikitext2 | text:PATH | jsonl:PATH:FIELD"),
     seq_len: int = typer.Option(512, "--seq-len", min=2, help="tokens per window"),
-    max_windows: Optional[int] = typer.Option(None, "--max-windows", min=1, help="evaluate at most N windows"),
+    max_windows: int | None = typer.Option(
+        None, "--max-windows", min=1, help="evaluate at most N windows"
+    ),
     batch_size: int = typer.Option(8, "--batch-size", min=1, help="windows per forward pass"),
-    as_json: bool = typer.Option(False, "--json", help='print {"ppl", "tokens", "seconds"} as JSON'),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when available) | cpu | cuda | cuda:N"),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="allow code from the model repo"),
-    verify: str = typer.Option("strict", "--verify", help="strict: a slimserve artifact must have a "
-                               "slimserve.json matching every file (plain checkpoints load as they are) "
-                               "| none: skip the manifest check"),
-    memory: str = typer.Option("auto", "--memory", help="layers: read a local unquantized checkpoint's "
-                               "decoder layers one at a time | whole: load the float32 model | auto: "
-                               "layers when the float32 model would not fit in memory"),
+    as_json: bool = typer.Option(
+        False, "--json", help='print {"ppl", "tokens", "seconds"} as JSON'
+    ),
+    device: str = typer.Option(
+        "auto", "--device", help="auto (CUDA when available) | cpu | cuda | cuda:N"
+    ),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="allow code from the model repo"
+    ),
+    verify: str = typer.Option(
+        "strict",
+        "--verify",
+        help="strict: a slimserve artifact must have a "
+        "slimserve.json matching every file (plain checkpoints load as they are) "
+        "| none: skip the manifest check",
+    ),
+    memory: str = typer.Option(
+        "auto",
+        "--memory",
+        help="layers: read a local unquantized checkpoint's "
+        "decoder layers one at a time | whole: load the float32 model | auto: "
+        "layers when the float32 model would not fit in memory",
+    ),
 ) -> None:
     """Perplexity of a model or artifact on a dataset (non-overlapping windows)."""
     from slimserve.compress.datasets import load_token_documents, parse_dataset
@@ -99,17 +129,29 @@ def eval_cmd(
     try:
         dev = resolve_device(device, "--device")
         spec = parse_dataset(dataset, Path.cwd())  # a bad spec fails before the model loads
-        res = model_perplexity(model, lambda tok: load_token_documents(spec, tok), seq_len, max_windows,
-                               batch_size, dev, memory=memory, verify=verify,
-                               trust_remote_code=trust_remote_code, progress=not as_json,
-                               note=lambda m: None if as_json else console.print(m, highlight=False))
+        res = model_perplexity(
+            model,
+            lambda tok: load_token_documents(spec, tok),
+            seq_len,
+            max_windows,
+            batch_size,
+            dev,
+            memory=memory,
+            verify=verify,
+            trust_remote_code=trust_remote_code,
+            progress=not as_json,
+            note=lambda m: None if as_json else console.print(m, highlight=False),
+        )
     except _user_errors() as e:
         _fail(str(e))
     if as_json:
         print(json.dumps({"ppl": res.ppl, "tokens": res.tokens, "seconds": round(res.seconds, 3)}))
     else:
-        console.print(f"{model} on {dataset} (seq_len {seq_len}): ppl {res.ppl:.4f} over {res.tokens} tokens "
-                      f"in {res.seconds:.1f}s", highlight=False)
+        console.print(
+            f"{model} on {dataset} (seq_len {seq_len}): ppl {res.ppl:.4f} over {res.tokens} tokens "
+            f"in {res.seconds:.1f}s",
+            highlight=False,
+        )
 
 
 @app.command()

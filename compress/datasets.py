@@ -107,8 +107,10 @@ def _existing_file(path: str, base_dir: Path | None, spec: str) -> Path:
         p = (base_dir or Path.cwd()) / p
     p = p.resolve()
     if not p.is_file():
-        raise DatasetError(f"dataset file not found: {p} (from {spec!r}); fix the path (relative paths "
-                           f"resolve against the recipe's folder)")
+        raise DatasetError(
+            f"dataset file not found: {p} (from {spec!r}); fix the path (relative paths "
+            f"resolve against the recipe's folder)"
+        )
     return p
 
 
@@ -132,7 +134,9 @@ def _read_utf8(path: Path) -> str:
     except FileNotFoundError:
         raise DatasetError(f"dataset file not found: {path}; fix the path") from None
     except UnicodeDecodeError as e:
-        raise DatasetError(f"{path}: not UTF-8 at byte {e.start}; convert the file to UTF-8") from None
+        raise DatasetError(
+            f"{path}: not UTF-8 at byte {e.start}; convert the file to UTF-8"
+        ) from None
 
 
 def _read_jsonl(path: Path, field: str) -> list[str]:
@@ -143,17 +147,25 @@ def _read_jsonl(path: Path, field: str) -> list[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DatasetError(f"{path} line {lineno}: not valid JSON ({e.msg}); "
-                               f"each line must be one JSON object with a {field!r} string") from None
+            raise DatasetError(
+                f"{path} line {lineno}: not valid JSON ({e.msg}); "
+                f"each line must be one JSON object with a {field!r} string"
+            ) from None
         value = obj.get(field) if isinstance(obj, dict) else None
         if not isinstance(value, str):
-            what = "is missing" if not isinstance(obj, dict) or field not in obj else "is not a string"
+            what = (
+                "is missing" if not isinstance(obj, dict) or field not in obj else "is not a string"
+            )
             keys = f" (keys: {', '.join(map(str, obj))})" if isinstance(obj, dict) else ""
-            raise DatasetError(f"{path} line {lineno}: field {field!r} {what}{keys}; "
-                               f"fix the line or name another field in jsonl:PATH:FIELD")
+            raise DatasetError(
+                f"{path} line {lineno}: field {field!r} {what}{keys}; "
+                f"fix the line or name another field in jsonl:PATH:FIELD"
+            )
         docs.append(value)
     if not docs:
-        raise DatasetError(f"{path}: no documents (empty file); give a file with one JSON object per line")
+        raise DatasetError(
+            f"{path}: no documents (empty file); give a file with one JSON object per line"
+        )
     return docs
 
 
@@ -189,8 +201,10 @@ def _load_wikitext2(split: str) -> list[str]:
     if not offline:
         fix += " (or set HF_HUB_OFFLINE=1 to use a cached copy)"
     if not offline and not _hub_reachable():
-        raise DatasetError(f"could not load wikitext2 (no network?): the Hugging Face hub did not answer "
-                           f"within {HUB_PROBE_TIMEOUT_S:.0f} s; {fix}")
+        raise DatasetError(
+            f"could not load wikitext2 (no network?): the Hugging Face hub did not answer "
+            f"within {HUB_PROBE_TIMEOUT_S:.0f} s; {fix}"
+        )
     # Low hub timeouts, read when huggingface_hub is first imported; a no-op if it already is.
     os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
     os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "15")
@@ -217,7 +231,9 @@ def encode_documents(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def load_token_documents(spec: DatasetSpec | str, tokenizer, base_dir: Path | None = None) -> torch.Tensor:
+def load_token_documents(
+    spec: DatasetSpec | str, tokenizer, base_dir: Path | None = None
+) -> torch.Tensor:
     """A dataset's token stream: its documents (named corpora: the split `spec` names, else the
     eval split) encoded by `encode_documents`. A spec string is parsed against `base_dir`.
     [num_tokens] int64."""
@@ -233,13 +249,17 @@ def calibration_batches(
     Named corpora use their train split (see `DatasetSpec.for_calibration`).
     """
     if num_samples < 1 or seq_len < 1:
-        raise DatasetError(f"calibration needs num_samples >= 1 and seq_len >= 1 "
-                           f"(got num_samples={num_samples}, seq_len={seq_len})")
+        raise DatasetError(
+            f"calibration needs num_samples >= 1 and seq_len >= 1 "
+            f"(got num_samples={num_samples}, seq_len={seq_len})"
+        )
     spec = (parse_dataset(spec) if isinstance(spec, str) else spec).for_calibration()
     stream = load_token_documents(spec, tokenizer)  # [num_tokens]
     if stream.numel() < seq_len + 1:
-        raise DatasetError(f"calibration dataset {spec} has {stream.numel()} tokens, fewer than "
-                           f"seq_len + 1 = {seq_len + 1}; use a larger dataset or a smaller seq_len")
+        raise DatasetError(
+            f"calibration dataset {spec} has {stream.numel()} tokens, fewer than "
+            f"seq_len + 1 = {seq_len + 1}; use a larger dataset or a smaller seq_len"
+        )
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - seq_len, (num_samples,), generator=gen)
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])

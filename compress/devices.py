@@ -16,7 +16,9 @@ def parse_device(name: str, field: str) -> torch.device | None:
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError):
-        raise RecipeError(f"{field}: {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+        raise RecipeError(
+            f"{field}: {name!r} is not a device; use auto, cpu, cuda or cuda:N"
+        ) from None
     if dev.type not in ("cpu", "cuda"):
         raise RecipeError(f"{field}: {name!r} is not supported; use auto, cpu, cuda or cuda:N")
     return dev
@@ -29,8 +31,17 @@ def resolve_device(name: str, field: str, auto: torch.device | None = None) -> t
     try:
         dev = resolve_runtime_device(name, auto)
     except DeviceUnavailableError:
-        raise RecipeError(f"{field}: {name!r} but no CUDA device is available; use auto or cpu") from None
-    if explicit and dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise RecipeError(f"{field}: {name!r} but only {torch.cuda.device_count()} CUDA device(s) "
-                          "exist; use cuda:0 .. cuda:N-1")
+        raise RecipeError(
+            f"{field}: {name!r} but no CUDA device is available; use auto or cpu"
+        ) from None
+    if (
+        explicit
+        and dev.type == "cuda"
+        and dev.index is not None
+        and dev.index >= torch.cuda.device_count()
+    ):
+        raise RecipeError(
+            f"{field}: {name!r} but only {torch.cuda.device_count()} CUDA device(s) "
+            "exist; use cuda:0 .. cuda:N-1"
+        )
     return dev

@@ -59,8 +59,13 @@ _Q_FIELDS = ("codes", "scale", "zero_point", "g_idx")
 def meta_qweight(qw: QuantizedWeight) -> QuantizedWeight:
     """`qw` with every tensor on the meta device: its shape, dtypes and arguments, no data."""
     meta = lambda t: None if t is None else t.to("meta")  # noqa: E731
-    return dataclasses.replace(qw, codes=meta(qw.codes), scale=meta(qw.scale),
-                               zero_point=meta(qw.zero_point), g_idx=meta(qw.g_idx))
+    return dataclasses.replace(
+        qw,
+        codes=meta(qw.codes),
+        scale=meta(qw.scale),
+        zero_point=meta(qw.zero_point),
+        g_idx=meta(qw.g_idx),
+    )
 
 
 def is_meta(qw: QuantizedWeight) -> bool:
@@ -70,8 +75,14 @@ def is_meta(qw: QuantizedWeight) -> bool:
 class LayerStore:
     """Where each decoder layer of a skeleton model currently lives, and moving it in and out."""
 
-    def __init__(self, model: nn.Module, mapping: ArchMapping, checkpoint: CheckpointTensors,
-                 quantized: dict[str, QuantizedWeight], spill_dir: str | Path | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        mapping: ArchMapping,
+        checkpoint: CheckpointTensors,
+        quantized: dict[str, QuantizedWeight],
+        spill_dir: str | Path | None = None,
+    ):
         self.model, self.mapping, self.checkpoint = model, mapping, checkpoint
         self.quantized = quantized  # the pipeline state's dict: committed layers hold meta entries
         self.layers = model.get_submodule(mapping.layers)
@@ -172,7 +183,9 @@ class LayerStore:
         if not names:
             return {}
         entries, _ = read_header(self._spill[i])
-        data = read_tensors([(k, e) for k, e in entries.items() if _Q in k and k.split(_Q)[0] in names])
+        data = read_tensors(
+            [(k, e) for k, e in entries.items() if _Q in k and k.split(_Q)[0] in names]
+        )
         out = {}
         for n in names:
             fields = {f: data.get(f"{n}{_Q}{f}") for f in _Q_FIELDS}

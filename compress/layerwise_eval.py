@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from slimserve.compress.calibration import capture_first_layer_inputs, layer_on_device, move_trunk
-from slimserve.compress.stage import LayerInputs, replay
 from slimserve.compress.layer_store import LayerStore
 from slimserve.compress.mappings import ARCHITECTURES, decoder_layers, mapping_for
 from slimserve.compress.perplexity import (
@@ -36,6 +35,7 @@ from slimserve.compress.perplexity import (
     window_nll,
 )
 from slimserve.compress.progress import counting_bar
+from slimserve.compress.stage import LayerInputs, replay
 from slimserve.runtime.artifact.importers import read_quant_config
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.loading.gguf import resolve_model
@@ -54,10 +54,18 @@ class LayerReader(Protocol):
 
 
 @torch.no_grad()
-def layerwise_perplexity(model: nn.Module, token_ids: torch.Tensor, seq_len: int, max_windows: int | None,
-                         batch_size: int, device: torch.device, progress: bool = False,
-                         dtype: torch.dtype = torch.float32, dataset: str = "",
-                         layers: LayerReader | None = None) -> PerplexityResult:
+def layerwise_perplexity(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    seq_len: int,
+    max_windows: int | None,
+    batch_size: int,
+    device: torch.device,
+    progress: bool = False,
+    dtype: torch.dtype = torch.float32,
+    dataset: str = "",
+    layers: LayerReader | None = None,
+) -> PerplexityResult:
     """Perplexity with one decoder layer at a time on `device`; with `layers`, each decoder layer
     is read from it just before its turn and released after (the model holds skeletons), and the
     trunk (embeddings, final norm, lm_head) computes in float32 whatever dtype it is held in."""
@@ -79,7 +87,9 @@ def layerwise_perplexity(model: nn.Module, token_ids: torch.Tensor, seq_len: int
                 if layers is not None:
                     layers.drop(i)
                 bar.advance(task)
-            head = nn.ModuleList([model.get_submodule(mapping.final_norm), model.get_output_embeddings()])
+            head = nn.ModuleList(
+                [model.get_submodule(mapping.final_norm), model.get_output_embeddings()]
+            )
             held = next(head.parameters()).dtype
             nll_sum = 0.0
             with layer_on_device(head, device, compute if held != compute else None):
@@ -90,7 +100,9 @@ def layerwise_perplexity(model: nn.Module, token_ids: torch.Tensor, seq_len: int
     finally:
         move_trunk(model, mapping.layers, torch.device("cpu"))
         model.train(was_training)
-    return perplexity_result(nll_sum, windows.shape[0], seq_len, time.perf_counter() - start, dataset)
+    return perplexity_result(
+        nll_sum, windows.shape[0], seq_len, time.perf_counter() - start, dataset
+    )
 
 
 def whole_model_shortfall(model: nn.Module, device: torch.device, batch_tokens: int) -> str:
@@ -101,7 +113,9 @@ def whole_model_shortfall(model: nn.Module, device: torch.device, batch_tokens: 
     free, _ = torch.cuda.mem_get_info(device)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     need = weights + 3 * 4 * batch_tokens * model.config.vocab_size
-    return "" if need < 0.9 * free else f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    return (
+        "" if need < 0.9 * free else f"needs ~{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    )
 
 
 @contextmanager
@@ -117,22 +131,34 @@ def model_on(model: nn.Module, device: torch.device):
         model.to("cpu")
 
 
-def perplexity_on_device(model: nn.Module, token_ids: torch.Tensor, seq_len: int, max_windows: int | None,
-                         batch_size: int, device: torch.device, progress: bool = False,
-                         note: Callable[[str], None] = lambda m: None,
-                         layers: LayerReader | None = None) -> PerplexityResult:
+def perplexity_on_device(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    seq_len: int,
+    max_windows: int | None,
+    batch_size: int,
+    device: torch.device,
+    progress: bool = False,
+    note: Callable[[str], None] = lambda m: None,
+    layers: LayerReader | None = None,
+) -> PerplexityResult:
     """evaluate_perplexity with the whole model on `device` when it fits there, else layer by
     layer (the same number); the model is back on the CPU afterwards. With `layers` (the model
     holds no decoder layer: compress/layer_store.py) always layer by layer, reading each from it."""
     if layers is not None:
-        return layerwise_perplexity(model, token_ids, seq_len, max_windows, batch_size, device, progress,
-                                    layers=layers)
+        return layerwise_perplexity(
+            model, token_ids, seq_len, max_windows, batch_size, device, progress, layers=layers
+        )
     short = whole_model_shortfall(model, device, batch_size * seq_len)
     if short:
         note(f"the whole model does not fit on {device} ({short}): evaluating layer by layer")
-        return layerwise_perplexity(model, token_ids, seq_len, max_windows, batch_size, device, progress)
+        return layerwise_perplexity(
+            model, token_ids, seq_len, max_windows, batch_size, device, progress
+        )
     with model_on(model, device):
-        return evaluate_perplexity(model, token_ids, seq_len, max_windows, batch_size, progress=progress)
+        return evaluate_perplexity(
+            model, token_ids, seq_len, max_windows, batch_size, progress=progress
+        )
 
 
 def layers_plan(source: str, memory: str, config=None) -> str:
@@ -161,10 +187,20 @@ def _checkpoint_params(path: Path) -> int:
     return sum(math.prod(e.shape) for e in CheckpointTensors(path).entries.values())
 
 
-def model_perplexity(source: str, tokens: Callable[[object], torch.Tensor], seq_len: int,
-                     max_windows: int | None, batch_size: int, device: torch.device, *,
-                     memory: str = "auto", verify: str = "strict", trust_remote_code: bool = False,
-                     progress: bool = False, note: Callable[[str], None] = lambda m: None) -> PerplexityResult:
+def model_perplexity(
+    source: str,
+    tokens: Callable[[object], torch.Tensor],
+    seq_len: int,
+    max_windows: int | None,
+    batch_size: int,
+    device: torch.device,
+    *,
+    memory: str = "auto",
+    verify: str = "strict",
+    trust_remote_code: bool = False,
+    progress: bool = False,
+    note: Callable[[str], None] = lambda m: None,
+) -> PerplexityResult:
     """Perplexity of a model or artifact (`compress eval`). memory: "layers" reads a local
     unquantized checkpoint's decoder layers one at a time (an error says why it cannot), "whole"
     loads the float32 model, "auto" the first only when the second would not fit in memory.
@@ -172,20 +208,45 @@ def model_perplexity(source: str, tokens: Callable[[object], torch.Tensor], seq_
     if memory not in MEMORY_MODES:
         raise ValueError(f"--memory {memory!r}: use one of {', '.join(MEMORY_MODES)}")
     source = resolve_model(source)
-    config = load_config(source, trust_remote_code) if memory != "whole" and Path(source).is_dir() else None
+    config = (
+        load_config(source, trust_remote_code)
+        if memory != "whole" and Path(source).is_dir()
+        else None
+    )
     why_whole = layers_plan(source, memory, config)
     if why_whole and memory == "layers":
-        raise ArtifactError(f"{source} cannot be evaluated layer by layer: {why_whole}; use --memory whole")
+        raise ArtifactError(
+            f"{source} cannot be evaluated layer by layer: {why_whole}; use --memory whole"
+        )
     if not why_whole:
         mapping = ARCHITECTURES[config.model_type]
         skeleton = load_skeleton(source, mapping.layers, verify, trust_remote_code)
         note(f"memory: decoder layers are read from {source} one at a time")
         store = LayerStore(skeleton.model, mapping, skeleton.checkpoint, {})
         try:
-            return perplexity_on_device(skeleton.model, tokens(skeleton.tokenizer), seq_len, max_windows,
-                                        batch_size, device, progress, note, layers=store)
+            return perplexity_on_device(
+                skeleton.model,
+                tokens(skeleton.tokenizer),
+                seq_len,
+                max_windows,
+                batch_size,
+                device,
+                progress,
+                note,
+                layers=store,
+            )
         finally:
             store.close()
-    loaded = load_model(source, dtype=torch.float32, trust_remote_code=trust_remote_code, verify=verify)
-    return perplexity_on_device(loaded.model, tokens(loaded.tokenizer), seq_len, max_windows, batch_size,
-                                device, progress, note)
+    loaded = load_model(
+        source, dtype=torch.float32, trust_remote_code=trust_remote_code, verify=verify
+    )
+    return perplexity_on_device(
+        loaded.model,
+        tokens(loaded.tokenizer),
+        seq_len,
+        max_windows,
+        batch_size,
+        device,
+        progress,
+        note,
+    )

@@ -18,13 +18,17 @@ from slimserve.compress.errors import UnsupportedModelError
 class SmoothMapping:
     prev: str  # module whose output feeds `linears` (a norm, or a Linear), relative to the layer
     linears: tuple[str, ...]  # Linears reading that output, relative to the layer
-    inspect: str  # submodule whose output measures the error of a scale (AWQ), relative to the layer
+    inspect: (
+        str  # submodule whose output measures the error of a scale (AWQ), relative to the layer
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class ArchMapping:
     layers: str  # path of the decoder layer ModuleList
-    sequential: tuple[tuple[str, ...], ...]  # Linear groups quantized in order inside a layer (GPTQ)
+    sequential: tuple[
+        tuple[str, ...], ...
+    ]  # Linear groups quantized in order inside a layer (GPTQ)
     smooth: tuple[SmoothMapping, ...]  # equivalence-transform mappings (AWQ, SmoothQuant)
     q_proj: str = "self_attn.q_proj"  # attention projections (KV-cache calibration, pruning)
     k_proj: str = "self_attn.k_proj"
@@ -47,7 +51,11 @@ _LLAMA = ArchMapping(
         ("mlp.down_proj",),
     ),
     smooth=(
-        SmoothMapping("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+        SmoothMapping(
+            "input_layernorm",
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn",
+        ),
         SmoothMapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
         SmoothMapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
         SmoothMapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),

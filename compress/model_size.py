@@ -14,7 +14,9 @@ def count_parameters(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def weight_bytes(model: nn.Module, quantized: dict[str, QuantizedWeight], storage: torch.dtype) -> int:
+def weight_bytes(
+    model: nn.Module, quantized: dict[str, QuantizedWeight], storage: torch.dtype
+) -> int:
     """Bytes the model's weights take on disk: packed codes + scales for quantized Linears."""
     total, seen = 0, set()
     elem = torch.empty(0, dtype=storage).element_size()

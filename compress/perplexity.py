@@ -62,23 +62,33 @@ def _logits(out) -> torch.Tensor:
     if logits is None and isinstance(out, (tuple, list)):
         logits = out[0]
     if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"model output {type(out).__name__} has no logits; the model must return "
-                        f"a tensor [batch, seq, vocab] or an object with .logits")
+        raise TypeError(
+            f"model output {type(out).__name__} has no logits; the model must return "
+            f"a tensor [batch, seq, vocab] or an object with .logits"
+        )
     return logits
 
 
-def _check_args(token_ids: torch.Tensor, seq_len: int, max_windows: int | None, batch_size: int) -> None:
+def _check_args(
+    token_ids: torch.Tensor, seq_len: int, max_windows: int | None, batch_size: int
+) -> None:
     if token_ids.dim() != 1:
-        raise ValueError(f"token_ids must be 1-D [num_tokens], got shape {tuple(token_ids.shape)}; flatten it")
+        raise ValueError(
+            f"token_ids must be 1-D [num_tokens], got shape {tuple(token_ids.shape)}; flatten it"
+        )
     if seq_len < 2:
         raise ValueError(f"seq_len={seq_len} scores no tokens; use seq_len >= 2")
     if max_windows is not None and max_windows < 1:
-        raise ValueError(f"max_windows={max_windows}; use a positive number or None for every window")
+        raise ValueError(
+            f"max_windows={max_windows}; use a positive number or None for every window"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}; use batch_size >= 1")
     if token_ids.numel() < seq_len:
-        raise ValueError(f"{token_ids.numel()} tokens is fewer than one window of seq_len={seq_len}; "
-                         f"use a larger dataset or a smaller seq_len")
+        raise ValueError(
+            f"{token_ids.numel()} tokens is fewer than one window of seq_len={seq_len}; "
+            f"use a larger dataset or a smaller seq_len"
+        )
 
 
 @torch.no_grad()
@@ -115,7 +125,9 @@ def evaluate_perplexity(
     return perplexity_result(nll_sum, num_windows, seq_len, time.perf_counter() - start, dataset)
 
 
-def eval_windows(token_ids: torch.Tensor, seq_len: int, max_windows: int | None, batch_size: int) -> torch.Tensor:
+def eval_windows(
+    token_ids: torch.Tensor, seq_len: int, max_windows: int | None, batch_size: int
+) -> torch.Tensor:
     """The first `max_windows` non-overlapping windows of `token_ids` [N], as [W, seq_len] int64."""
     _check_args(token_ids, seq_len, max_windows, batch_size)
     num_windows = token_ids.numel() // seq_len
@@ -124,14 +136,19 @@ def eval_windows(token_ids: torch.Tensor, seq_len: int, max_windows: int | None,
     return token_ids[: num_windows * seq_len].view(num_windows, seq_len).long()
 
 
-def window_nll(logits: torch.Tensor, batch: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+def window_nll(
+    logits: torch.Tensor, batch: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> float:
     """Summed NLL (nats) of windows `batch` [B, T] under `logits` [B, T, V]: position t predicts t+1."""
     pred = logits[:, :-1].to(dtype)  # [B, T-1, V]
-    return F.cross_entropy(pred.reshape(-1, pred.size(-1)), batch[:, 1:].reshape(-1), reduction="sum").item()
+    return F.cross_entropy(
+        pred.reshape(-1, pred.size(-1)), batch[:, 1:].reshape(-1), reduction="sum"
+    ).item()
 
 
-def perplexity_result(nll_sum: float, num_windows: int, seq_len: int, seconds: float,
-                      dataset: str = "") -> PerplexityResult:
+def perplexity_result(
+    nll_sum: float, num_windows: int, seq_len: int, seconds: float, dataset: str = ""
+) -> PerplexityResult:
     tokens = num_windows * (seq_len - 1)
     nll_mean = nll_sum / tokens
     ppl = math.exp(nll_mean) if nll_mean < _MAX_EXP_ARG else math.inf
@@ -150,4 +167,6 @@ def perplexity_on(
     """Encode a dataset (spec string or `DatasetSpec`; named corpora: their eval split) and score it."""
     spec = parse_dataset(dataset_spec) if isinstance(dataset_spec, str) else dataset_spec
     token_ids = load_token_documents(spec, tokenizer)  # [num_tokens]
-    return evaluate_perplexity(model, token_ids, seq_len, max_windows, batch_size, progress, dataset=str(spec))
+    return evaluate_perplexity(
+        model, token_ids, seq_len, max_windows, batch_size, progress, dataset=str(spec)
+    )

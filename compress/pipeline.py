@@ -18,10 +18,10 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -61,8 +61,9 @@ class RunResult:
     passed: bool  # whether the perplexity gate passed
 
 
-def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: bool = True,
-               memory: str = "auto") -> RunResult:
+def run_recipe(
+    recipe: Recipe, log: Callable[[str], None] = print, progress: bool = True, memory: str = "auto"
+) -> RunResult:
     """Run every stage of `recipe`, gate on perplexity drift, export and report.
 
     The artifact goes to `recipe.output` when the gate passes (replacing an earlier artifact
@@ -77,12 +78,18 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
         raise ValueError(f"memory={memory!r}; use one of {', '.join(MEMORY_MODES)}")
     t_start = time.perf_counter()
     torch.manual_seed(0)
-    device = resolve_device(recipe.device, "device")  # before any work: an absent GPU is a recipe error
+    device = resolve_device(
+        recipe.device, "device"
+    )  # before any work: an absent GPU is a recipe error
     check_output(recipe)  # before any work: never export over what is not an earlier artifact
     source = resolve_model(recipe.model, log)  # a GGUF checkpoint: its cached HF conversion
     config = load_config(source)
     stages = build_stages(recipe, config, log)  # shapes only: before any weight is read
-    why_whole = memory_plan(recipe, stages, source, config) if memory != "whole" else "memory='whole' was asked for"
+    why_whole = (
+        memory_plan(recipe, stages, source, config)
+        if memory != "whole"
+        else "memory='whole' was asked for"
+    )
     if why_whole and memory == "layers":
         raise RecipeError(f"the model cannot be compressed layer by layer: {why_whole}")
     skeleton = None
@@ -95,8 +102,10 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
             why_whole = str(e)
     if skeleton is not None:
         model, tok = skeleton.model, skeleton.tokenizer
-        log(f"memory: decoder layers are read from {source} one at a time (weights held in "
-            f"{str(skeleton.dtype).removeprefix('torch.')}, each layer upcast to float32 while it is worked on)")
+        log(
+            f"memory: decoder layers are read from {source} one at a time (weights held in "
+            f"{str(skeleton.dtype).removeprefix('torch.')}, each layer upcast to float32 while it is worked on)"
+        )
     else:
         _warn_whole(source, config, why_whole, log)
         loaded = load_model(source, dtype=COMPUTE_DTYPE)
@@ -111,17 +120,41 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
     eval_ids = load_token_documents(ev.dataset, tok, recipe.base_dir)
 
     def measure(label: str):
-        res = perplexity_on_device(state.model, eval_ids, ev.seq_len, ev.max_windows, ev.batch_size,
-                                   state.device, progress, note=lambda m: log(f"{label}: {m}"), layers=store)
+        res = perplexity_on_device(
+            state.model,
+            eval_ids,
+            ev.seq_len,
+            ev.max_windows,
+            ev.batch_size,
+            state.device,
+            progress,
+            note=lambda m: log(f"{label}: {m}"),
+            layers=store,
+        )
         log(f"{label}: ppl {res.ppl:.4f} over {res.tokens} tokens ({res.seconds:.1f}s)")
         return res
 
-    state = CompressionState(model=model, tokenizer=tok, storage_dtype=storage,
-                             calibration_dataset=recipe.calibration.dataset, base_dir=recipe.base_dir,
-                             calibration_dtype=recipe.calibration.dtype,
-                             device=device, progress=progress)
-    store = (LayerStore(model, ARCHITECTURES[config.model_type], skeleton.checkpoint, state.quantized,
-                        spill_dir=os.environ.get(SPILL_ENV) or None) if skeleton is not None else None)
+    state = CompressionState(
+        model=model,
+        tokenizer=tok,
+        storage_dtype=storage,
+        calibration_dataset=recipe.calibration.dataset,
+        base_dir=recipe.base_dir,
+        calibration_dtype=recipe.calibration.dtype,
+        device=device,
+        progress=progress,
+    )
+    store = (
+        LayerStore(
+            model,
+            ARCHITECTURES[config.model_type],
+            skeleton.checkpoint,
+            state.quantized,
+            spill_dir=os.environ.get(SPILL_ENV) or None,
+        )
+        if skeleton is not None
+        else None
+    )
     try:
         return _run(recipe, stages, state, store, measure, storage, source, t_start, log)
     finally:
@@ -129,12 +162,23 @@ def run_recipe(recipe: Recipe, log: Callable[[str], None] = print, progress: boo
             store.close()
 
 
-def _run(recipe: Recipe, stages: list[Stage], state: CompressionState, store: LayerStore | None, measure,
-         storage: torch.dtype, source: str, t_start: float, log: Callable[[str], None]) -> RunResult:
+def _run(
+    recipe: Recipe,
+    stages: list[Stage],
+    state: CompressionState,
+    store: LayerStore | None,
+    measure,
+    storage: torch.dtype,
+    source: str,
+    t_start: float,
+    log: Callable[[str], None],
+) -> RunResult:
     model, tok, ev = state.model, state.tokenizer, recipe.eval
     if state.device.type != "cpu":
-        log(f"device: {state.device} (calibration replays layer by layer; evaluation holds the "
-            f"{'whole model when it fits' if store is None else 'trunk and one layer'})")
+        log(
+            f"device: {state.device} (calibration replays layer by layer; evaluation holds the "
+            f"{'whole model when it fits' if store is None else 'trunk and one layer'})"
+        )
     baseline = measure("baseline")
     base_size, base_params = weight_bytes(model, {}, storage), count_parameters(model)
     if recipe.needs_calibration:
@@ -147,14 +191,26 @@ def _run(recipe: Recipe, stages: list[Stage], state: CompressionState, store: La
 
     final_ppl = reports[-1].ppl
     increase = final_ppl / baseline.ppl - 1.0
-    gate = {"max_ppl_increase": ev.max_ppl_increase, "ppl_increase": increase,
-            "passed": increase <= ev.max_ppl_increase}
-    eval_info = {"dataset": ev.dataset, "seq_len": ev.seq_len, "tokens": baseline.tokens,
-                 "windows": baseline.windows, "baseline_ppl": baseline.ppl, "final_ppl": final_ppl, "gate": gate}
+    gate = {
+        "max_ppl_increase": ev.max_ppl_increase,
+        "ppl_increase": increase,
+        "passed": increase <= ev.max_ppl_increase,
+    }
+    eval_info = {
+        "dataset": ev.dataset,
+        "seq_len": ev.seq_len,
+        "tokens": baseline.tokens,
+        "windows": baseline.windows,
+        "baseline_ppl": baseline.ppl,
+        "final_ppl": final_ppl,
+        "gate": gate,
+    }
     manifest = ArtifactManifest(
-        base_model=recipe.model, base_model_sha256=hash_checkpoint(gguf_file(recipe.model) or source),
+        base_model=recipe.model,
+        base_model_sha256=hash_checkpoint(gguf_file(recipe.model) or source),
         recipe=recipe.text,
-        stages=[r.to_dict() for r in reports], eval=eval_info,
+        stages=[r.to_dict() for r in reports],
+        eval=eval_info,
         partial_groups=partial_group_modules(state.quantized),
         kv_cache_skip_layers=list(state.kv_skip_layers),
     )
@@ -167,8 +223,12 @@ def _run(recipe: Recipe, stages: list[Stage], state: CompressionState, store: La
         "dataset": ev.dataset,
         "seq_len": ev.seq_len,
         "tokens": baseline.tokens,
-        "baseline": {"ppl": baseline.ppl, "size_bytes": base_size, "seconds": baseline.seconds,
-                     "params": base_params},
+        "baseline": {
+            "ppl": baseline.ppl,
+            "size_bytes": base_size,
+            "seconds": baseline.seconds,
+            "params": base_params,
+        },
         "stages": [r.to_dict() for r in reports],
         "final": {"ppl": final_ppl, "size_bytes": 0, "params": count_parameters(model)},
         "gate": gate,
@@ -181,9 +241,16 @@ def _run(recipe: Recipe, stages: list[Stage], state: CompressionState, store: La
         summary["seconds"] = time.perf_counter() - t_start
         write_report(folder, summary)
 
-    options = ExportOptions(model=model, tokenizer=tok, quantized=state.quantized, out_dir=dest,
-                            manifest=manifest, schemes=state.schemes, kv_scales=state.kv_scales,
-                            before_move=report)
+    options = ExportOptions(
+        model=model,
+        tokenizer=tok,
+        quantized=state.quantized,
+        out_dir=dest,
+        manifest=manifest,
+        schemes=state.schemes,
+        kv_scales=state.kv_scales,
+        before_move=report,
+    )
     artifact = export_artifact(recipe.export.format, options, layers=store)
     return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
 
@@ -196,12 +263,20 @@ def check_output(recipe: Recipe) -> None:
     model = Path(recipe.model).expanduser()
     if model.exists():
         model = model.resolve()
-        where = ("is the model folder" if out == model else "is inside the model folder"
-                 if out.is_relative_to(model) else "contains the model folder"
-                 if model.is_relative_to(out) else None)
+        where = (
+            "is the model folder"
+            if out == model
+            else "is inside the model folder"
+            if out.is_relative_to(model)
+            else "contains the model folder"
+            if model.is_relative_to(out)
+            else None
+        )
         if where:
-            raise RecipeError(f"output: {out} {where} {model}; the export would replace it, so "
-                              "choose an output outside the model's folder")
+            raise RecipeError(
+                f"output: {out} {where} {model}; the export would replace it, so "
+                "choose an output outside the model's folder"
+            )
     for path in (out, failed_output(out)):
         problem = replace_problem(path)
         if problem:
@@ -238,16 +313,20 @@ def _preflight(recipe: Recipe, stages: list[Stage], config, log: Callable[[str],
             continue
         where = f"stages[{i}].{spec.name}.group_size: {problem.group_size} does not divide the input width of"
         if recipe.export.allow_partial_groups and stage.handles_partial_groups:
-            log(f"warning: {where} {problem.modules()}; export.allow_partial_groups is set, so they get a "
+            log(
+                f"warning: {where} {problem.modules()}; export.allow_partial_groups is set, so they get a "
                 "partial last group, which only slimserve loads: vLLM and transformers (compressed-tensors) "
-                "refuse this artifact")
+                "refuse this artifact"
+            )
             continue
         prune = f", or set {pruned_by}.multiple_of: {problem.group_size}" if pruned_by else ""
         if not stage.handles_partial_groups:
             opt_in = f" ({spec.name} needs whole groups even with export.allow_partial_groups)"
         elif LIMITS[recipe.export.format].partial_groups:
-            opt_in = (", or set export.allow_partial_groups: true for an artifact only slimserve loads "
-                      "(vLLM and transformers refuse partial groups)")
+            opt_in = (
+                ", or set export.allow_partial_groups: true for an artifact only slimserve loads "
+                "(vLLM and transformers refuse partial groups)"
+            )
         else:
             opt_in = ""
         raise RecipeError(f"{where} {problem.modules()}; {problem.fix()}{prune}{opt_in}")
@@ -255,7 +334,7 @@ def _preflight(recipe: Recipe, stages: list[Stage], config, log: Callable[[str],
 
 def _keeps_teacher(stages: list[Stage], i: int) -> bool:
     """Stage i is the first that snapshots the teacher, and a later stage distills from it."""
-    return stages[i].snapshots_teacher and any(s.uses_teacher for s in stages[i + 1:])
+    return stages[i].snapshots_teacher and any(s.uses_teacher for s in stages[i + 1 :])
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -264,8 +343,14 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return teacher.requires_grad_(False)
 
 
-def _run_stages(specs, stages: list[Stage], state: CompressionState, measure, storage: torch.dtype,
-                store: LayerStore | None = None) -> list[StageReport]:
+def _run_stages(
+    specs,
+    stages: list[Stage],
+    state: CompressionState,
+    measure,
+    storage: torch.dtype,
+    store: LayerStore | None = None,
+) -> list[StageReport]:
     reports = []
     for i, (spec, stage) in enumerate(zip(specs, stages)):
         if _keeps_teacher(stages, i) and state.teacher is None:
@@ -275,11 +360,19 @@ def _run_stages(specs, stages: list[Stage], state: CompressionState, measure, st
     return reports
 
 
-def _run_stage(spec, stage: Stage, state: CompressionState, measure, storage: torch.dtype,
-               store: LayerStore | None = None) -> StageReport:
+def _run_stage(
+    spec,
+    stage: Stage,
+    state: CompressionState,
+    measure,
+    storage: torch.dtype,
+    store: LayerStore | None = None,
+) -> StageReport:
     stage.prepare(state)
     if stage.layerwise:
-        with _layer_bar(spec.name, state.model.config.num_hidden_layers, state.progress) as on_layer:
+        with _layer_bar(
+            spec.name, state.model.config.num_hidden_layers, state.progress
+        ) as on_layer:
             run_layerwise(state, stage, on_layer=on_layer, source=store)
     else:
         stage.apply(state)
@@ -318,9 +411,11 @@ def _warn_whole(source: str, config, why: str, log: Callable[[str], None]) -> No
     params = _config_params(config)
     need, free = params * 4, available_memory()
     if free is not None and need > 0.9 * free:
-        log(f"warning: the whole model is held in float32 ({why}): ~{need / 2**30:.1f} GiB against "
+        log(
+            f"warning: the whole model is held in float32 ({why}): ~{need / 2**30:.1f} GiB against "
             f"{free / 2**30:.1f} GiB available; recipes whose stages are all layerwise (gptq, awq, "
-            "smoothquant, kv_cache) hold one decoder layer at a time instead")
+            "smoothquant, kv_cache) hold one decoder layer at a time instead"
+        )
     else:
         log(f"memory: the whole model is held in float32 ({why})")
 

@@ -45,7 +45,9 @@ class EvalSpec(_Strict):
 
 
 class ExportSpec(_Strict):
-    format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"  # on-disk format of the artifact
+    format: Literal["compressed-tensors", "gptq", "awq"] = (
+        "compressed-tensors"  # on-disk format of the artifact
+    )
     # true: a group size that does not divide some Linear's in_features is quantized with a partial
     # last group instead of being refused; only slimserve loads such an artifact (vLLM and
     # transformers refuse it), compressed-tensors only, listed in the manifest (compress/quant/group_sizes.py)
@@ -55,8 +57,12 @@ class ExportSpec(_Strict):
 class RecipeModel(_Strict):
     model: str  # HF model id or a path (relative to the recipe file)
     output: str  # artifact folder (relative to the recipe file)
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # storage dtype of the artifact
-    device: str = "auto"  # calibration replays and perplexity: auto (cuda when available), cpu, cuda:N
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = (
+        "auto"  # storage dtype of the artifact
+    )
+    device: str = (
+        "auto"  # calibration replays and perplexity: auto (cuda when available), cpu, cuda:N
+    )
     calibration: CalibrationSpec = CalibrationSpec()
     eval: EvalSpec = EvalSpec()
     stages: list[dict[str, Any]] = Field(min_length=1)
@@ -100,7 +106,9 @@ def load_recipe(path: str | Path, output: str | Path | None = None) -> Recipe:
     """Read and validate a recipe file; `output` overrides the recipe's `output`."""
     p = Path(path)
     if not p.is_file():
-        raise RecipeError(f"recipe file not found: {p}; pass the path of a .yaml recipe (see recipes/)")
+        raise RecipeError(
+            f"recipe file not found: {p}; pass the path of a .yaml recipe (see recipes/)"
+        )
     return parse_recipe(p.read_text(encoding="utf-8"), p, output)
 
 
@@ -111,9 +119,13 @@ def parse_recipe(text: str, path: Path | None = None, output: str | Path | None 
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
-        raise RecipeError(f"{where}{line}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax") from None
+        raise RecipeError(
+            f"{where}{line}: not valid YAML ({getattr(e, 'problem', e)}); fix the syntax"
+        ) from None
     if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: a recipe is a YAML mapping with keys model, output, stages, ...")
+        raise RecipeError(
+            f"{where}: a recipe is a YAML mapping with keys model, output, stages, ..."
+        )
     top = _validate(RecipeModel, raw, "")
     parse_device(top.device, "device")
     stages = tuple(_parse_stage(i, s) for i, s in enumerate(top.stages))
@@ -139,15 +151,19 @@ def _resolve_model(model: str, base: Path) -> str:
     if local.exists():
         return str(local.resolve())
     if model.startswith((".", "/", "~")):
-        raise RecipeError(f"model: folder {local} does not exist; fix the path (relative to the recipe file)")
+        raise RecipeError(
+            f"model: folder {local} does not exist; fix the path (relative to the recipe file)"
+        )
     return model
 
 
 def _parse_stage(i: int, entry: Any) -> StageSpec:
     names = ", ".join(STAGE_SPECS)
     if not isinstance(entry, dict) or len(entry) != 1:
-        raise RecipeError(f"stages[{i}]: each stage is a mapping with one key, the stage name ({names})")
-    (name, options), = entry.items()
+        raise RecipeError(
+            f"stages[{i}]: each stage is a mapping with one key, the stage name ({names})"
+        )
+    ((name, options),) = entry.items()
     if name not in STAGE_SPECS:
         hint = difflib.get_close_matches(str(name), list(STAGE_SPECS), n=1)
         tip = f"did you mean '{hint[0]}'? " if hint else ""
@@ -164,14 +180,20 @@ def _check_order(stages: tuple[StageSpec, ...]) -> None:
     built = [spec.build() for spec in stages]
     for i, (spec, stage) in enumerate(zip(stages, built)):
         if stage.runs_before_quantization:
-            later = next((s for s, b in zip(stages[:i], built) if not b.runs_before_quantization), None)
+            later = next(
+                (s for s, b in zip(stages[:i], built) if not b.runs_before_quantization), None
+            )
             if later is not None:
-                raise RecipeError(f"stages[{i}].{spec.name} comes after {later.name}; {spec.name} changes the "
-                                  f"weights, so move it before the quantization stages")
+                raise RecipeError(
+                    f"stages[{i}].{spec.name} comes after {later.name}; {spec.name} changes the "
+                    f"weights, so move it before the quantization stages"
+                )
         if stage.uses_teacher and not any(b.snapshots_teacher for b in built[:i]):
-            raise RecipeError(f"stages[{i}].{spec.name}: no teacher; the teacher is the model before "
-                              f"the first prune stage, so put a prune stage before it or set "
-                              f"stages[{i}].{spec.name}.teacher to a checkpoint")
+            raise RecipeError(
+                f"stages[{i}].{spec.name}: no teacher; the teacher is the model before "
+                f"the first prune stage, so put a prune stage before it or set "
+                f"stages[{i}].{spec.name}.teacher to a checkpoint"
+            )
 
 
 def _validate(cls: type[BaseModel], data: dict, prefix: str) -> BaseModel:

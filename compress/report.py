@@ -24,12 +24,16 @@ MB = 1e6  # bytes per MB (decimal, as file sizes are usually shown)
 def _check(summary: dict) -> None:
     missing = [k for k in REQUIRED_KEYS if k not in summary]
     if missing:
-        raise ValueError(f"report summary lacks {', '.join(missing)}; it needs {', '.join(REQUIRED_KEYS)}")
+        raise ValueError(
+            f"report summary lacks {', '.join(missing)}; it needs {', '.join(REQUIRED_KEYS)}"
+        )
     for i, stage in enumerate(summary["stages"]):
         absent = [k for k in ("name", "ppl", "seconds", "size_bytes") if k not in stage]
         if absent:
-            raise ValueError(f"report summary stages[{i}] lacks {', '.join(absent)}; "
-                             f"each stage needs name, ppl, seconds, size_bytes")
+            raise ValueError(
+                f"report summary stages[{i}] lacks {', '.join(absent)}; "
+                f"each stage needs name, ppl, seconds, size_bytes"
+            )
 
 
 def write_report(out_dir: Path, summary: dict) -> dict[str, Path]:
@@ -37,7 +41,11 @@ def write_report(out_dir: Path, summary: dict) -> dict[str, Path]:
     _check(summary)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "report.json", "md": out_dir / "report.md", "png": out_dir / "report.png"}
+    paths = {
+        "json": out_dir / "report.json",
+        "md": out_dir / "report.md",
+        "png": out_dir / "report.png",
+    }
     paths["json"].write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     paths["md"].write_text(render_markdown(summary), encoding="utf-8")
     plot_report(summary, paths["png"])
@@ -52,8 +60,15 @@ def plot_stage_details(summary: dict, out_dir: Path) -> dict[str, Path]:
     paths: dict[str, Path] = {}
     for i, stage in enumerate(summary["stages"]):
         details = stage.get("details") or {}
-        kind = ("prune" if "importance" in details else "distill" if "loss_curve" in details
-                else "kv_cache" if "sensitivity" in details else None)
+        kind = (
+            "prune"
+            if "importance" in details
+            else "distill"
+            if "loss_curve" in details
+            else "kv_cache"
+            if "sensitivity" in details
+            else None
+        )
         if kind is None:
             continue
         key = kind if kind not in paths else f"{kind}-{i}"
@@ -94,26 +109,46 @@ def render_markdown(summary: dict) -> str:
             lines.append(f"- {key}: `{summary[key]}`")
     if "params" in base and "params" in final:
         lines.append(f"- parameters: {base['params'] / 1e6:.2f}M → {final['params'] / 1e6:.2f}M")
-    lines += ["", "| stage | ppl | Δ vs baseline % | size MB | seconds |", "|---|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| stage | ppl | Δ vs baseline % | size MB | seconds |",
+        "|---|---:|---:|---:|---:|",
+    ]
     lines.append(f"| baseline | {base['ppl']:.3f} | +0.00 | {base['size_bytes'] / MB:.2f} | — |")
     for s in summary["stages"]:
-        lines.append(f"| {s['name']} | {s['ppl']:.3f} | {_delta_pct(s['ppl'], base['ppl']):+.2f} | "
-                     f"{s['size_bytes'] / MB:.2f} | {_fmt(s.get('seconds'), '.1f')} |")
+        lines.append(
+            f"| {s['name']} | {s['ppl']:.3f} | {_delta_pct(s['ppl'], base['ppl']):+.2f} | "
+            f"{s['size_bytes'] / MB:.2f} | {_fmt(s.get('seconds'), '.1f')} |"
+        )
     for s in summary["stages"]:
         d = s.get("details") or {}
         if "dims_after" in d:
-            changed = {k: f"{d['dims_before'][k]} → {v}" for k, v in d["dims_after"].items()
-                       if v != d["dims_before"][k]}
-            lines += ["", f"{s['name']}: " + (", ".join(f"{k} {v}" for k, v in changed.items()) or "nothing removed")
-                      + " (importance: `report-prune.png`)"]
+            changed = {
+                k: f"{d['dims_before'][k]} → {v}"
+                for k, v in d["dims_after"].items()
+                if v != d["dims_before"][k]
+            }
+            lines += [
+                "",
+                f"{s['name']}: "
+                + (", ".join(f"{k} {v}" for k, v in changed.items()) or "nothing removed")
+                + " (importance: `report-prune.png`)",
+            ]
         if "loss_curve" in d:
-            lines += ["", f"{s['name']}: {d['steps']} steps, loss {_fmt(d['loss_first'], '.4f')} → "
-                      f"{_fmt(d['loss_last'], '.4f')} (curve: `report-distill.png`)"]
+            lines += [
+                "",
+                f"{s['name']}: {d['steps']} steps, loss {_fmt(d['loss_first'], '.4f')} → "
+                f"{_fmt(d['loss_last'], '.4f')} (curve: `report-distill.png`)",
+            ]
         if d.get("skip_layers"):
             total = len(d.get("layers") or {})
-            lines += ["", f"{s['name']}: fp8 K/V in {total - len(d['skip_layers'])} of {total} layers; "
-                      f"layers {', '.join(map(str, d['skip_layers']))} keep the model dtype (vLLM: "
-                      f"`{d['vllm']}`" + ("; sensitivity: `report-kv_cache.png`)" if "sensitivity" in d else ")")]
+            lines += [
+                "",
+                f"{s['name']}: fp8 K/V in {total - len(d['skip_layers'])} of {total} layers; "
+                f"layers {', '.join(map(str, d['skip_layers']))} keep the model dtype (vLLM: "
+                f"`{d['vllm']}`"
+                + ("; sensitivity: `report-kv_cache.png`)" if "sensitivity" in d else ")"),
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -134,8 +169,15 @@ def plot_report(summary: dict, path: Path) -> None:
     FigureCanvasAgg(fig)
     ax_ppl, ax_size = fig.subplots(1, 2)
     ax_ppl.plot(x, ppls, marker="o", label="perplexity")
-    ax_ppl.axhline(threshold, linestyle="--", color="tab:red", label=f"gate (+{gate['max_ppl_increase'] * 100:.1f} %)")
-    ax_ppl.set(title=f"Perplexity ({'PASSED' if gate.get('passed') else 'FAILED'})", ylabel="perplexity")
+    ax_ppl.axhline(
+        threshold,
+        linestyle="--",
+        color="tab:red",
+        label=f"gate (+{gate['max_ppl_increase'] * 100:.1f} %)",
+    )
+    ax_ppl.set(
+        title=f"Perplexity ({'PASSED' if gate.get('passed') else 'FAILED'})", ylabel="perplexity"
+    )
     ax_ppl.legend()
     ax_size.bar(x, sizes, color="tab:blue")
     ax_size.set(title="Weight size", ylabel="MB")
@@ -152,9 +194,16 @@ def plot_kv_sensitivity(sensitivity: dict, path: Path) -> None:
     layers = sorted(kl)
     chosen = set(sensitivity["chosen"])
     fig, ax = _figure(max(6.0, 0.25 * len(layers) + 2), 3.5, 1)
-    ax.bar(layers, [kl[i] for i in layers], color=["tab:red" if i in chosen else "tab:blue" for i in layers])
-    ax.set(title=f"fp8 KV sensitivity per layer (red: kept unquantized), {sensitivity['windows']} windows",
-           xlabel="decoder layer", ylabel="mean KL (nats / token)")
+    ax.bar(
+        layers,
+        [kl[i] for i in layers],
+        color=["tab:red" if i in chosen else "tab:blue" for i in layers],
+    )
+    ax.set(
+        title=f"fp8 KV sensitivity per layer (red: kept unquantized), {sensitivity['windows']} windows",
+        xlabel="decoder layer",
+        ylabel="mean KL (nats / token)",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -175,7 +224,9 @@ def plot_importance(details: dict, path: Path) -> None:
     fig, (ax_l, ax_h, ax_m, ax_e) = _figure(16, 3.8, 4)
     layers = imp["layers"]
     if layers["scores"] is not None:
-        colors = ["tab:blue" if i in layers["kept"] else "tab:red" for i in range(len(layers["scores"]))]
+        colors = [
+            "tab:blue" if i in layers["kept"] else "tab:red" for i in range(len(layers["scores"]))
+        ]
         ax_l.bar(range(len(layers["scores"])), layers["scores"], color=colors)
     ax_l.set(title="layers (red: removed)", xlabel="layer", ylabel="importance")
     for row in imp["heads"]:
@@ -185,9 +236,20 @@ def plot_importance(details: dict, path: Path) -> None:
     ax_h.set_xticks([row["layer"] for row in imp["heads"]])
     ax_h.set(title="attention heads (red: removed)", xlabel="layer", ylabel="importance")
     for ax, scores, kept, of, title in (
-        (ax_m, [r["sorted_scores"] for r in imp["mlp"]["per_layer"]], imp["mlp"]["kept"], imp["mlp"]["of"],
-         "MLP channels, sorted"),
-        (ax_e, [imp["hidden"]["sorted_scores"]], imp["hidden"]["kept"], imp["hidden"]["of"], "hidden channels, sorted"),
+        (
+            ax_m,
+            [r["sorted_scores"] for r in imp["mlp"]["per_layer"]],
+            imp["mlp"]["kept"],
+            imp["mlp"]["of"],
+            "MLP channels, sorted",
+        ),
+        (
+            ax_e,
+            [imp["hidden"]["sorted_scores"]],
+            imp["hidden"]["kept"],
+            imp["hidden"]["of"],
+            "hidden channels, sorted",
+        ),
     ):
         for curve in scores:
             ax.plot([j / max(1, len(curve) - 1) for j in range(len(curve))], curve)
@@ -197,13 +259,17 @@ def plot_importance(details: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def plot_distillation(details: dict, baseline: float, before: float, after: float, path: Path) -> None:
+def plot_distillation(
+    details: dict, baseline: float, before: float, after: float, path: Path
+) -> None:
     """Distill report: loss per step (and its parts), perplexity baseline / before / after."""
     fig, (ax_loss, ax_ppl) = _figure(11, 4, 2)
     curve = details["loss_curve"]
     steps = [r["step"] for r in curve]
     parts = [k for k in ("kl", "ce", "hidden") if curve and k in curve[0]]
-    for key in ["loss"] + (parts if len(parts) > 1 else []):  # the parts only when there are several
+    for key in ["loss"] + (
+        parts if len(parts) > 1 else []
+    ):  # the parts only when there are several
         ax_loss.plot(steps, [r[key] for r in curve], label=key)
     ax_loss.set(title="distillation loss", xlabel="step", ylabel="nats")
     ax_loss.legend()

@@ -36,7 +36,9 @@ class StageReport:
     name: str  # stage name (registry key)
     seconds: float = 0.0  # wall time of the stage alone (no evaluation)
     modules: list[ModuleReport] = field(default_factory=list)  # per-module error, where it applies
-    details: dict[str, Any] = field(default_factory=dict)  # stage-specific facts (scheme, dims removed)
+    details: dict[str, Any] = field(
+        default_factory=dict
+    )  # stage-specific facts (scheme, dims removed)
     ppl: float | None = None  # perplexity after the stage (filled by the pipeline)
     size_bytes: int | None = None  # weight bytes after the stage (filled by the pipeline)
 
@@ -56,7 +58,9 @@ class TeacherMap:
     """How the current (pruned) model lines up with the distillation teacher."""
 
     layers: tuple[int, ...]  # student decoder layer i continues teacher layer layers[i]
-    hidden: tuple[int, ...] | None  # teacher hidden channels the student kept, ascending (None: all)
+    hidden: (
+        tuple[int, ...] | None
+    )  # teacher hidden channels the student kept, ascending (None: all)
 
 
 @dataclass(slots=True)
@@ -65,13 +69,25 @@ class CompressionState:
     tokenizer: Any  # its tokenizer
     storage_dtype: torch.dtype  # dtype of the exported tensors and of quantization scales
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)  # module name -> weight
-    schemes: dict[str, QuantScheme] = field(default_factory=dict)  # module name -> full scheme (W8A8 acts)
-    kv_scales: dict[str, tuple[float, float]] = field(default_factory=dict)  # attention module -> (k, v) fp8 scales
-    kv_skip_layers: list[int] = field(default_factory=list)  # decoder layers whose KV stays unquantized
-    calibration: torch.Tensor | None = None  # [num_samples, seq_len] token ids, when a stage needs them
-    calibration_dataset: str = "stdlib"  # the recipe's calibration dataset spec (distill trains on it)
+    schemes: dict[str, QuantScheme] = field(
+        default_factory=dict
+    )  # module name -> full scheme (W8A8 acts)
+    kv_scales: dict[str, tuple[float, float]] = field(
+        default_factory=dict
+    )  # attention module -> (k, v) fp8 scales
+    kv_skip_layers: list[int] = field(
+        default_factory=list
+    )  # decoder layers whose KV stays unquantized
+    calibration: torch.Tensor | None = (
+        None  # [num_samples, seq_len] token ids, when a stage needs them
+    )
+    calibration_dataset: str = (
+        "stdlib"  # the recipe's calibration dataset spec (distill trains on it)
+    )
     calibration_dtype: str = "auto"  # dtype of layer replays (calibration.replay_dtype)
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # calibration + eval device
+    device: torch.device = field(
+        default_factory=lambda: torch.device("cpu")
+    )  # calibration + eval device
     base_dir: Path | None = None  # folder relative dataset paths resolve against (the recipe's)
     progress: bool = True  # whether long stages (distill) show a progress bar
     teacher: nn.Module | None = None  # frozen copy of the model before the first prune stage (CPU)
@@ -156,7 +172,9 @@ class Stage:
     def apply(self, state: CompressionState) -> None:
         """The work of a whole-model stage (`layerwise` False)."""
         if self.layerwise:
-            raise NotImplementedError(f"stage {self.name} is layerwise: calibration.run_layerwise drives it")
+            raise NotImplementedError(
+                f"stage {self.name} is layerwise: calibration.run_layerwise drives it"
+            )
         raise NotImplementedError(f"stage {self.name} has no apply")
 
     def compress_layer(self, ctx: LayerContext) -> None:
@@ -178,6 +196,7 @@ class Stage:
 
 
 # -- what a layer hook receives (compress/calibration.py runs the layers) --------------------
+
 
 class StopForward(Exception):
     """Raised by a hook so the model does not run past what a capture needs."""
@@ -203,15 +222,18 @@ class LayerContext:
     # layer's final weights: run_layerwise then feeds them to the next layer without a replay.
     outputs: list[torch.Tensor] | None = None
 
-    def forward(self, module: nn.Module | None = None,
-                stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, module: nn.Module | None = None, stop_after: list[nn.Module] | None = None
+    ) -> list[torch.Tensor]:
         """Replay every cached batch through the layer (hooks fire); see `replay`."""
         return replay(module or self.layer, self.inputs, self.device, stop_after)
 
     def module(self, rel: str) -> nn.Module:
         return self.layer.get_submodule(rel)
 
-    def capture_calls(self, rel: str, device: torch.device | None = None) -> list[tuple[tuple, dict]]:
+    def capture_calls(
+        self, rel: str, device: torch.device | None = None
+    ) -> list[tuple[tuple, dict]]:
         """Replay the layer once; per batch, the (args, kwargs) submodule `rel` was called with.
 
         Kept on `device` (default CPU). Lets a stage run e.g. `self_attn` or `mlp` alone on
@@ -238,8 +260,12 @@ class LayerContext:
         return out[0] if isinstance(out, tuple) else out
 
 
-def replay(module: nn.Module, inputs: LayerInputs, device: torch.device,
-           stop_after: list[nn.Module] | None = None) -> list[torch.Tensor]:
+def replay(
+    module: nn.Module,
+    inputs: LayerInputs,
+    device: torch.device,
+    stop_after: list[nn.Module] | None = None,
+) -> list[torch.Tensor]:
     """Run every cached batch through `module` on `device`; its outputs, on the CPU.
 
     With `stop_after`, each batch stops as soon as every listed submodule has run (their own
@@ -273,10 +299,14 @@ def replay(module: nn.Module, inputs: LayerInputs, device: torch.device,
     return outs
 
 
-def to_device(obj: Any, device: torch.device | None = None, dtype: torch.dtype | None = None) -> Any:
+def to_device(
+    obj: Any, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> Any:
     """Tensors inside tuples/lists/dicts moved to `device`, floating ones cast to `dtype`."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None)
+        return obj.to(
+            device=device, dtype=dtype if dtype is not None and obj.is_floating_point() else None
+        )
     if isinstance(obj, tuple):
         return tuple(to_device(x, device, dtype) for x in obj)
     if isinstance(obj, list):

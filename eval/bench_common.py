@@ -28,15 +28,25 @@ def run_child(cmd: list[str], log_path: Path) -> ChildRun:
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         t0 = time.perf_counter()
         # A wide COLUMNS keeps rich from wrapping a child's one-line error over several lines.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "COLUMNS": "500"})
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "COLUMNS": "500"},
+        )
         _, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, so Popen must not wait again
     # ru_maxrss is in KiB on Linux (bytes on macOS).
     rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return ChildRun(proc.returncode, seconds, rss, out_path.read_text(errors="replace"),
-                    last_line(err_path.read_text(errors="replace")))
+    return ChildRun(
+        proc.returncode,
+        seconds,
+        rss,
+        out_path.read_text(errors="replace"),
+        last_line(err_path.read_text(errors="replace")),
+    )
 
 
 def last_line(text: str) -> str:

@@ -28,10 +28,10 @@ from types import SimpleNamespace
 import torch
 from transformers import AutoTokenizer
 
-from slimserve.runtime.engine import llm_engine as engine_mod
 from slimserve.runtime.batch import prepare_batch
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.engine import llm_engine as engine_mod
 from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.engine.sequence import SamplingParams
 
@@ -56,14 +56,16 @@ class StubRunner:
     def __post_init__(self):
         try:  # the runner's cache of block-table tensors, where this checkout has one
             from slimserve.runtime.batch import BlockTableCache
+
             self._tables = BlockTableCache()
         except ImportError:
             self._tables = None
 
     def prepare(self, token_chunks, starts, block_tables, sample):
         extra = (self._tables,) if self._tables is not None else ()
-        return prepare_batch(token_chunks, starts, block_tables, sample, self.block_size,
-                             self.device, *extra)
+        return prepare_batch(
+            token_chunks, starts, block_tables, sample, self.block_size, self.device, *extra
+        )
 
     def execute(self, batch):
         return self.logits[: batch.logits_indices.shape[0]]
@@ -82,6 +84,7 @@ class _Timer:
                 return fn(*a, **k)
             finally:
                 self.buckets[name] = self.buckets.get(name, 0.0) + time.perf_counter() - t0
+
         return timed
 
 
@@ -94,11 +97,17 @@ def _engine(num_seqs: int, context: int, tokenizer, block_size: int = 16) -> LLM
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(num_seqs, VOCAB, generator=gen) * 3
     built = SimpleNamespace(tokenizer=tokenizer, eos_token_ids=[], model=None)
-    runner = StubRunner(built, SimpleNamespace(vocab_size=VOCAB), blocks, context + HEADROOM,
-                        block_size, logits)
-    config = EngineConfig(model=str(DEMO_MODEL), device="cpu", max_num_seqs=num_seqs,
-                          max_num_batched_tokens=16384, block_size=block_size,
-                          enable_prefix_caching=True)
+    runner = StubRunner(
+        built, SimpleNamespace(vocab_size=VOCAB), blocks, context + HEADROOM, block_size, logits
+    )
+    config = EngineConfig(
+        model=str(DEMO_MODEL),
+        device="cpu",
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=16384,
+        block_size=block_size,
+        enable_prefix_caching=True,
+    )
     return LLMEngine(config, runner)
 
 
@@ -107,9 +116,16 @@ def measure(num_seqs: int, context: int, steps: int, tokenizer) -> dict:
     rng = torch.Generator().manual_seed(1)
     for i in range(num_seqs):
         prompt = torch.randint(100, 40000, (context - 1,), generator=rng).tolist()
-        params = SamplingParams(max_tokens=HEADROOM, ignore_eos=True, seed=i,
-                                **({"temperature": 0.0} if i % 2 == 0 else
-                                   {"temperature": 0.8, "top_p": 0.9, "top_k": 50}))
+        params = SamplingParams(
+            max_tokens=HEADROOM,
+            ignore_eos=True,
+            seed=i,
+            **(
+                {"temperature": 0.0}
+                if i % 2 == 0
+                else {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
+            ),
+        )
         eng.add_request(f"r{i}", prompt, params)
     while any(not r.seq.output_token_ids for r in eng.requests.values()):
         eng.step()  # prefill (through the stub) until every sequence decodes
@@ -134,11 +150,17 @@ def measure(num_seqs: int, context: int, steps: int, tokenizer) -> dict:
     finally:
         engine_mod.sample = orig_sample
     med = statistics.median(per_step)
-    split = {k: statistics.median(s.get(k, 0.0) for s in splits) for k in
-             ("schedule", "prepare", "sample", "update")}
+    split = {
+        k: statistics.median(s.get(k, 0.0) for s in splits)
+        for k in ("schedule", "prepare", "sample", "update")
+    }
     split["other"] = max(0.0, med - sum(split.values()))  # outputs, detokenizing, stop checks
-    return {"seqs": num_seqs, "context": context, "step_ms": 1e3 * med,
-            **{f"{k}_ms": 1e3 * v for k, v in split.items()}}
+    return {
+        "seqs": num_seqs,
+        "context": context,
+        "step_ms": 1e3 * med,
+        **{f"{k}_ms": 1e3 * v for k, v in split.items()},
+    }
 
 
 def main() -> None:
@@ -152,8 +174,10 @@ def main() -> None:
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     print(hardware_line(hardware_info()))
-    print(f"host time per decode step, forward stubbed, vocab {VOCAB}, half greedy / half "
-          f"top-p 0.9 top-k 50, median of {args.steps} steps {args.label}")
+    print(
+        f"host time per decode step, forward stubbed, vocab {VOCAB}, half greedy / half "
+        f"top-p 0.9 top-k 50, median of {args.steps} steps {args.label}"
+    )
     head = "| seqs | context | step ms | schedule | prepare | sample | update | other |"
     print(head + "\n|" + "---|" * 8)
     rows = []
@@ -161,9 +185,12 @@ def main() -> None:
         for ctx in args.contexts:
             r = measure(n, ctx, args.steps, tok)
             rows.append(r)
-            print(f"| {n} | {ctx} | {r['step_ms']:.2f} | {r['schedule_ms']:.2f} | "
-                  f"{r['prepare_ms']:.2f} | {r['sample_ms']:.2f} | {r['update_ms']:.2f} | "
-                  f"{r['other_ms']:.2f} |", flush=True)
+            print(
+                f"| {n} | {ctx} | {r['step_ms']:.2f} | {r['schedule_ms']:.2f} | "
+                f"{r['prepare_ms']:.2f} | {r['sample_ms']:.2f} | {r['update_ms']:.2f} | "
+                f"{r['other_ms']:.2f} |",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
 

@@ -48,9 +48,18 @@ TOLERANCE = 0.10  # deep/shallow peak RSS may exceed 1 by this fraction and stil
 BF16_BYTES = 2  # the checkpoints' dtype
 TOKENIZER_FILES = 40  # stdlib train files the fallback tokenizer is trained on
 TOKENIZER_VOCAB = 4096  # the demo model's vocabulary size (eval/demo_model.py --vocab-size)
-LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0,
-             "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 INIT_STD = 0.02  # random weights ~ N(0, 0.02^2), norms 1 (LlamaConfig's initializer_range)
 
 
@@ -69,8 +78,15 @@ class Workload:
 
 def workload(quick: bool, shape: str = "demo", device: str = "cpu") -> Workload:
     if shape == "8b":
-        return Workload(num_samples=16, calib_seq_len=256, eval_seq_len=256, max_windows=2, eval_batch=1,
-                        calibration_dtype="float32" if device == "cpu" else "auto", device=device)
+        return Workload(
+            num_samples=16,
+            calib_seq_len=256,
+            eval_seq_len=256,
+            max_windows=2,
+            eval_batch=1,
+            calibration_dtype="float32" if device == "cpu" else "auto",
+            device=device,
+        )
     wl = Workload(num_samples=16, calib_seq_len=256, max_windows=2) if quick else Workload()
     return replace(wl, device=device)
 
@@ -80,7 +96,9 @@ class Row:
     layers: int  # decoder layers of the checkpoint
     params: int  # parameters of the checkpoint
     status: str = "ok"  # ok | failed
-    peak_rss_mb: float | None = None  # peak resident set of the `compress run` child, MB (1e6 bytes)
+    peak_rss_mb: float | None = (
+        None  # peak resident set of the `compress run` child, MB (1e6 bytes)
+    )
     wall_s: float | None = None  # seconds of the whole child (load, 2 ppl evals, GPTQ, export)
     gptq_s: float | None = None  # seconds of the gptq stage alone (from report.json)
     gpu_peak_mb: float | None = None  # torch.cuda.max_memory_allocated of the child (device cuda)
@@ -108,7 +126,9 @@ class Verdict:
     deep: int | None  # layers of the compared run
     ratio: float | None  # peak RSS deep / shallow
     grows: bool | None  # ratio > 1 + tolerance; None when undecidable
-    above_checkpoint: list[int]  # [deep] when the deepest run's peak RSS is not below its bf16 checkpoint
+    above_checkpoint: list[
+        int
+    ]  # [deep] when the deepest run's peak RSS is not below its bf16 checkpoint
     text: str  # the sentence printed under the table
 
 
@@ -120,7 +140,9 @@ def model_config(num_layers: int, vocab_size: int, eos_id: int, shape: str = "de
     from slimserve.eval.demo_model import model_config as demo_config
 
     if shape == "8b":
-        return LlamaConfig(num_hidden_layers=num_layers, bos_token_id=eos_id, eos_token_id=eos_id, **LLAMA3_8B)
+        return LlamaConfig(
+            num_hidden_layers=num_layers, bos_token_id=eos_id, eos_token_id=eos_id, **LLAMA3_8B
+        )
     cfg = demo_config(vocab_size, eos_id)
     cfg.num_hidden_layers = num_layers
     return cfg
@@ -142,11 +164,21 @@ def recipe_dict(model: str | Path, wl: Workload, output: str | Path) -> dict:
         "model": str(model),
         "output": str(output),
         "device": wl.device,
-        "calibration": {"dataset": "stdlib", "num_samples": wl.num_samples,
-                        "seq_len": wl.calib_seq_len, "seed": wl.seed, "dtype": wl.calibration_dtype},
+        "calibration": {
+            "dataset": "stdlib",
+            "num_samples": wl.num_samples,
+            "seq_len": wl.calib_seq_len,
+            "seed": wl.seed,
+            "dtype": wl.calibration_dtype,
+        },
         # Random weights: perplexity is meaningless, so the gate only has to let the run finish.
-        "eval": {"dataset": "stdlib", "seq_len": wl.eval_seq_len, "max_windows": wl.max_windows,
-                 "batch_size": wl.eval_batch, "max_ppl_increase": 1.0e6},
+        "eval": {
+            "dataset": "stdlib",
+            "seq_len": wl.eval_seq_len,
+            "max_windows": wl.max_windows,
+            "batch_size": wl.eval_batch,
+            "max_ppl_increase": 1.0e6,
+        },
         "stages": [{"gptq": {"scheme": "W4A16", "group_size": wl.group_size}}],
         "export": {"format": "compressed-tensors"},
     }
@@ -157,18 +189,24 @@ def verdict(rows: list[Row], tolerance: float = TOLERANCE) -> Verdict:
     checkpoint. Only the deepest run is held to its checkpoint's size: a shallow model's bf16 weights
     can be smaller than the fixed cost (embeddings, lm_head, one layer's float32 math; 8.1 GB
     against 2.5 GB at one Llama-3-8B-shaped layer), which is what a flat peak means."""
-    ok = sorted((r for r in rows if r.status == "ok" and r.peak_rss_mb is not None), key=lambda r: r.layers)
+    ok = sorted(
+        (r for r in rows if r.status == "ok" and r.peak_rss_mb is not None), key=lambda r: r.layers
+    )
     if len(ok) < 2 or ok[0].layers == ok[-1].layers:
         return Verdict(None, None, None, None, [], "undecided: fewer than two depths ran")
     lo, hi = ok[0], ok[-1]
     above = [hi.layers] if hi.peak_rss_mb >= hi.weight_mb else []
     ratio = hi.peak_rss_mb / lo.peak_rss_mb
     grows = ratio > 1 + tolerance
-    below = (f"the {hi.layers}-layer peak is {'NOT ' if above else ''}below its bf16 checkpoint "
-             f"({hi.peak_rss_mb:.0f} vs {hi.weight_mb:.0f} MB)")
-    text = (f"peak RSS {'GROWS' if grows else 'is flat'} with depth: {hi.layers} vs {lo.layers} layers = "
-            f"{ratio:.2f}x ({hi.peak_rss_mb:.0f} vs {lo.peak_rss_mb:.0f} MB; limit {1 + tolerance:.2f}x) while "
-            f"the weights grow {hi.params / lo.params:.2f}x; {below}")
+    below = (
+        f"the {hi.layers}-layer peak is {'NOT ' if above else ''}below its bf16 checkpoint "
+        f"({hi.peak_rss_mb:.0f} vs {hi.weight_mb:.0f} MB)"
+    )
+    text = (
+        f"peak RSS {'GROWS' if grows else 'is flat'} with depth: {hi.layers} vs {lo.layers} layers = "
+        f"{ratio:.2f}x ({hi.peak_rss_mb:.0f} vs {lo.peak_rss_mb:.0f} MB; limit {1 + tolerance:.2f}x) while "
+        f"the weights grow {hi.params / lo.params:.2f}x; {below}"
+    )
     return Verdict(lo.layers, hi.layers, ratio, grows, above, text)
 
 
@@ -176,7 +214,9 @@ def format_table(meta: dict, rows: list[Row], v: Verdict) -> str:
     """The benchmark's one table: hardware, model, workload, a row per depth, the verdict."""
     hw, m, wl = meta["hardware"], meta["model"], meta["workload"]
     width = "Llama-3-8B shape" if m.get("shape") == "8b" else "demo-model width"
-    replay = {"auto": "bf16", "float32": "fp32"}.get(wl["calibration_dtype"], wl["calibration_dtype"])
+    replay = {"auto": "bf16", "float32": "fp32"}.get(
+        wl["calibration_dtype"], wl["calibration_dtype"]
+    )
     lines = [
         hardware_line(hw),
         f"model: random-init LlamaForCausalLM, {width} (hidden {m['hidden_size']}, intermediate "
@@ -188,14 +228,33 @@ def format_table(meta: dict, rows: list[Row], v: Verdict) -> str:
         f"{wl['max_windows']} windows x {wl['eval_seq_len']} (baseline + after gptq); export compressed-tensors; "
         f"{wl['threads']} torch thread(s) per child",
     ]
-    head = ("layers", "params M", "bf16 ckpt MB", "peak RSS MB", "RSS / ckpt", "GPU peak MB", "gptq s",
-            "s / layer", "wall s", "note")
-    body = [head] + [(
-        str(r.layers), f"{r.params / 1e6:.2f}", f"{r.weight_mb:.0f}", fmt_cell(r.peak_rss_mb, ".0f"),
-        fmt_cell(r.rss_ratio, ".2f"), fmt_cell(r.gpu_peak_mb, ".0f"), fmt_cell(r.gptq_s, ".1f"),
-        fmt_cell(r.layer_s, ".1f"), fmt_cell(r.wall_s, ".1f"),
-        "" if r.status == "ok" else f"{r.status}: {r.note}",
-    ) for r in rows]
+    head = (
+        "layers",
+        "params M",
+        "bf16 ckpt MB",
+        "peak RSS MB",
+        "RSS / ckpt",
+        "GPU peak MB",
+        "gptq s",
+        "s / layer",
+        "wall s",
+        "note",
+    )
+    body = [head] + [
+        (
+            str(r.layers),
+            f"{r.params / 1e6:.2f}",
+            f"{r.weight_mb:.0f}",
+            fmt_cell(r.peak_rss_mb, ".0f"),
+            fmt_cell(r.rss_ratio, ".2f"),
+            fmt_cell(r.gpu_peak_mb, ".0f"),
+            fmt_cell(r.gptq_s, ".1f"),
+            fmt_cell(r.layer_s, ".1f"),
+            fmt_cell(r.wall_s, ".1f"),
+            "" if r.status == "ok" else f"{r.status}: {r.note}",
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in body) for i in range(len(head) - 1)]
 
     def line(cells) -> str:
@@ -203,8 +262,12 @@ def format_table(meta: dict, rows: list[Row], v: Verdict) -> str:
 
     lines += ["", line(head), "  ".join("-" * w for w in widths) + "  " + "-" * 4]
     lines += [line(cells) for cells in body[1:]]
-    lines += ["", "MB = 1e6 bytes; peak RSS / wall s: the whole child process (os.wait4); "
-              "s / layer: the gptq stage's seconds over the layer count", v.text]
+    lines += [
+        "",
+        "MB = 1e6 bytes; peak RSS / wall s: the whole child process (os.wait4); "
+        "s / layer: the gptq stage's seconds over the layer count",
+        v.text,
+    ]
     return "\n".join(lines)
 
 
@@ -218,7 +281,10 @@ def make_tokenizer(work: Path):
     from slimserve.runtime.corpus import read_texts
 
     tok = wrap_tokenizer(train_tokenizer(read_texts("train")[:TOKENIZER_FILES], TOKENIZER_VOCAB))
-    return tok, f"byte-level BPE trained on {TOKENIZER_FILES} stdlib train files (no {DEMO_MODEL.name})"
+    return (
+        tok,
+        f"byte-level BPE trained on {TOKENIZER_FILES} stdlib train files (no {DEMO_MODEL.name})",
+    )
 
 
 def write_checkpoint(out: Path, cfg, tok, seed: int = 0) -> int:
@@ -251,7 +317,10 @@ def write_checkpoint(out: Path, cfg, tok, seed: int = 0) -> int:
             total += tensors[k].numel()
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         del tensors
-    index = {"metadata": {"total_size": total * BF16_BYTES}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": total * BF16_BYTES},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     cfg.dtype = torch.bfloat16
     cfg.save_pretrained(out)
@@ -265,13 +334,20 @@ def run_depth(num_layers: int, tok, wl: Workload, work: Path, shape: str = "demo
     import yaml
 
     ckpt = work / f"llama-{shape}-{num_layers}l"
-    params = write_checkpoint(ckpt, model_config(num_layers, len(tok), tok.eos_token_id, shape), tok)
+    params = write_checkpoint(
+        ckpt, model_config(num_layers, len(tok), tok.eos_token_id, shape), tok
+    )
     row = Row(num_layers, params)
     out, recipe = work / f"art-{shape}-{num_layers}l", work / f"gptq-{shape}-{num_layers}l.yaml"
-    recipe.write_text(f"# bench_memory: {shape}, {num_layers} layers\n"
-                      + yaml.safe_dump(recipe_dict(ckpt, wl, out), sort_keys=False), encoding="utf-8")
-    child = run_child([sys.executable, "-m", "slimserve.eval.bench_memory", "--child", str(recipe)],
-                      work / f"run-{shape}-{num_layers}l")
+    recipe.write_text(
+        f"# bench_memory: {shape}, {num_layers} layers\n"
+        + yaml.safe_dump(recipe_dict(ckpt, wl, out), sort_keys=False),
+        encoding="utf-8",
+    )
+    child = run_child(
+        [sys.executable, "-m", "slimserve.eval.bench_memory", "--child", str(recipe)],
+        work / f"run-{shape}-{num_layers}l",
+    )
     row.wall_s, row.peak_rss_mb = child.seconds, child.max_rss_bytes / 1e6
     report = out / "report.json"
     try:
@@ -297,30 +373,59 @@ def child_main(recipe_path: Path) -> int:
     from slimserve.compress.pipeline import run_recipe
     from slimserve.compress.recipe import load_recipe
 
-    result = run_recipe(load_recipe(recipe_path), log=lambda m: print(m, file=sys.stderr, flush=True),
-                        progress=False)
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    result = run_recipe(
+        load_recipe(recipe_path),
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+        progress=False,
+    )
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if torch.cuda.is_available() and torch.cuda.is_initialized()
+        else None
+    )
     print(json.dumps({"cuda_peak_bytes": peak}))
     return 0 if result.passed else 3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", choices=SHAPES, default="demo", help="model width (default demo; 8b: Llama-3-8B)")
-    p.add_argument("--layers", type=int, nargs="+", help="decoder layer counts (default 8 32; --quick: "
-                   f"demo {QUICK_LAYERS['demo']}, 8b {QUICK_LAYERS['8b']})")
-    p.add_argument("--quick", action="store_true", help="demo: 16 x 256 calibration tokens, 2 eval windows; "
-                   "both shapes: shallower default depths")
+    p.add_argument(
+        "--shape", choices=SHAPES, default="demo", help="model width (default demo; 8b: Llama-3-8B)"
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        help="decoder layer counts (default 8 32; --quick: "
+        f"demo {QUICK_LAYERS['demo']}, 8b {QUICK_LAYERS['8b']})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="demo: 16 x 256 calibration tokens, 2 eval windows; "
+        "both shapes: shallower default depths",
+    )
     p.add_argument("--device", default="cpu", help="the recipes' device: cpu or cuda[:N]")
-    p.add_argument("--threads", type=int,
-                   help="torch intra-op threads of each child (OMP_NUM_THREADS; default: demo 1, since GPTQ's "
-                        "column loop runs tiny ops there that extra threads only slow down; 8b every core, "
-                        "where the factorizations and products are large)")
-    p.add_argument("--tolerance", type=float, default=TOLERANCE,
-                   help="allowed growth of peak RSS, deepest vs shallowest (fraction)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads of each child (OMP_NUM_THREADS; default: demo 1, since GPTQ's "
+        "column loop runs tiny ops there that extra threads only slow down; 8b every core, "
+        "where the factorizations and products are large)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=TOLERANCE,
+        help="allowed growth of peak RSS, deepest vs shallowest (fraction)",
+    )
     p.add_argument("--json-out", type=Path, help="also write the table's data as JSON here")
-    p.add_argument("--work-dir", type=Path, help="checkpoints, recipes and logs go here (default: a temp "
-                   "folder; a 32-layer 8b checkpoint needs 16 GB, its spill files as much again)")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="checkpoints, recipes and logs go here (default: a temp "
+        "folder; a 32-layer 8b checkpoint needs 16 GB, its spill files as much again)",
+    )
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # internal: the measured child
     args = p.parse_args(argv)
     if args.threads is None:
@@ -339,14 +444,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child_main(args.child)
     wl = workload(args.quick, args.shape, args.device)
-    layers = sorted(set(args.layers or (QUICK_LAYERS if args.quick else DEFAULT_LAYERS)[args.shape]))
+    layers = sorted(
+        set(args.layers or (QUICK_LAYERS if args.quick else DEFAULT_LAYERS)[args.shape])
+    )
     rows: list[Row] = []
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # read by each child's torch at start-up
     if args.work_dir:
         args.work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_memory-", dir=args.work_dir) as tmp:
         work = Path(tmp)
-        os.environ["SLIMSERVE_SPILL_DIR"] = str(work)  # the children's layer spills: beside the checkpoint
+        os.environ["SLIMSERVE_SPILL_DIR"] = str(
+            work
+        )  # the children's layer spills: beside the checkpoint
         tok, tok_note = make_tokenizer(work)
         for i, n in enumerate(layers, 1):
             print(f"[{i}/{len(layers)}] {n} layers ...", file=sys.stderr, flush=True)
@@ -357,17 +466,35 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(1, len(tok), tok.eos_token_id, args.shape)
     meta = {
         "hardware": hardware_info(),
-        "model": {"shape": args.shape, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-                  "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads,
-                  "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "tokenizer": tok_note},
+        "model": {
+            "shape": args.shape,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "heads": cfg.num_attention_heads,
+            "kv_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "tokenizer": tok_note,
+        },
         "workload": {**asdict(wl), "threads": args.threads},
     }
     v = verdict(rows, args.tolerance)
     print(format_table(meta, rows, v))
     if args.json_out:
-        data = {"meta": meta, "tolerance": args.tolerance, "verdict": asdict(v),
-                "rows": [{**asdict(r), "weight_mb": r.weight_mb, "rss_ratio": r.rss_ratio, "layer_s": r.layer_s}
-                         for r in rows]}
+        data = {
+            "meta": meta,
+            "tolerance": args.tolerance,
+            "verdict": asdict(v),
+            "rows": [
+                {
+                    **asdict(r),
+                    "weight_mb": r.weight_mb,
+                    "rss_ratio": r.rss_ratio,
+                    "layer_s": r.layer_s,
+                }
+                for r in rows
+            ],
+        }
         args.json_out.write_text(json.dumps(data, indent=2) + "\n")
     if any(r.status != "ok" for r in rows) or v.grows is None:
         return 2

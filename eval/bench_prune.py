@@ -21,9 +21,9 @@ import copy
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from slimserve.eval.bench_common import fmt_cell, run_child
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line, model_info
@@ -49,7 +49,9 @@ class BenchConfig:
 
 CONFIGS = (
     BenchConfig("MLP -30% + distill", "demo-prune-mlp30-distill.yaml"),
-    BenchConfig("MLP -30%, magnitude, no distill", "demo-prune-mlp30-distill.yaml", _magnitude_only),
+    BenchConfig(
+        "MLP -30%, magnitude, no distill", "demo-prune-mlp30-distill.yaml", _magnitude_only
+    ),
     BenchConfig("heads -1/3 + 1 layer + distill", "demo-prune-heads-layers-distill.yaml"),
     BenchConfig("MLP -25% + distill + GPTQ W4A16", "demo-prune-distill-w4a16.yaml"),
 )
@@ -73,7 +75,9 @@ class Row:
     tokens: int | None = None  # scored evaluation tokens
     extra: dict = field(default_factory=dict)  # dims after pruning, importance method
     note: str = ""  # why it failed
-    control: bool = False  # a control row (a recipe edited by BenchConfig.transform): its gate means nothing
+    control: bool = (
+        False  # a control row (a recipe edited by BenchConfig.transform): its gate means nothing
+    )
 
     @property
     def recovered(self) -> float | None:
@@ -128,14 +132,37 @@ def run_config(cfg: BenchConfig, quick: bool, work: Path) -> Row:
     import yaml
 
     row = Row(cfg.label, cfg.recipe, control=cfg.transform is not None)
-    slug = cfg.label.lower().replace(" ", "-").replace("%", "").replace(",", "").replace("/", "").replace("+", "p")
+    slug = (
+        cfg.label.lower()
+        .replace(" ", "-")
+        .replace("%", "")
+        .replace(",", "")
+        .replace("/", "")
+        .replace("+", "p")
+    )
     out, recipe = work / slug, work / f"{slug}.yaml"
-    recipe.write_text(f"# bench_prune: {cfg.label}\n" + yaml.safe_dump(bench_recipe(cfg, quick, out), sort_keys=False))
-    child = run_child([sys.executable, "-m", "slimserve.compress.cli", "run", str(recipe), "--output", str(out),
-                       "--no-progress"], work / slug)
+    recipe.write_text(
+        f"# bench_prune: {cfg.label}\n"
+        + yaml.safe_dump(bench_recipe(cfg, quick, out), sort_keys=False)
+    )
+    child = run_child(
+        [
+            sys.executable,
+            "-m",
+            "slimserve.compress.cli",
+            "run",
+            str(recipe),
+            "--output",
+            str(out),
+            "--no-progress",
+        ],
+        work / slug,
+    )
     row.wall_s = child.seconds
     report = out / "report.json"
-    if child.returncode not in (0, 3) or not report.is_file():  # 3: gate failed, report still written
+    if (
+        child.returncode not in (0, 3) or not report.is_file()
+    ):  # 3: gate failed, report still written
         row.status, row.note = "failed", f"exit {child.returncode}: {child.stderr_tail}"
         return row
     return row_from_report(row, json.loads(report.read_text()))
@@ -152,26 +179,61 @@ def format_table(meta: dict, rows: list[Row]) -> str:
         f"train split{' (quick: 16 calibration windows, 1/10 of the distillation steps)' if wl['quick'] else ''}",
         "",
     ]
-    head = ("recipe", "params M", "size MB", "ppl base", "ppl prune", "ppl distill", "ppl final",
-            "recovered", "distill s", "distill cpu s", "wall s", "gate")
-    body = [head] + [(
-        r.label, fmt_cell(r.params and r.params / 1e6, ".2f"), fmt_cell(r.size_bytes and r.size_bytes / 1e6, ".2f"),
-        fmt_cell(r.ppl_base, ".3f"), fmt_cell(r.ppl_prune, ".3f"), fmt_cell(r.ppl_distill, ".3f"),
-        fmt_cell(r.ppl_final, ".3f"),
-        fmt_cell(r.recovered and 100 * r.recovered, ".0f") + ("%" if r.recovered is not None else ""),
-        fmt_cell(r.distill_s, ".0f"), fmt_cell(r.distill_cpu_s, ".0f"), fmt_cell(r.wall_s, ".0f"),
-        f"failed: {r.note}" if r.status != "ok" else "control" if r.control else "pass" if r.gate_passed else "FAIL",
-    ) for r in rows]
+    head = (
+        "recipe",
+        "params M",
+        "size MB",
+        "ppl base",
+        "ppl prune",
+        "ppl distill",
+        "ppl final",
+        "recovered",
+        "distill s",
+        "distill cpu s",
+        "wall s",
+        "gate",
+    )
+    body = [head] + [
+        (
+            r.label,
+            fmt_cell(r.params and r.params / 1e6, ".2f"),
+            fmt_cell(r.size_bytes and r.size_bytes / 1e6, ".2f"),
+            fmt_cell(r.ppl_base, ".3f"),
+            fmt_cell(r.ppl_prune, ".3f"),
+            fmt_cell(r.ppl_distill, ".3f"),
+            fmt_cell(r.ppl_final, ".3f"),
+            fmt_cell(r.recovered and 100 * r.recovered, ".0f")
+            + ("%" if r.recovered is not None else ""),
+            fmt_cell(r.distill_s, ".0f"),
+            fmt_cell(r.distill_cpu_s, ".0f"),
+            fmt_cell(r.wall_s, ".0f"),
+            f"failed: {r.note}"
+            if r.status != "ok"
+            else "control"
+            if r.control
+            else "pass"
+            if r.gate_passed
+            else "FAIL",
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in body) for i in range(len(head))]
     for cells in body:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                               enumerate(zip(cells, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            ).rstrip()
+        )
         if cells is head:
             lines.append("  ".join("-" * w for w in widths))
-    lines += ["", "recovered = (ppl prune - ppl distill) / (ppl prune - ppl base); distill s: wall time of the "
-              "stage; distill cpu s: its CPU time over all threads (up to 2x its wall time on 2 idle cores; "
-              "about 1x when other jobs share them); wall s: the whole child process; gate: the recipe's own",
-              "", *check_bars(rows)]
+    lines += [
+        "",
+        "recovered = (ppl prune - ppl distill) / (ppl prune - ppl base); distill s: wall time of the "
+        "stage; distill cpu s: its CPU time over all threads (up to 2x its wall time on 2 idle cores; "
+        "about 1x when other jobs share them); wall s: the whole child process; gate: the recipe's own",
+        "",
+        *check_bars(rows),
+    ]
     return "\n".join(lines)
 
 
@@ -182,22 +244,34 @@ def check_bars(rows: list[Row]) -> list[str]:
     out = []
     if main and main.recovered is not None:
         ok = main.recovered >= RECOVERY_BAR and (main.distill_s or 0) <= DISTILL_SECONDS_BAR
-        out.append(f"bar 1 {'PASS' if ok else 'FAIL'}: distillation recovered {100 * main.recovered:.0f}% of the "
-                   f"ppl lost to MLP -30% (need >= {100 * RECOVERY_BAR:.0f}%) in {main.distill_s:.0f} s "
-                   f"(need <= {DISTILL_SECONDS_BAR:.0f} s)")
+        out.append(
+            f"bar 1 {'PASS' if ok else 'FAIL'}: distillation recovered {100 * main.recovered:.0f}% of the "
+            f"ppl lost to MLP -30% (need >= {100 * RECOVERY_BAR:.0f}%) in {main.distill_s:.0f} s "
+            f"(need <= {DISTILL_SECONDS_BAR:.0f} s)"
+        )
     if main and control:
         ok = main.ppl_prune < control.ppl_prune
-        out.append(f"bar 2 {'PASS' if ok else 'FAIL'}: before distillation, activation importance ppl "
-                   f"{main.ppl_prune:.3f} vs magnitude {control.ppl_prune:.3f} at the same MLP sparsity")
+        out.append(
+            f"bar 2 {'PASS' if ok else 'FAIL'}: before distillation, activation importance ppl "
+            f"{main.ppl_prune:.3f} vs magnitude {control.ppl_prune:.3f} at the same MLP sparsity"
+        )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="40 evaluation windows, 1/10 of the distillation steps")
-    p.add_argument("--only", nargs="*", help="run only rows whose label contains one of these strings")
+    p.add_argument(
+        "--quick", action="store_true", help="40 evaluation windows, 1/10 of the distillation steps"
+    )
+    p.add_argument(
+        "--only", nargs="*", help="run only rows whose label contains one of these strings"
+    )
     p.add_argument("--json-out", type=Path, help="also write the table's data as JSON here")
-    p.add_argument("--work-dir", type=Path, help="keep recipes, logs and artifacts here (default: a temp folder)")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep recipes, logs and artifacts here (default: a temp folder)",
+    )
     args = p.parse_args(argv)
     configs = [c for c in CONFIGS if not args.only or any(s in c.label for s in args.only)]
     with tempfile.TemporaryDirectory(prefix="bench_prune-") as tmp:
@@ -211,8 +285,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Path(load_recipe(RECIPES / configs[0].recipe).model)
     tokens = next((r.tokens for r in rows if r.tokens), None)
-    meta = {"hardware": hardware_info(), "model": model_info(model),
-            "workload": {"quick": args.quick, "tokens": tokens}}
+    meta = {
+        "hardware": hardware_info(),
+        "model": model_info(model),
+        "workload": {"quick": args.quick, "tokens": tokens},
+    }
     print(format_table(meta, rows))
     if args.json_out:
         data = [{**asdict(r), "recovered": r.recovered} for r in rows]

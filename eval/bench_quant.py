@@ -95,7 +95,9 @@ def configs(group: int) -> tuple[BenchConfig, ...]:
         BenchConfig("w3-llmc-gptq", s3, PEER_METHOD, peer_bits=3),
         BenchConfig("w3-awq", s3, "awq + rtn", ({"awq": w3}, {"rtn": w3})),
         BenchConfig("w8a8-rtn", "W8A8", "rtn", ({"rtn": w8a8},)),
-        BenchConfig("w8a8-smoothquant", "W8A8", "smoothquant + rtn", ({"smoothquant": {}}, {"rtn": w8a8})),
+        BenchConfig(
+            "w8a8-smoothquant", "W8A8", "smoothquant + rtn", ({"smoothquant": {}}, {"rtn": w8a8})
+        ),
     )
 
 
@@ -109,8 +111,10 @@ def select(cfgs: tuple[BenchConfig, ...], methods: str | None) -> tuple[BenchCon
     keys = [k.strip() for k in methods.split(",") if k.strip()]
     unknown = [k for k in keys if k not in ROW_KEYS]
     if unknown or not keys:
-        raise BenchError(f"--methods {methods!r}: unknown row {', '.join(unknown) or '(none given)'}; "
-                         f"use a comma-separated list of {', '.join(ROW_KEYS)} (or all)")
+        raise BenchError(
+            f"--methods {methods!r}: unknown row {', '.join(unknown) or '(none given)'}; "
+            f"use a comma-separated list of {', '.join(ROW_KEYS)} (or all)"
+        )
     return tuple(c for c in cfgs if c.key in keys)
 
 
@@ -124,13 +128,25 @@ class Workload:
     max_windows: int | None = None  # None: every window of the validation split
 
 
-def workload(quick: bool, demo: bool = True, num_samples: int | None = None,
-             max_windows: int | None = None) -> Workload:
+def workload(
+    quick: bool, demo: bool = True, num_samples: int | None = None, max_windows: int | None = None
+) -> Workload:
     """The demo model's full workload, a real model's (as the smollm2 recipes), or --quick; overrides last."""
-    wl = Workload(num_samples=16, max_windows=40) if quick else Workload() if demo else \
-        Workload(num_samples=32, max_windows=16)
-    return Workload(wl.dataset, num_samples or wl.num_samples, wl.calib_seq_len, wl.seed, wl.eval_seq_len,
-                    max_windows or wl.max_windows)
+    wl = (
+        Workload(num_samples=16, max_windows=40)
+        if quick
+        else Workload()
+        if demo
+        else Workload(num_samples=32, max_windows=16)
+    )
+    return Workload(
+        wl.dataset,
+        num_samples or wl.num_samples,
+        wl.calib_seq_len,
+        wl.seed,
+        wl.eval_seq_len,
+        max_windows or wl.max_windows,
+    )
 
 
 def resolve_bench_model(text: str) -> Path:
@@ -145,8 +161,10 @@ def resolve_bench_model(text: str) -> Path:
     except ArtifactError as e:
         raise BenchError(f"--model {text}: {e}") from None
     if not (folder / "config.json").is_file():
-        raise BenchError(f"--model {text}: {folder} is not a checkpoint folder (no config.json); pass a "
-                         f"checkpoint folder, a .gguf file, pkg:<module> or one of {', '.join(MODEL_ALIASES)}")
+        raise BenchError(
+            f"--model {text}: {folder} is not a checkpoint folder (no config.json); pass a "
+            f"checkpoint folder, a .gguf file, pkg:<module> or one of {', '.join(MODEL_ALIASES)}"
+        )
     return folder
 
 
@@ -164,11 +182,15 @@ def pick_group_size(config: dict, requested: int | None = None) -> int:
     fits = [g for g in GROUP_CHOICES if all(w % g == 0 for w in widths)]
     if requested is not None:
         if any(w % requested for w in widths):
-            raise BenchError(f"--group-size {requested} does not divide the input widths {widths}; "
-                             f"use {fits[0] if fits else 'a divisor of all of them'}")
+            raise BenchError(
+                f"--group-size {requested} does not divide the input widths {widths}; "
+                f"use {fits[0] if fits else 'a divisor of all of them'}"
+            )
         return requested
     if not fits:
-        raise BenchError(f"no group size in {GROUP_CHOICES} divides the input widths {widths}; pass --group-size")
+        raise BenchError(
+            f"no group size in {GROUP_CHOICES} divides the input widths {widths}; pass --group-size"
+        )
     return fits[0]
 
 
@@ -197,19 +219,24 @@ class Row:
     tokens: int | None = None  # scored evaluation tokens
     baseline_ppl: float | None = None  # the baseline this row's drift refers to
     note: str = ""  # why skipped/failed, or a caveat
-    runs: list[dict] = field(default_factory=list)  # every run: quant_s, wall_s, ppl, load (1-min average)
+    runs: list[dict] = field(
+        default_factory=list
+    )  # every run: quant_s, wall_s, ppl, load (1-min average)
 
     def add_run(self, load: float | None) -> None:
         """Record this row's current numbers as one run; keep the best times and the first ppl."""
-        self.runs.append({"quant_s": self.quant_s, "wall_s": self.wall_s, "ppl": self.ppl, "load": load})
+        self.runs.append(
+            {"quant_s": self.quant_s, "wall_s": self.wall_s, "ppl": self.ppl, "load": load}
+        )
         ok = [r for r in self.runs if r["wall_s"] is not None]
         for k in ("quant_s", "wall_s"):
             vals = [r[k] for r in ok if r[k] is not None]
             setattr(self, k, min(vals) if vals else None)
         ppls = {r["ppl"] for r in self.runs if r["ppl"] is not None}
         if len(ppls) > 1 and "ppl differs" not in self.note:
-            self.note = (self.note + "; " if self.note else "") + \
-                f"ppl differs between runs: {min(ppls):.6f} .. {max(ppls):.6f}"
+            self.note = (
+                self.note + "; " if self.note else ""
+            ) + f"ppl differs between runs: {min(ppls):.6f} .. {max(ppls):.6f}"
         self.ppl = next((r["ppl"] for r in self.runs if r["ppl"] is not None), None)
 
 
@@ -223,8 +250,12 @@ def recipe_dict(model: str | Path, cfg: BenchConfig, wl: Workload, output: str |
     return {
         "model": str(model),
         "output": str(output),
-        "calibration": {"dataset": wl.dataset, "num_samples": wl.num_samples,
-                        "seq_len": wl.calib_seq_len, "seed": wl.seed},
+        "calibration": {
+            "dataset": wl.dataset,
+            "num_samples": wl.num_samples,
+            "seq_len": wl.calib_seq_len,
+            "seed": wl.seed,
+        },
         "eval": ev,
         "stages": [{name: dict(opts) for name, opts in s.items()} for s in cfg.stages],
         "export": {"format": "compressed-tensors"},
@@ -249,8 +280,13 @@ def add_ratios(rows: list[Row]) -> None:
 
     A reference drift <= 0 (quantization noise that happened to help) is no yardstick: no ratio then.
     """
+
     def refs(method: str) -> dict[str, float]:
-        return {r.scheme: r.drift for r in rows if r.method == method and r.status == "ok" and r.drift is not None}
+        return {
+            r.scheme: r.drift
+            for r in rows
+            if r.method == method and r.status == "ok" and r.drift is not None
+        }
 
     rtn, peer = refs("rtn"), refs(PEER_METHOD)
     for r in rows:
@@ -270,7 +306,11 @@ def format_table(meta: dict, rows: list[Row]) -> str:
     lines = [
         hardware_line(hw),
         f"model: {m['name']} ({m['params'] / 1e6:.2f}M params, {m['dtype']}) at {m['path']}"
-        + (f" (--model {meta['model_arg']})" if meta.get("model_arg") and meta["model_arg"] != m["path"] else ""),
+        + (
+            f" (--model {meta['model_arg']})"
+            if meta.get("model_arg") and meta["model_arg"] != m["path"]
+            else ""
+        ),
         f"workload: eval {wl['dataset']} validation, seq_len {wl['eval_seq_len']}, {fmt_cell(wl['windows'], 'd')} "
         f"windows = {fmt_cell(wl['tokens'], ',')} scored tokens; calibration {wl['dataset']} train, "
         f"{wl['num_samples']} x {wl['calib_seq_len']} tokens, seed {wl['seed']}; weight groups of "
@@ -278,30 +318,56 @@ def format_table(meta: dict, rows: list[Row]) -> str:
     ]
     if meta.get("load"):
         ld = meta["load"]
-        lines.append(f"load: 1-min load average at the start of each child {ld['min']:.1f} .. {ld['max']:.1f} "
-                     f"on {hw['cores']} cores (OMP_NUM_THREADS={ld.get('omp_num_threads') or 'unset'})")
+        lines.append(
+            f"load: 1-min load average at the start of each child {ld['min']:.1f} .. {ld['max']:.1f} "
+            f"on {hw['cores']} cores (OMP_NUM_THREADS={ld.get('omp_num_threads') or 'unset'})"
+        )
     if meta.get("peer"):
         lines.append(f"peer: {meta['peer']}")
-    head = ("scheme", "method", "ppl", "drift %", "x RTN", "x llmc", "quant s", "wall s", "peak RSS MB", "note")
-    body = [head] + [(
-        r.scheme, r.method, fmt_cell(r.ppl, ".4f"), fmt_cell(None if r.drift is None else 100 * r.drift, "+.2f"),
-        fmt_cell(r.ratio, ".2f"), fmt_cell(r.peer_ratio, ".2f"), fmt_cell(r.quant_s, ".1f"),
-        fmt_cell(r.wall_s, ".1f"), fmt_cell(r.rss_mb, ".0f"),
-        r.note if r.status == "ok" else f"{r.status}: {r.note}",
-    ) for r in rows]
+    head = (
+        "scheme",
+        "method",
+        "ppl",
+        "drift %",
+        "x RTN",
+        "x llmc",
+        "quant s",
+        "wall s",
+        "peak RSS MB",
+        "note",
+    )
+    body = [head] + [
+        (
+            r.scheme,
+            r.method,
+            fmt_cell(r.ppl, ".4f"),
+            fmt_cell(None if r.drift is None else 100 * r.drift, "+.2f"),
+            fmt_cell(r.ratio, ".2f"),
+            fmt_cell(r.peer_ratio, ".2f"),
+            fmt_cell(r.quant_s, ".1f"),
+            fmt_cell(r.wall_s, ".1f"),
+            fmt_cell(r.rss_mb, ".0f"),
+            r.note if r.status == "ok" else f"{r.status}: {r.note}",
+        )
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in body) for i in range(len(head) - 1)]
     right = {2, 3, 4, 5, 6, 7, 8}  # numeric columns
 
     def line(cells) -> str:
-        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        out = [
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
         return ("  ".join(out) + "  " + cells[-1]).rstrip()
 
     lines += ["", line(head), "  ".join("-" * w for w in widths) + "  " + "-" * 4]
     lines += [line(cells) for cells in body[1:]]
     lines += [""] + time_lines(rows)
-    lines += ["drift = ppl / baseline - 1; x RTN / x llmc = drift / drift of the same scheme's rtn / llm-compressor "
-              "row; quant s: the algorithm alone (calibration forwards included); wall s / peak RSS: the whole "
-              "child process (the peer: oneshot + our compress eval); times: the best of the runs"]
+    lines += [
+        "drift = ppl / baseline - 1; x RTN / x llmc = drift / drift of the same scheme's rtn / llm-compressor "
+        "row; quant s: the algorithm alone (calibration forwards included); wall s / peak RSS: the whole "
+        "child process (the peer: oneshot + our compress eval); times: the best of the runs"
+    ]
     return "\n".join(lines)
 
 
@@ -309,20 +375,35 @@ def time_lines(rows: list[Row]) -> list[str]:
     """One line per scheme where our gptq row and the peer's both ran: every run's time, side by side."""
     out = []
     for peer in [r for r in rows if r.method == PEER_METHOD and r.status == "ok"]:
-        ours = next((r for r in rows if r.scheme == peer.scheme and r.method == "gptq" and r.status == "ok"), None)
+        ours = next(
+            (
+                r
+                for r in rows
+                if r.scheme == peer.scheme and r.method == "gptq" and r.status == "ok"
+            ),
+            None,
+        )
         if ours is None or not ours.quant_s or not peer.quant_s:
             continue
 
         def runs(r: Row) -> str:
-            return ", ".join(f"{x['quant_s']:.1f}" + (f" (load {x['load']:.1f})" if x.get("load") is not None else "")
-                             for x in r.runs if x.get("quant_s") is not None)
+            return ", ".join(
+                f"{x['quant_s']:.1f}"
+                + (f" (load {x['load']:.1f})" if x.get("load") is not None else "")
+                for x in r.runs
+                if x.get("quant_s") is not None
+            )
 
-        out.append(f"time {peer.scheme}: gptq quant s {runs(ours)}; llm-compressor {runs(peer)} (run alternately); "
-                   f"best ours / best theirs = {ours.quant_s / peer.quant_s:.2f}")
+        out.append(
+            f"time {peer.scheme}: gptq quant s {runs(ours)}; llm-compressor {runs(peer)} (run alternately); "
+            f"best ours / best theirs = {ours.quant_s / peer.quant_s:.2f}"
+        )
     return out
 
 
-def run_config(cfg: BenchConfig, model: Path, wl: Workload, work: Path, registry, attempt: int = 0) -> Row:
+def run_config(
+    cfg: BenchConfig, model: Path, wl: Workload, work: Path, registry, attempt: int = 0
+) -> Row:
     """Run one of our configurations as a child `compress run`; a Row from its report.json."""
     row = Row(cfg.scheme, cfg.method, cfg.key)
     missing = missing_stages(cfg, registry)
@@ -333,11 +414,24 @@ def run_config(cfg: BenchConfig, model: Path, wl: Workload, work: Path, registry
     out = work / slug
     recipe = work / f"{slug}.yaml"
     recipe.write_text(recipe_yaml(model, cfg, wl, out), encoding="utf-8")
-    child = run_child([sys.executable, "-m", "slimserve.compress.cli", "run", str(recipe),
-                       "--output", str(out), "--no-progress"], work / slug)
+    child = run_child(
+        [
+            sys.executable,
+            "-m",
+            "slimserve.compress.cli",
+            "run",
+            str(recipe),
+            "--output",
+            str(out),
+            "--no-progress",
+        ],
+        work / slug,
+    )
     row.wall_s, row.rss_mb = child.seconds, child.max_rss_bytes / 1e6
     report = out / "report.json"
-    if child.returncode == 3:  # gate failed: the run still wrote its artifact and report beside `out`
+    if (
+        child.returncode == 3
+    ):  # gate failed: the run still wrote its artifact and report beside `out`
         report = Path(f"{out}.failed") / "report.json"
     if child.returncode not in (0, 3) or not report.is_file():
         row.status, row.note = "failed", f"exit {child.returncode}: {child.stderr_tail}"
@@ -362,41 +456,103 @@ def dump_calibration(model: Path, wl: Workload, path: Path) -> None:
     save_file({"input_ids": ids.contiguous()}, str(path))
 
 
-def peer_command(python: str, cfg: BenchConfig, model: Path, calib: Path, out: Path, group: int,
-                 dtype: str, dump: Path) -> list[str]:
+def peer_command(
+    python: str,
+    cfg: BenchConfig,
+    model: Path,
+    calib: Path,
+    out: Path,
+    group: int,
+    dtype: str,
+    dump: Path,
+) -> list[str]:
     """The llm-compressor child: our GPTQ stage's settings, the same windows, in `dtype`."""
-    return [python, str(PEER_SCRIPT), "--model", str(model), "--calib-ids", str(calib), "--out", str(out),
-            "--bits", str(cfg.peer_bits), "--group-size", str(group), "--actorder", GPTQ_ACTORDER,
-            "--dampening-frac", str(GPTQ_DAMP), "--block-size", str(GPTQ_BLOCK), "--dtype", dtype,
-            "--dump-fakequant", str(dump)]
+    return [
+        python,
+        str(PEER_SCRIPT),
+        "--model",
+        str(model),
+        "--calib-ids",
+        str(calib),
+        "--out",
+        str(out),
+        "--bits",
+        str(cfg.peer_bits),
+        "--group-size",
+        str(group),
+        "--actorder",
+        GPTQ_ACTORDER,
+        "--dampening-frac",
+        str(GPTQ_DAMP),
+        "--block-size",
+        str(GPTQ_BLOCK),
+        "--dtype",
+        dtype,
+        "--dump-fakequant",
+        str(dump),
+    ]
 
 
-def run_peer(cfg: BenchConfig, python: str | None, model: Path, wl: Workload, work: Path,
-             calib: Path, base: Row, group: int, dtype: str, attempt: int = 0) -> tuple[Row, dict, Row | None]:
+def run_peer(
+    cfg: BenchConfig,
+    python: str | None,
+    model: Path,
+    wl: Workload,
+    work: Path,
+    calib: Path,
+    base: Row,
+    group: int,
+    dtype: str,
+    attempt: int = 0,
+) -> tuple[Row, dict, Row | None]:
     """llm-compressor GPTQ in its own venv, then our `compress eval` on its artifact and the sanity
     check of our loader against its in-memory fake-quant weights (a Row, the first run only)."""
     row = Row(cfg.scheme, cfg.method, cfg.key)
     if not python:
-        row.status, row.note = "skipped", "no --llmcompressor-python given (setup: see module docstring)"
+        row.status, row.note = (
+            "skipped",
+            "no --llmcompressor-python given (setup: see module docstring)",
+        )
         return row, {}, None
     if not Path(python).is_file():
-        row.status, row.note = "failed", f"peer python {python} does not exist (setup: see module docstring)"
+        row.status, row.note = (
+            "failed",
+            f"peer python {python} does not exist (setup: see module docstring)",
+        )
         return row, {}, None
     tag = f"peer-w{cfg.peer_bits}" + (f"-run{attempt + 1}" if attempt else "")
     out, dump = work / tag, work / f"{tag}-fakequant.safetensors"
     child = run_child(peer_command(python, cfg, model, calib, out, group, dtype, dump), out)
     row.wall_s, row.rss_mb = child.seconds, child.max_rss_bytes / 1e6
     if child.returncode != 0:
-        row.status, row.note = "failed", f"llm-compressor exit {child.returncode}: {child.stderr_tail}"
+        row.status, row.note = (
+            "failed",
+            f"llm-compressor exit {child.returncode}: {child.stderr_tail}",
+        )
         return row, {}, None
     info = json_tail(child.stdout)
     if info is None:
-        row.status, row.note = "failed", f"peer script printed no result line: {last_line(child.stdout)}"
+        row.status, row.note = (
+            "failed",
+            f"peer script printed no result line: {last_line(child.stdout)}",
+        )
         return row, {}, None
     row.quant_s = info["seconds_oneshot"]
-    row.note = f"actorder {info['actorder']}, damp {info.get('dampening_frac')}, {info.get('dtype', '?')}"
-    cmd = [sys.executable, "-m", "slimserve.compress.cli", "eval", str(out), "--dataset", wl.dataset,
-           "--seq-len", str(wl.eval_seq_len), "--json"]
+    row.note = (
+        f"actorder {info['actorder']}, damp {info.get('dampening_frac')}, {info.get('dtype', '?')}"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimserve.compress.cli",
+        "eval",
+        str(out),
+        "--dataset",
+        wl.dataset,
+        "--seq-len",
+        str(wl.eval_seq_len),
+        "--json",
+    ]
     if wl.max_windows is not None:
         cmd += ["--max-windows", str(wl.max_windows)]
     ev = run_child(cmd, work / f"{tag}-eval")
@@ -418,10 +574,16 @@ def check_peer_artifact(cfg: BenchConfig, artifact: Path, dump: Path, log: Path)
     """The sanity row: our loader's dequantized weights of the peer artifact against the fake-quant
     weights llm-compressor held after oneshot (eval/peers/check_fakequant.py)."""
     row = Row(cfg.scheme, SANITY_METHOD)
-    child = run_child([sys.executable, "-m", "slimserve.eval.peers.check_fakequant", str(artifact), str(dump)], log)
+    child = run_child(
+        [sys.executable, "-m", "slimserve.eval.peers.check_fakequant", str(artifact), str(dump)],
+        log,
+    )
     res = json_tail(child.stdout) if child.returncode == 0 else None
     if res is None:
-        row.status, row.note = "failed", f"check_fakequant exit {child.returncode}: {child.stderr_tail}"
+        row.status, row.note = (
+            "failed",
+            f"check_fakequant exit {child.returncode}: {child.stderr_tail}",
+        )
         return row
     row.note = sanity_note(res)
     if not res["match"]:
@@ -431,16 +593,22 @@ def check_peer_artifact(cfg: BenchConfig, artifact: Path, dump: Path, log: Path)
 
 def sanity_note(res: dict) -> str:
     """The sanity row's note from check_fakequant's JSON line."""
-    verdict = "bit-identical" if res["max_abs_diff"] == 0 else f"max |diff| {res['max_abs_diff']:.3g}"
-    return (f"{res['modules']} Linears of layers {res['layers']}: dequantized = its fake-quant weights, "
-            f"{verdict} ({res['tolerance_note']})")
+    verdict = (
+        "bit-identical" if res["max_abs_diff"] == 0 else f"max |diff| {res['max_abs_diff']:.3g}"
+    )
+    return (
+        f"{res['modules']} Linears of layers {res['layers']}: dequantized = its fake-quant weights, "
+        f"{verdict} ({res['tolerance_note']})"
+    )
 
 
 def baseline_row(rows: list[Row]) -> Row:
     """The checkpoint's own perplexity, noting if the runs disagree on it (they should not)."""
     ok = [r for r in rows if r.status == "ok" and r.method not in (PEER_METHOD, SANITY_METHOD)]
     base = [r.baseline_ppl for r in ok]
-    row = Row("baseline", "checkpoint", ppl=base[0] if base else None, tokens=ok[0].tokens if ok else None)
+    row = Row(
+        "baseline", "checkpoint", ppl=base[0] if base else None, tokens=ok[0].tokens if ok else None
+    )
     if not base:
         row.status, row.note = "failed", "no configuration of ours ran"
     elif max(base) / min(base) - 1 > 1e-6:
@@ -475,8 +643,15 @@ def load_average() -> float | None:
         return None
 
 
-def run_all(args, model: Path, wl: Workload, work: Path, cfgs: tuple[BenchConfig, ...], group: int,
-            dtype: str) -> tuple[list[Row], dict, list[float]]:
+def run_all(
+    args,
+    model: Path,
+    wl: Workload,
+    work: Path,
+    cfgs: tuple[BenchConfig, ...],
+    group: int,
+    dtype: str,
+) -> tuple[list[Row], dict, list[float]]:
     from slimserve.compress.registry import STAGES
 
     rows: dict[str, Row] = {}
@@ -487,7 +662,9 @@ def run_all(args, model: Path, wl: Workload, work: Path, cfgs: tuple[BenchConfig
     plan = schedule(cfgs, max(1, args.repeat))
     runs = {c.key: sum(1 for p, _ in plan if p.key == c.key) for c, _ in plan}
     for i, (cfg, attempt) in enumerate(plan, 1):
-        label = f"[{i}/{len(plan)}] {cfg.scheme} {cfg.method}" + (f" (run {attempt + 1})" if runs[cfg.key] > 1 else "")
+        label = f"[{i}/{len(plan)}] {cfg.scheme} {cfg.method}" + (
+            f" (run {attempt + 1})" if runs[cfg.key] > 1 else ""
+        )
         load = load_average()
         if load is not None:
             loads.append(load)
@@ -499,13 +676,18 @@ def run_all(args, model: Path, wl: Workload, work: Path, cfgs: tuple[BenchConfig
             if args.llmcompressor_python and not calib.exists():
                 dump_calibration(model, wl, calib)
             base = baseline_row([r for r in rows.values()])
-            row, info, check = run_peer(cfg, args.llmcompressor_python, model, wl, work, calib, base, group,
-                                        dtype, attempt)
+            row, info, check = run_peer(
+                cfg, args.llmcompressor_python, model, wl, work, calib, base, group, dtype, attempt
+            )
             peer_info = info or peer_info
             if check is not None:
                 sanity[cfg.scheme] = check
-        print(f"{label}: {row.status}, ppl {fmt_cell(row.ppl, '.4f')}, quant s {fmt_cell(row.quant_s, '.1f')}, "
-              f"wall s {fmt_cell(row.wall_s, '.1f')} {row.note}", file=sys.stderr, flush=True)
+        print(
+            f"{label}: {row.status}, ppl {fmt_cell(row.ppl, '.4f')}, quant s {fmt_cell(row.quant_s, '.1f')}, "
+            f"wall s {fmt_cell(row.wall_s, '.1f')} {row.note}",
+            file=sys.stderr,
+            flush=True,
+        )
         if cfg.key not in rows:
             rows[cfg.key] = row
             if row.status == "ok":
@@ -530,19 +712,40 @@ def run_all(args, model: Path, wl: Workload, work: Path, cfgs: tuple[BenchConfig
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="recipes/demo-model",
-                   help=f"HF checkpoint folder, .gguf file, pkg:<module> or {' / '.join(MODEL_ALIASES)}")
-    p.add_argument("--methods", help=f"comma-separated rows to run: {', '.join(ROW_KEYS)} (default: all)")
-    p.add_argument("--repeat", type=int, default=1,
-                   help="run our gptq and llm-compressor's N times each, alternately (timing on a shared machine)")
-    p.add_argument("--group-size", type=int, help="weight group size (default: the largest of 128/64/32/16/8 "
-                                                  "dividing every Linear's input width)")
-    p.add_argument("--quick", action="store_true", help="40 evaluation windows, 16 calibration samples")
+    p.add_argument(
+        "--model",
+        default="recipes/demo-model",
+        help=f"HF checkpoint folder, .gguf file, pkg:<module> or {' / '.join(MODEL_ALIASES)}",
+    )
+    p.add_argument(
+        "--methods", help=f"comma-separated rows to run: {', '.join(ROW_KEYS)} (default: all)"
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run our gptq and llm-compressor's N times each, alternately (timing on a shared machine)",
+    )
+    p.add_argument(
+        "--group-size",
+        type=int,
+        help="weight group size (default: the largest of 128/64/32/16/8 "
+        "dividing every Linear's input width)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="40 evaluation windows, 16 calibration samples"
+    )
     p.add_argument("--num-samples", type=int, help="calibration windows (overrides the workload's)")
     p.add_argument("--max-windows", type=int, help="evaluation windows (overrides the workload's)")
-    p.add_argument("--llmcompressor-python", help="python of the llm-compressor venv (see module docstring)")
+    p.add_argument(
+        "--llmcompressor-python", help="python of the llm-compressor venv (see module docstring)"
+    )
     p.add_argument("--json-out", type=Path, help="also write the table's data as JSON here")
-    p.add_argument("--work-dir", type=Path, help="keep recipes, logs and artifacts here (default: a temp folder)")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep recipes, logs and artifacts here (default: a temp folder)",
+    )
     args = p.parse_args(argv)
     for name in ("repeat", "num_samples", "max_windows", "group_size"):
         v = getattr(args, name)
@@ -578,26 +781,37 @@ def main(argv: list[str] | None = None) -> int:
         "model_arg": args.model,
         "group_size": group,
         "workload": {**asdict(wl), "windows": windows, "tokens": ref.tokens if ref else None},
-        "load": {"min": min(loads), "max": max(loads), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
-        if loads else None,
+        "load": {
+            "min": min(loads),
+            "max": max(loads),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        }
+        if loads
+        else None,
         "peer": peer_line(peer, dtype) if peer else "",
         "methods": [c.key for c in cfgs],
         "repeat": args.repeat,
     }
     print(format_table(meta, rows))
     if args.json_out:
-        args.json_out.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n")
-    ours_failed = any(r.status == "failed" and r.method not in (PEER_METHOD, SANITY_METHOD) for r in rows[1:])
+        args.json_out.write_text(
+            json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2) + "\n"
+        )
+    ours_failed = any(
+        r.status == "failed" and r.method not in (PEER_METHOD, SANITY_METHOD) for r in rows[1:]
+    )
     return 1 if ours_failed else 0
 
 
 def peer_line(info: dict, dtype: str) -> str:
     """The `peer:` header line: versions and the settings shared with our GPTQ."""
     versions = ", ".join(f"{k} {v}" for k, v in info.get("versions", {}).items())
-    return (f"{versions} (own venv); GPTQModifier with our settings: damp {GPTQ_DAMP}, actorder {GPTQ_ACTORDER}, "
-            f"block {GPTQ_BLOCK}, calibrating in {dtype}; it fits every group's scale on the original weights "
-            "before GPTQ and collects a layer's Hessians in one pass, ours fits each group on the updated weights "
-            "when GPTQ reaches it and collects them true-sequentially (q/k/v, o, gate/up, down)")
+    return (
+        f"{versions} (own venv); GPTQModifier with our settings: damp {GPTQ_DAMP}, actorder {GPTQ_ACTORDER}, "
+        f"block {GPTQ_BLOCK}, calibrating in {dtype}; it fits every group's scale on the original weights "
+        "before GPTQ and collects a layer's Hessians in one pass, ours fits each group on the updated weights "
+        "when GPTQ reaches it and collects them true-sequentially (q/k/v, o, gate/up, down)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,15 +53,19 @@ from pathlib import Path
 import httpx
 
 from slimserve.runtime.bench.driver import run_requests
+from slimserve.runtime.bench.workload import BenchRequest, RequestResult, latency_stats
 from slimserve.runtime.server.process import ServerSpec, free_port, launched_servers
 from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, internal_headers, new_internal_key
-from slimserve.runtime.bench.workload import BenchRequest, RequestResult, latency_stats
 
-SYSTEM = ("You are a meticulous senior Python reviewer. Read the code below, explain what it "
-          "does, point out every bug, and suggest a minimal fix. Answer in plain text. ") * 6
+SYSTEM = (
+    "You are a meticulous senior Python reviewer. Read the code below, explain what it "
+    "does, point out every bug, and suggest a minimal fix. Answer in plain text. "
+) * 6
 # configuration -> (role of each replica, router policy)
-INTERFERENCE = {"colocated": (["colocated", "colocated"], "least-latency"),
-                "disaggregated": (["prefill", "decode"], "least-latency")}
+INTERFERENCE = {
+    "colocated": (["colocated", "colocated"], "least-latency"),
+    "disaggregated": (["prefill", "decode"], "least-latency"),
+}
 
 
 def _source_text() -> str:
@@ -73,8 +77,9 @@ def _source_text() -> str:
     return "".join(inspect.getsource(m) for m in (a, j, logging))
 
 
-def skewed_workload(n: int, short_chars: int, long_factor: int, max_tokens: int, rate: float,
-                    seed: int) -> list[dict]:
+def skewed_workload(
+    n: int, short_chars: int, long_factor: int, max_tokens: int, rate: float, seed: int
+) -> list[dict]:
     """Requests {prompt, max_tokens, at, kind}: a fifth long, half with the system prompt."""
     rng = random.Random(seed)
     text = _source_text()
@@ -83,10 +88,16 @@ def skewed_workload(n: int, short_chars: int, long_factor: int, max_tokens: int,
         long = rng.random() < 0.2
         size = short_chars * (long_factor if long else 1)
         start = rng.randrange(0, len(text) - size)
-        body = text[start: start + size]
+        body = text[start : start + size]
         prompt = SYSTEM + body if rng.random() < 0.5 else body
-        out.append({"prompt": prompt, "max_tokens": max_tokens, "at": at,
-                    "kind": "long" if long else "short"})
+        out.append(
+            {
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "at": at,
+                "kind": "long" if long else "short",
+            }
+        )
         at += rng.expovariate(rate)
     return out
 
@@ -98,13 +109,20 @@ def interference_workload(args: argparse.Namespace) -> list[dict]:
     text = _source_text()
     reqs = []
     for kind, n, rate, chars, tokens in (
-            ("short", args.num_short, args.short_rate, args.short_chars, args.short_tokens),
-            ("long", args.num_long, args.long_rate, args.long_chars, args.long_tokens)):
+        ("short", args.num_short, args.short_rate, args.short_chars, args.short_tokens),
+        ("long", args.num_long, args.long_rate, args.long_chars, args.long_tokens),
+    ):
         at = rng.expovariate(rate) if kind == "long" else 0.0  # a long one never leads
         for _ in range(n):
             start = rng.randrange(0, len(text) - chars)
-            reqs.append({"prompt": text[start: start + chars], "max_tokens": tokens, "at": at,
-                         "kind": kind})
+            reqs.append(
+                {
+                    "prompt": text[start : start + chars],
+                    "max_tokens": tokens,
+                    "at": at,
+                    "kind": kind,
+                }
+            )
             at += rng.expovariate(rate)
     return sorted(reqs, key=lambda r: r["at"])
 
@@ -115,65 +133,120 @@ def _ms(values: list[float]) -> dict | None:
 
 def summarize(results: list[dict], duration: float) -> dict:
     ok = [r for r in results if r["error"] is None]
-    out = {"requests": len(results), "completed": len(ok),
-           "errors": sorted({r["error"] for r in results if r["error"]})[:5],
-           "duration_s": duration, "request_throughput": len(ok) / duration,
-           "output_tokens_per_s": sum(r["tokens"] for r in ok) / duration,
-           "ttft_ms": _ms([r["ttft_s"] for r in ok]),
-           "tpot_ms": _ms([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
-           "e2e_ms": _ms([r["e2e_s"] for r in ok])}
+    out = {
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_tokens_per_s": sum(r["tokens"] for r in ok) / duration,
+        "ttft_ms": _ms([r["ttft_s"] for r in ok]),
+        "tpot_ms": _ms([r["tpot_s"] for r in ok if r["tpot_s"] is not None]),
+        "e2e_ms": _ms([r["e2e_s"] for r in ok]),
+    }
     for kind in ("short", "long"):
         mine = [r for r in ok if r["kind"] == kind]
-        out[kind] = {"completed": len(mine), "ttft_ms": _ms([r["ttft_s"] for r in mine]),
-                     "tpot_ms": _ms([r["tpot_s"] for r in mine if r["tpot_s"] is not None])}
+        out[kind] = {
+            "completed": len(mine),
+            "ttft_ms": _ms([r["ttft_s"] for r in mine]),
+            "tpot_ms": _ms([r["tpot_s"] for r in mine if r["tpot_s"] is not None]),
+        }
     return out
 
 
 def _row(kind: str, res: RequestResult) -> dict:
     """What summarize reads of one request (the serving benchmark's client measured it)."""
-    return {"kind": kind, "ttft_s": res.ttft_s if res.success else None,
-            "tpot_s": res.tpot_s if res.success else None, "e2e_s": res.latency_s,
-            "tokens": res.output_tokens, "error": res.error or None}
+    return {
+        "kind": kind,
+        "ttft_s": res.ttft_s if res.success else None,
+        "tpot_s": res.tpot_s if res.success else None,
+        "e2e_s": res.latency_s,
+        "tokens": res.output_tokens,
+        "error": res.error or None,
+    }
 
 
 async def run_load(url: str, model: str, requests: list[dict]) -> dict:
     """Each request streamed at its arrival time by `runtime bench`'s client (text prompts)."""
     reqs = [BenchRequest([], r["prompt"], r["max_tokens"]) for r in requests]
-    results, duration = await run_requests(url, model, reqs, [r["at"] for r in requests],
-                                           text_prompts=True)
+    results, duration = await run_requests(
+        url, model, reqs, [r["at"] for r in requests], text_prompts=True
+    )
     return summarize([_row(r["kind"], res) for r, res in zip(requests, results)], duration)
 
 
 def probe_capacity(args: argparse.Namespace, logs: Path) -> float:
     """Requests/s the colocated set completes with the skewed workload sent all at once."""
-    reqs = skewed_workload(args.probe_requests, args.skew_short_chars, args.long_factor,
-                           args.max_tokens, 1.0, args.seed + 1)
+    reqs = skewed_workload(
+        args.probe_requests,
+        args.skew_short_chars,
+        args.long_factor,
+        args.max_tokens,
+        1.0,
+        args.seed + 1,
+    )
     for r in reqs:
         r["at"] = 0.0
     r = run_config("probe", ["colocated"] * args.replicas, "round-robin", reqs, args, logs)
     return r["request_throughput"]
 
 
-def run_config(name: str, roles: list[str], policy: str, requests: list[dict],
-               args: argparse.Namespace, logs: Path) -> dict:
+def run_config(
+    name: str,
+    roles: list[str],
+    policy: str,
+    requests: list[dict],
+    args: argparse.Namespace,
+    logs: Path,
+) -> dict:
     key = new_internal_key()  # the deployment's: hand-overs and the prefix-cache reset need it
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_replica),
-           "MKL_NUM_THREADS": str(args.threads_per_replica), INTERNAL_KEY_ENV: key}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads_per_replica),
+        "MKL_NUM_THREADS": str(args.threads_per_replica),
+        INTERNAL_KEY_ENV: key,
+    }
     replicas = []
     for i, role in enumerate(roles):
         port = free_port()
-        cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", args.model, "--port",
-               str(port), "--device", "cpu", "--kv-cache-memory", args.kv_cache_memory,
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--role", role]
-        replicas.append(ServerSpec(cmd, f"http://127.0.0.1:{port}", env,
-                                   logs / f"{name}-replica{i}-{role}.log"))
+        cmd = [
+            sys.executable,
+            "-m",
+            "slimserve.runtime.cli",
+            "serve",
+            args.model,
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--kv-cache-memory",
+            args.kv_cache_memory,
+            "--max-num-batched-tokens",
+            str(args.max_num_batched_tokens),
+            "--role",
+            role,
+        ]
+        replicas.append(
+            ServerSpec(cmd, f"http://127.0.0.1:{port}", env, logs / f"{name}-replica{i}-{role}.log")
+        )
     port = free_port()
-    router_cmd = [sys.executable, "-m", "slimserve.runtime.cli", "router", "--policy", policy,
-                  "--port", str(port), *[a for r in replicas for a in ("--replica", r.url)]]
-    router = ServerSpec(router_cmd, f"http://127.0.0.1:{port}", {**os.environ,
-                                                                 "OMP_NUM_THREADS": "1",
-                                                                 INTERNAL_KEY_ENV: key},
-                        logs / f"{name}-router.log")
+    router_cmd = [
+        sys.executable,
+        "-m",
+        "slimserve.runtime.cli",
+        "router",
+        "--policy",
+        policy,
+        "--port",
+        str(port),
+        *[a for r in replicas for a in ("--replica", r.url)],
+    ]
+    router = ServerSpec(
+        router_cmd,
+        f"http://127.0.0.1:{port}",
+        {**os.environ, "OMP_NUM_THREADS": "1", INTERNAL_KEY_ENV: key},
+        logs / f"{name}-router.log",
+    )
     with launched_servers(replicas, 600), launched_servers([router], 300):
         model = httpx.get(router.url + "/v1/models", trust_env=False).json()["data"][0]["id"]
         deadline = time.monotonic() + 30  # the router knows every replica's role
@@ -182,15 +255,24 @@ def run_config(name: str, roles: list[str], policy: str, requests: list[dict],
             if sorted(r["role"] for r in listed if r["up"]) == sorted(roles):
                 break
             time.sleep(0.2)
-        for r in requests[:2 * len(roles)]:  # warm-up, untimed
-            httpx.post(router.url + "/v1/completions", json={"model": model, "prompt": r["prompt"],
-                       "max_tokens": 4}, timeout=300, trust_env=False)
-        reset = httpx.post(router.url + "/reset_prefix_cache", headers=internal_headers(key),
-                           timeout=60, trust_env=False)
+        for r in requests[: 2 * len(roles)]:  # warm-up, untimed
+            httpx.post(
+                router.url + "/v1/completions",
+                json={"model": model, "prompt": r["prompt"], "max_tokens": 4},
+                timeout=300,
+                trust_env=False,
+            )
+        reset = httpx.post(
+            router.url + "/reset_prefix_cache",
+            headers=internal_headers(key),
+            timeout=60,
+            trust_env=False,
+        )
         result = asyncio.run(run_load(router.url, model, requests))
         state = httpx.get(router.url + "/router/replicas", trust_env=False).json()
-        result["served_per_replica"] = {f"{r['role']}@{r['url'].rsplit(':', 1)[1]}": r["dispatched"]
-                                        for r in state["replicas"]}
+        result["served_per_replica"] = {
+            f"{r['role']}@{r['url'].rsplit(':', 1)[1]}": r["dispatched"] for r in state["replicas"]
+        }
         result["prefix_cache_reset"] = reset.status_code == 200
     result["config"], result["policy"], result["roles"] = name, policy, roles
     return result
@@ -200,14 +282,24 @@ def _line(r: dict) -> str:
     def p(d, key):
         return f"{d[key]:8.1f}" if d else "     n/a"
 
-    return (f"{r['config']:>14}: TTFT p50 {p(r['ttft_ms'], 'median')} p99 {p(r['ttft_ms'], 'p99')} ms"
-            f" | TPOT p50 {p(r['tpot_ms'], 'median')} p99 {p(r['tpot_ms'], 'p99')} ms"
-            f" | {r['request_throughput']:5.2f} req/s {r['output_tokens_per_s']:7.1f} tok/s"
-            f" | done {r['completed']}/{r['requests']} | per replica {r['served_per_replica']}")
+    return (
+        f"{r['config']:>14}: TTFT p50 {p(r['ttft_ms'], 'median')} p99 {p(r['ttft_ms'], 'p99')} ms"
+        f" | TPOT p50 {p(r['tpot_ms'], 'median')} p99 {p(r['tpot_ms'], 'p99')} ms"
+        f" | {r['request_throughput']:5.2f} req/s {r['output_tokens_per_s']:7.1f} tok/s"
+        f" | done {r['completed']}/{r['requests']} | per replica {r['served_per_replica']}"
+    )
 
 
-def _compare(label: str, name_a: str, runs_a: list[dict], name_b: str, runs_b: list[dict],
-             value, lower_wins: bool, fmt: str) -> str:
+def _compare(
+    label: str,
+    name_a: str,
+    runs_a: list[dict],
+    name_b: str,
+    runs_b: list[dict],
+    value,
+    lower_wins: bool,
+    fmt: str,
+) -> str:
     """`label` of a against b over paired runs: the values, their medians, who wins each."""
     pairs = [(value(a), value(b)) for a, b in zip(runs_a, runs_b)]
     a_wins = sum((x < y) if lower_wins else (x > y) for x, y in pairs)
@@ -225,17 +317,48 @@ def verdicts(results: dict[str, list[dict]]) -> list[str]:
     lines = []
     ll, rr = results.get("least-latency"), results.get("round-robin")
     if ll and rr and all(r["ttft_ms"] for r in ll + rr):
-        lines.append("skewed: " + _compare("P99 TTFT", "least-latency", ll, "round-robin", rr,
-                                           lambda r: r["ttft_ms"]["p99"], True, ".0f")
-                     + "; " + _compare("throughput", "least-latency", ll, "round-robin", rr,
-                                       lambda r: r["output_tokens_per_s"], False, ".1f"))
+        lines.append(
+            "skewed: "
+            + _compare(
+                "P99 TTFT",
+                "least-latency",
+                ll,
+                "round-robin",
+                rr,
+                lambda r: r["ttft_ms"]["p99"],
+                True,
+                ".0f",
+            )
+            + "; "
+            + _compare(
+                "throughput",
+                "least-latency",
+                ll,
+                "round-robin",
+                rr,
+                lambda r: r["output_tokens_per_s"],
+                False,
+                ".1f",
+            )
+        )
     co, dis = results.get("colocated"), results.get("disaggregated")
     if co and dis and all(r["tpot_ms"] for r in co + dis):
         short = [(r["short"]["tpot_ms"] or {}).get("p99", float("nan")) for r in dis + co]
-        lines.append("interference: " + _compare(
-            "P99 TPOT", "disaggregated", dis, "colocated", co, lambda r: r["tpot_ms"]["p99"], True,
-            ".1f") + f" (short requests' P99 TPOT: {statistics.median(short[:len(dis)]):.1f} vs "
-            f"{statistics.median(short[len(dis):]):.1f} ms)")
+        lines.append(
+            "interference: "
+            + _compare(
+                "P99 TPOT",
+                "disaggregated",
+                dis,
+                "colocated",
+                co,
+                lambda r: r["tpot_ms"]["p99"],
+                True,
+                ".1f",
+            )
+            + f" (short requests' P99 TPOT: {statistics.median(short[: len(dis)]):.1f} vs "
+            f"{statistics.median(short[len(dis) :]):.1f} ms)"
+        )
     return lines
 
 
@@ -249,20 +372,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-memory", default="128MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out", default=None)
-    ap.add_argument("--repeat", type=int, default=1, help="runs of every configuration, "
-                    "alternating them; verdicts compare medians")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of every configuration, alternating them; verdicts compare medians",
+    )
     g = ap.add_argument_group("skewed")
     g.add_argument("--policies", default="least-latency,round-robin")
     g.add_argument("--num-requests", type=int, default=400)
-    g.add_argument("--rate", default="auto", help="requests/s (Poisson), or auto: --load x the "
-                   "capacity measured first")
-    g.add_argument("--load", type=float, default=1.25, help="with --rate auto: the multiple of "
-                   "the measured capacity to send (above 1 the replicas stay busy to the end, so "
-                   "throughput is what they complete, not what arrives)")
+    g.add_argument(
+        "--rate",
+        default="auto",
+        help="requests/s (Poisson), or auto: --load x the capacity measured first",
+    )
+    g.add_argument(
+        "--load",
+        type=float,
+        default=1.25,
+        help="with --rate auto: the multiple of "
+        "the measured capacity to send (above 1 the replicas stay busy to the end, so "
+        "throughput is what they complete, not what arrives)",
+    )
     g.add_argument("--probe-requests", type=int, default=48)
-    g.add_argument("--skew-short-chars", type=int, default=220, help="characters of a short "
-                   "prompt (x the long factor, plus the system prompt, stays inside the demo "
-                   "model's 1,024-token context)")
+    g.add_argument(
+        "--skew-short-chars",
+        type=int,
+        default=220,
+        help="characters of a short "
+        "prompt (x the long factor, plus the system prompt, stays inside the demo "
+        "model's 1,024-token context)",
+    )
     g.add_argument("--long-factor", type=int, default=8)
     g.add_argument("--max-tokens", type=int, default=32)
     g = ap.add_argument_group("interference")
@@ -273,7 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--short-tokens", type=int, default=32)
     g.add_argument("--num-long", type=int, default=40)
     g.add_argument("--long-rate", type=float, default=1.0)
-    g.add_argument("--long-chars", type=int, default=2800, help="characters of a long prompt (code tokenizes to up to ~2.7 characters a token: inside the demo model's 1,024-token context)")
+    g.add_argument(
+        "--long-chars",
+        type=int,
+        default=2800,
+        help="characters of a long prompt (code tokenizes to up to ~2.7 characters a token: inside the demo model's 1,024-token context)",
+    )
     g.add_argument("--long-tokens", type=int, default=4)
     args = ap.parse_args(argv)
     runs: dict[str, list[dict]] = {}
@@ -283,15 +428,24 @@ def main(argv: list[str] | None = None) -> int:
             if args.rate == "auto":
                 capacity = probe_capacity(args, Path(tmp))
                 args.rate = round(args.load * capacity, 2)
-                print(f"capacity {capacity:.2f} req/s all at once; measuring at {args.rate} req/s",
-                      flush=True)
+                print(
+                    f"capacity {capacity:.2f} req/s all at once; measuring at {args.rate} req/s",
+                    flush=True,
+                )
             args.rate = float(args.rate)
-            reqs = skewed_workload(args.num_requests, args.skew_short_chars, args.long_factor,
-                                   args.max_tokens, args.rate, args.seed)
+            reqs = skewed_workload(
+                args.num_requests,
+                args.skew_short_chars,
+                args.long_factor,
+                args.max_tokens,
+                args.rate,
+                args.seed,
+            )
             for _ in range(args.repeat):
                 for policy in args.policies.split(","):
-                    r = run_config(policy, ["colocated"] * args.replicas, policy, reqs, args,
-                                   Path(tmp))
+                    r = run_config(
+                        policy, ["colocated"] * args.replicas, policy, reqs, args, Path(tmp)
+                    )
                     r["workload"], r["load_avg_1m"] = "skewed", os.getloadavg()[0]
                     runs.setdefault(policy, []).append(r)
                     print(_line(r), flush=True)
@@ -310,8 +464,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"load average (1 min) before / after: {load[0]:.1f} / {load[1]:.1f}")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"config": vars(args), "load_avg_1m": load,
-                                                   "verdicts": lines, "results": runs}, indent=2))
+        Path(args.json_out).write_text(
+            json.dumps(
+                {"config": vars(args), "load_avg_1m": load, "verdicts": lines, "results": runs},
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -34,6 +34,7 @@ DEFAULT_VOCABS = (49152, 128256)  # SmolLM/StarCoder2-sized and Llama-3-sized vo
 
 # -- baseline: the per-row sampler as runtime/engine/sampler.py had it before issue 12 -----------------
 
+
 def _baseline_truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """[V] logits with everything outside top-k and the top-p nucleus set to -inf."""
     if top_k > 0 and top_k < logits.shape[-1]:
@@ -48,8 +49,9 @@ def _baseline_truncate(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
-def baseline_sample(logits: torch.Tensor, params: list[SamplingParams],
-                    generators: list[torch.Generator | None]) -> SampleResult:
+def baseline_sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> SampleResult:
     """BASELINE (per-row, pre-issue-12): kept here only to be timed against `sample`."""
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     tokens = torch.empty(logits.shape[0], dtype=torch.long)
@@ -68,15 +70,21 @@ def baseline_sample(logits: torch.Tensor, params: list[SamplingParams],
         for j, i in enumerate(want):
             n = params[i].logprobs
             top = torch.topk(lp[j], n) if n else None
-            tops = {int(t): float(v) for t, v in zip(top.indices, top.values)} if top is not None else {}
+            tops = (
+                {int(t): float(v) for t, v in zip(top.indices, top.values)}
+                if top is not None
+                else {}
+            )
             logprobs[i] = (float(lp[j, tokens[i]]), tops)
     return SampleResult(tokens.tolist(), logprobs, [True] * len(params))  # (no finite check then)
 
 
 # -- the measurement ----------------------------------------------------------------------------
 
-def workload(rows: int, vocab: int, device: torch.device, top_p: float = 0.9, top_k: int = 50,
-             seed: int = 0):
+
+def workload(
+    rows: int, vocab: int, device: torch.device, top_p: float = 0.9, top_k: int = 50, seed: int = 0
+):
     """Logits (randn x 3: a few dozen tokens hold most of the mass, as for a language model),
     params alternating greedy / temperature 0.8 with top_p and top_k, one seeded generator per row."""
     g = torch.Generator().manual_seed(seed)
@@ -111,14 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="timed steps per cell (median)")
     ap.add_argument("--json-out", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
-    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    name = (
+        args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
     device = torch.device(name)
 
     hw = hardware_info()
     print(hardware_line(hw))
-    print(f"device: {device}; torch threads: {torch.get_num_threads()}; median of {args.runs} steps "
-          "after 1 warm-up; half the rows greedy, half temperature 0.8 "
-          f"top-p {args.top_p} top-k {args.top_k}")
+    print(
+        f"device: {device}; torch threads: {torch.get_num_threads()}; median of {args.runs} steps "
+        "after 1 warm-up; half the rows greedy, half temperature 0.8 "
+        f"top-p {args.top_p} top-k {args.top_k}"
+    )
     print()
     print("| rows | vocab | per-row baseline ms | batched ms | speed-up |")
     print("|---:|---:|---:|---:|---:|")
@@ -132,8 +144,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {rows} | {vocab} | {old:.2f} | {new:.2f} | {old / new:.1f}x |", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"hardware": hw, "device": str(device), "runs": args.runs, "top_p": args.top_p,
-                   "top_k": args.top_k, "rows": results}, f, indent=1)
+            json.dump(
+                {
+                    "hardware": hw,
+                    "device": str(device),
+                    "runs": args.runs,
+                    "top_p": args.top_p,
+                    "top_k": args.top_k,
+                    "rows": results,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -36,9 +36,9 @@ from pathlib import Path
 
 import uvicorn
 
-from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.server.app import build_app
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,21 +47,40 @@ DEMO_MODEL = REPO / "recipes" / "demo-model"
 
 # -- 1. stalled stream -------------------------------------------------------------------------
 
-async def _stalled_stream(engine: AsyncEngine, n: int, max_tokens: int, logprobs: int | None,
-                          settle_s: float = 1.0) -> dict:
+
+async def _stalled_stream(
+    engine: AsyncEngine, n: int, max_tokens: int, logprobs: int | None, settle_s: float = 1.0
+) -> dict:
     app = build_app(engine)
     await engine.start()
-    body = {"prompt": "def main():", "max_tokens": max_tokens, "n": n, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "prompt": "def main():",
+        "max_tokens": max_tokens,
+        "n": n,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     if logprobs is not None:
         body["logprobs"] = logprobs
     raw = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 8000),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(raw)).encode())]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode()),
+        ],
+    }
     never = asyncio.Event()  # the client neither disconnects nor reads
     sent_body = asyncio.Event()
     received = []
@@ -100,11 +119,16 @@ async def _stalled_stream(engine: AsyncEngine, n: int, max_tokens: int, logprobs
     except BaseException:
         pass
     await engine.shutdown()
-    return {"held_bytes": held - base, "peak_bytes": peak - base, "generation_s": gen_s,
-            "stream_still_open": alive}
+    return {
+        "held_bytes": held - base,
+        "peak_bytes": peak - base,
+        "generation_s": gen_s,
+        "stream_still_open": alive,
+    }
 
 
 # -- 2. /health latency while a stop list is served ----------------------------------------------
+
 
 def _serve(app) -> tuple[uvicorn.Server, threading.Thread, int]:
     sock = socket.socket()
@@ -143,16 +167,25 @@ def _stream(port: int, body: dict) -> tuple[int, int, str]:
     return resp.status, data.count("data: "), ""
 
 
-def _health_under_stops(engine: AsyncEngine, stop_count: int, stop_chars: int,
-                        max_tokens: int) -> dict:
+def _health_under_stops(
+    engine: AsyncEngine, stop_count: int, stop_chars: int, max_tokens: int
+) -> dict:
     rng = random.Random(0)
     # \x01 never comes out of the demo model's tokenizer, so no stop string matches
-    stops = ["\x01" + "".join(rng.choices(string.ascii_letters, k=stop_chars - 1))
-             for _ in range(stop_count)]
+    stops = [
+        "\x01" + "".join(rng.choices(string.ascii_letters, k=stop_chars - 1))
+        for _ in range(stop_count)
+    ]
     server, thread, port = _serve(build_app(engine))
     try:
-        body = {"prompt": "def main():", "max_tokens": max_tokens, "stream": True,
-                "temperature": 0, "ignore_eos": True, "stop": stops}
+        body = {
+            "prompt": "def main():",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop": stops,
+        }
         lat: list[float] = []
         halt = threading.Event()
         poller = threading.Thread(target=_health_poller, args=(port, halt, lat), daemon=True)
@@ -166,9 +199,16 @@ def _health_under_stops(engine: AsyncEngine, stop_count: int, stop_chars: int,
     finally:
         server.should_exit = True
         thread.join(60)
-    return {"stops": f"{stop_count} x {stop_chars}" if stop_count else "none", "status": status,
-            "events": events, "error": err, "request_s": wall, "health_polls": len(lat),
-            "health_max_ms": 1e3 * max(lat), "health_p50_ms": 1e3 * statistics.median(lat)}
+    return {
+        "stops": f"{stop_count} x {stop_chars}" if stop_count else "none",
+        "status": status,
+        "events": events,
+        "error": err,
+        "request_s": wall,
+        "health_polls": len(lat),
+        "health_max_ms": 1e3 * max(lat),
+        "health_p50_ms": 1e3 * statistics.median(lat),
+    }
 
 
 def main() -> None:
@@ -180,7 +220,12 @@ def main() -> None:
     args = ap.parse_args()
 
     config = EngineConfig(model=args.model, device="cpu", dtype="float32", max_num_seqs=16)
-    results: dict = {"hardware": hardware_line(hardware_info()), "model": args.model, "stalled": [], "health": []}
+    results: dict = {
+        "hardware": hardware_line(hardware_info()),
+        "model": args.model,
+        "stalled": [],
+        "health": [],
+    }
     print(results["hardware"])
     for logprobs in (None, 5):
         for _ in range(args.runs):
@@ -188,19 +233,24 @@ def main() -> None:
             r = asyncio.run(_stalled_stream(engine, 8, 700, logprobs))
             r["logprobs"] = logprobs
             results["stalled"].append(r)
-            print(f"stalled n=8 max_tokens=700 logprobs={logprobs}: held "
-                  f"{r['held_bytes'] / 2**20:.2f} MiB, peak {r['peak_bytes'] / 2**20:.2f} MiB, "
-                  f"generation {r['generation_s']:.1f} s, stream open {r['stream_still_open']}",
-                  flush=True)
+            print(
+                f"stalled n=8 max_tokens=700 logprobs={logprobs}: held "
+                f"{r['held_bytes'] / 2**20:.2f} MiB, peak {r['peak_bytes'] / 2**20:.2f} MiB, "
+                f"generation {r['generation_s']:.1f} s, stream open {r['stream_still_open']}",
+                flush=True,
+            )
     for chars in [0, *args.stop_chars]:
         for _ in range(args.runs):
             engine = AsyncEngine.from_config(config)
             r = _health_under_stops(engine, 64 if chars else 0, chars, 400)
             results["health"].append(r)
-            print(f"/health with stops {r['stops']}: status {r['status']} "
-                  f"{r['error'][:80]} request {r['request_s']:.1f} s, /health max "
-                  f"{r['health_max_ms']:.1f} ms, p50 {r['health_p50_ms']:.1f} ms over "
-                  f"{r['health_polls']} polls", flush=True)
+            print(
+                f"/health with stops {r['stops']}: status {r['status']} "
+                f"{r['error'][:80]} request {r['request_s']:.1f} s, /health max "
+                f"{r['health_max_ms']:.1f} ms, p50 {r['health_p50_ms']:.1f} ms over "
+                f"{r['health_polls']} polls",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -24,22 +24,32 @@ import time
 
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.corpus import read_texts
-from slimserve.runtime.llm import LLM
 from slimserve.runtime.engine.sequence import SamplingParams
+from slimserve.runtime.llm import LLM
 
 
-def run_one(model: str, tp: int, prompts: list[str], max_tokens: int, device: str, dtype: str,
-            pp: int = 1) -> dict:
+def run_one(
+    model: str, tp: int, prompts: list[str], max_tokens: int, device: str, dtype: str, pp: int = 1
+) -> dict:
     t0 = time.perf_counter()
-    llm = LLM(model, device=device, dtype=dtype, kv_cache_memory=64 * 2**20, tensor_parallel_size=tp,
-              pipeline_parallel_size=pp)
+    llm = LLM(
+        model,
+        device=device,
+        dtype=dtype,
+        kv_cache_memory=64 * 2**20,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+    )
     load_s = time.perf_counter() - t0
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
         before = llm.engine.runner.comm_stats()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                    ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            prompts,
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            use_tqdm=False,
+        )
         seconds = time.perf_counter() - t0
         after = llm.engine.runner.comm_stats()
     finally:
@@ -47,17 +57,28 @@ def run_one(model: str, tp: int, prompts: list[str], max_tokens: int, device: st
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     steps = after["steps"] - before["steps"]
     comm = after["comm_s"] - before["comm_s"]
-    return {"tp": tp, "pp": pp, "load_s": load_s, "seconds": seconds, "output_tokens": tokens,
-            "tokens_per_s": tokens / seconds, "steps": steps,
-            "comm_ms_per_step": 1e3 * comm / steps if steps else 0.0,
-            "comm_calls_per_step": (after["comm_calls"] - before["comm_calls"]) / steps if steps else 0.0}
+    return {
+        "tp": tp,
+        "pp": pp,
+        "load_s": load_s,
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "steps": steps,
+        "comm_ms_per_step": 1e3 * comm / steps if steps else 0.0,
+        "comm_calls_per_step": (after["comm_calls"] - before["comm_calls"]) / steps
+        if steps
+        else 0.0,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="recipes/demo-model")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--pp", type=int, nargs="*", default=[], help="pipeline stages to run too (tp 1)")
+    ap.add_argument(
+        "--pp", type=int, nargs="*", default=[], help="pipeline stages to run too (tp 1)"
+    )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
@@ -71,9 +92,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for tp, pp in [(tp, 1) for tp in a.tp] + [(1, pp) for pp in a.pp]:
         r = run_one(a.model, tp, prompts, a.max_tokens, a.device, a.dtype, pp)
         rows.append(r)
-        print(f"tp={tp} pp={pp}: {r['tokens_per_s']:.1f} output tok/s ({r['output_tokens']} tokens, "
-              f"{r['steps']} steps, {r['seconds']:.2f} s), collectives {r['comm_ms_per_step']:.2f} ms/step "
-              f"({r['comm_calls_per_step']:.0f} per step), load {r['load_s']:.1f} s")
+        print(
+            f"tp={tp} pp={pp}: {r['tokens_per_s']:.1f} output tok/s ({r['output_tokens']} tokens, "
+            f"{r['steps']} steps, {r['seconds']:.2f} s), collectives {r['comm_ms_per_step']:.2f} ms/step "
+            f"({r['comm_calls_per_step']:.0f} per step), load {r['load_s']:.1f} s"
+        )
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({"hardware": hardware_info(), "runs": rows}, f, indent=2)

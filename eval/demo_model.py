@@ -104,7 +104,9 @@ def quick_val_ppl(model, val_ids: torch.Tensor, seq_len: int, max_windows: int) 
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = model(batch).logits
         loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1), reduction="sum"
+            logits[:, :-1].float().reshape(-1, logits.size(-1)),
+            batch[:, 1:].reshape(-1),
+            reduction="sum",
         )
         total += loss.item()
         count += batch[:, 1:].numel()
@@ -124,7 +126,9 @@ def train(args: argparse.Namespace) -> None:
     hf_tok = wrap_tokenizer(train_tokenizer(train_texts, args.vocab_size))
     train_ids, val_ids = encode_split(hf_tok, train_texts), encode_split(hf_tok, val_texts)
     log = open(out / "train_log.jsonl", "a")
-    print(f"tokenizer trained in {time.time() - t0:.0f}s; train {train_ids.numel()} tok, val {val_ids.numel()} tok")
+    print(
+        f"tokenizer trained in {time.time() - t0:.0f}s; train {train_ids.numel()} tok, val {val_ids.numel()} tok"
+    )
 
     eos_id = hf_tok.convert_tokens_to_ids(EOS)
     model = LlamaForCausalLM(model_config(len(hf_tok), eos_id))
@@ -133,7 +137,9 @@ def train(args: argparse.Namespace) -> None:
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     step_fn = torch.compile(model) if args.compile else model
     gen = torch.Generator().manual_seed(args.seed)
@@ -141,7 +147,9 @@ def train(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        starts = torch.randint(0, train_ids.numel() - args.seq_len - 1, (args.batch,), generator=gen)
+        starts = torch.randint(
+            0, train_ids.numel() - args.seq_len - 1, (args.batch,), generator=gen
+        )
         batch = torch.stack([train_ids[s : s + args.seq_len] for s in starts.tolist()])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = step_fn(batch).logits
@@ -155,15 +163,31 @@ def train(args: argparse.Namespace) -> None:
         tokens_seen += batch.numel()
         if step % args.eval_every == 0 or step == args.steps - 1:
             ppl = quick_val_ppl(model, val_ids, args.seq_len, args.eval_windows)
-            rec = {"step": step, "loss": round(loss.item(), 4), "val_ppl": round(ppl, 3),
-                   "tokens": tokens_seen, "minutes": round((time.time() - t_train) / 60, 2)}
+            rec = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "val_ppl": round(ppl, 3),
+                "tokens": tokens_seen,
+                "minutes": round((time.time() - t_train) / 60, 2),
+            }
             print(json.dumps(rec), flush=True)
             log.write(json.dumps(rec) + "\n")
             log.flush()
-    save(model, hf_tok, out, {"steps": args.steps, "tokens_seen": tokens_seen,
-                              "train_minutes": round((time.time() - t_train) / 60, 1),
-                              "seq_len": args.seq_len, "batch": args.batch, "lr": args.lr,
-                              "seed": args.seed, "torch": torch.__version__})
+    save(
+        model,
+        hf_tok,
+        out,
+        {
+            "steps": args.steps,
+            "tokens_seen": tokens_seen,
+            "train_minutes": round((time.time() - t_train) / 60, 1),
+            "seq_len": args.seq_len,
+            "batch": args.batch,
+            "lr": args.lr,
+            "seed": args.seed,
+            "torch": torch.__version__,
+        },
+    )
 
 
 def save(model, hf_tok, out: Path, meta: dict) -> None:
@@ -175,7 +199,9 @@ def save(model, hf_tok, out: Path, meta: dict) -> None:
     (out / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def acceptance(model_dir: Path, seq_len: int = 512, prompt: str = "def read_config(path):\n") -> dict:
+def acceptance(
+    model_dir: Path, seq_len: int = 512, prompt: str = "def read_config(path):\n"
+) -> dict:
     """The demo model's acceptance numbers on the whole stdlib validation split.
 
     Accept only if RTN W3 g128 drift >= 2x RTN W4 g128 drift: a model whose quantization drifts
@@ -194,22 +220,30 @@ def acceptance(model_dir: Path, seq_len: int = 512, prompt: str = "def read_conf
     for scheme in ("W4A16", "W3A16"):
         model = load_model(model_dir, dtype=torch.float32).model
         stage = RtnStage(RtnOptions(scheme=scheme, group_size=128))
-        stage.apply(CompressionState(model=model, tokenizer=loaded.tokenizer, storage_dtype=torch.bfloat16))
+        stage.apply(
+            CompressionState(model=model, tokenizer=loaded.tokenizer, storage_dtype=torch.bfloat16)
+        )
         ppl = evaluate_perplexity(model, ids, seq_len, progress=False).ppl
         facts[f"rtn_{scheme}_g128_ppl"] = ppl
         facts[f"rtn_{scheme}_g128_drift"] = ppl / base.ppl - 1
     facts["drift_ratio_w3_over_w4"] = facts["rtn_W3A16_g128_drift"] / facts["rtn_W4A16_g128_drift"]
     facts["accepted"] = facts["drift_ratio_w3_over_w4"] >= 2.0
     enc = loaded.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-    out = loaded.model.generate(enc, max_new_tokens=48, do_sample=False, pad_token_id=loaded.tokenizer.eos_token_id)
+    out = loaded.model.generate(
+        enc, max_new_tokens=48, do_sample=False, pad_token_id=loaded.tokenizer.eos_token_id
+    )
     facts["greedy_prompt"] = prompt
-    facts["greedy_continuation"] = loaded.tokenizer.decode(out[0, enc.shape[1]:])
+    facts["greedy_continuation"] = loaded.tokenizer.decode(out[0, enc.shape[1] :])
     return facts
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="print the acceptance numbers of --out instead of training")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="print the acceptance numbers of --out instead of training",
+    )
     p.add_argument("--out", default="recipes/demo-model")
     p.add_argument("--steps", type=int, default=2400)
     p.add_argument("--batch", type=int, default=8)

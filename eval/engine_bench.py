@@ -22,36 +22,76 @@ from torch import nn
 
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.engine.llm_engine import LLMEngine
-from slimserve.runtime.worker.model_runner import ModelRunner
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.models.fuse import fuse_projections
 from slimserve.runtime.models.llama import CausalLM, ModelSpec
 from slimserve.runtime.models.load import BuiltModel, random_model
-from slimserve.runtime.engine.sequence import SamplingParams
+from slimserve.runtime.worker.model_runner import ModelRunner
 
 SHAPES = {
     "llama-7b": ModelSpec(
-        model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-        num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128, rms_norm_eps=1e-5,
-        max_position_embeddings=4096, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-        tie_word_embeddings=False, sliding_window=None,
-        inv_freq=tuple((1.0 / (10000.0 ** (torch.arange(0, 128, 2).float() / 128))).tolist())),
-    "llama3-8b": ModelSpec(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-        max_position_embeddings=8192, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False,
-        tie_word_embeddings=False, sliding_window=None,
-        inv_freq=tuple((1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))).tolist())),
-    "demo": ModelSpec(
-        model_type="llama", vocab_size=4096, hidden_size=384, intermediate_size=1024, num_layers=4,
-        num_heads=6, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=1024,
-        qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=False,
+        model_type="llama",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=False,
         sliding_window=None,
-        inv_freq=tuple((1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))).tolist())),
+        inv_freq=tuple((1.0 / (10000.0 ** (torch.arange(0, 128, 2).float() / 128))).tolist()),
+    ),
+    "llama3-8b": ModelSpec(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        inv_freq=tuple((1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))).tolist()),
+    ),
+    "demo": ModelSpec(
+        model_type="llama",
+        vocab_size=4096,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_layers=4,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1024,
+        qkv_bias=False,
+        o_bias=False,
+        mlp_bias=False,
+        qk_norm=False,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        inv_freq=tuple((1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))).tolist()),
+    ),
 }
 
 
-def quantize_randomly(model: CausalLM, group_size: int = 128, seed: int = 0,
-                      scheme_name: str = "W4A16") -> int:
+def quantize_randomly(
+    model: CausalLM, group_size: int = 128, seed: int = 0, scheme_name: str = "W4A16"
+) -> int:
     """Swap every decoder Linear for a QuantLinear (W4A16 packed int4, group `group_size`; or
     W8A8 int8 per channel) with random codes and plausible scales. Returns the count."""
     from slimserve.runtime.artifact.scheme import preset
@@ -67,13 +107,23 @@ def quantize_randomly(model: CausalLM, group_size: int = 128, seed: int = 0,
     for name, lin in list(model.named_modules()):
         if not isinstance(lin, nn.Linear) or name == "lm_head":
             continue
-        q = QuantLinear(lin.in_features, lin.out_features, lin.bias is not None, scheme, fmt,
-                        dtype=lin.weight.dtype, device=lin.weight.device)
+        q = QuantLinear(
+            lin.in_features,
+            lin.out_features,
+            lin.bias is not None,
+            scheme,
+            fmt,
+            dtype=lin.weight.dtype,
+            device=lin.weight.device,
+        )
         if w8a8:
             q.weight.copy_(torch.randint(-127, 128, q.weight.shape, generator=g, dtype=torch.int8))
         else:
-            q.weight_packed.copy_(torch.randint(-2**31, 2**31 - 1, q.weight_packed.shape,
-                                                generator=g, dtype=torch.int32))
+            q.weight_packed.copy_(
+                torch.randint(
+                    -(2**31), 2**31 - 1, q.weight_packed.shape, generator=g, dtype=torch.int32
+                )
+            )
         # |w| ~ 0.02 like the dense init: int4 codes span +-8 (scale ~ 0.02 / 4), int8 +-127
         span = 128 if w8a8 else 4
         q.weight_scale.copy_((torch.rand(q.weight_scale.shape, generator=g) + 0.5) * 0.02 / span)
@@ -91,8 +141,15 @@ def _model_folder() -> str:
     return folder
 
 
-def build_engine(spec: ModelSpec, *, quant: bool | str, kv_cache_dtype: str, device: str,
-                 dtype: torch.dtype, **engine_args) -> LLMEngine:
+def build_engine(
+    spec: ModelSpec,
+    *,
+    quant: bool | str,
+    kv_cache_dtype: str,
+    device: str,
+    dtype: torch.dtype,
+    **engine_args,
+) -> LLMEngine:
     """quant: False (dense), True / "W4A16" (int4 group 128) or "W8A8" (int8 per channel)."""
     folder = _model_folder()
     model = random_model(spec, dtype, torch.device(device))
@@ -106,8 +163,9 @@ def build_engine(spec: ModelSpec, *, quant: bool | str, kv_cache_dtype: str, dev
     return LLMEngine(config, ModelRunner(config, built))
 
 
-def run_offline(engine: LLMEngine, num_prompts: int, input_len: int, output_len: int,
-                seed: int = 0) -> dict:
+def run_offline(
+    engine: LLMEngine, num_prompts: int, input_len: int, output_len: int, seed: int = 0
+) -> dict:
     """Submit all prompts at once (request rate inf) and run to completion."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.runner.spec.vocab_size
@@ -128,11 +186,19 @@ def run_offline(engine: LLMEngine, num_prompts: int, input_len: int, output_len:
         steps += 1
     sync()
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": out_tokens, "steps": steps,
-            "output_tok_per_s": out_tokens / wall, "first_token_s": first,
-            "capacity_tokens": engine.runner.capacity_tokens,
-            "weights_gb": sum(t.numel() * t.element_size() for t in
-                              [*engine.runner.model.parameters(), *engine.runner.model.buffers()]) / 1e9}
+    return {
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "steps": steps,
+        "output_tok_per_s": out_tokens / wall,
+        "first_token_s": first,
+        "capacity_tokens": engine.runner.capacity_tokens,
+        "weights_gb": sum(
+            t.numel() * t.element_size()
+            for t in [*engine.runner.model.parameters(), *engine.runner.model.buffers()]
+        )
+        / 1e9,
+    }
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -144,29 +210,46 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--kv-cache-memory", default=None, help="e.g. 40GiB (default: a fraction of free memory)")
+    ap.add_argument(
+        "--kv-cache-memory", default=None, help="e.g. 40GiB (default: a fraction of free memory)"
+    )
     args = ap.parse_args(argv)
     spec = SHAPES[args.shape]
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
     rows = []
     for label, quant, kv in (("dense fp16", False, "auto"), ("W4A16 + FP8 KV", True, "fp8_e4m3")):
-        engine = build_engine(spec, quant=quant, kv_cache_dtype=kv, device=args.device, dtype=dtype,
-                              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-                              max_num_batched_tokens=args.max_num_batched_tokens)
+        engine = build_engine(
+            spec,
+            quant=quant,
+            kv_cache_dtype=kv,
+            device=args.device,
+            dtype=dtype,
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
         res = run_offline(engine, args.num_prompts, args.input_len, args.output_len)
         rows.append({"config": label, **res})
         del engine
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     hw = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
-    print(f"\nEngine offline throughput | {hw} | random {args.shape} | {args.num_prompts} prompts x "
-          f"{args.input_len} in / {args.output_len} out, rate inf, max_num_seqs {args.max_num_seqs}")
-    print(f"{'config':<18}{'out tok/s':>12}{'wall s':>9}{'steps':>7}{'TTFT1 s':>9}{'KV tokens':>11}{'weights GB':>12}")
+    print(
+        f"\nEngine offline throughput | {hw} | random {args.shape} | {args.num_prompts} prompts x "
+        f"{args.input_len} in / {args.output_len} out, rate inf, max_num_seqs {args.max_num_seqs}"
+    )
+    print(
+        f"{'config':<18}{'out tok/s':>12}{'wall s':>9}{'steps':>7}{'TTFT1 s':>9}{'KV tokens':>11}{'weights GB':>12}"
+    )
     for r in rows:
-        print(f"{r['config']:<18}{r['output_tok_per_s']:>12.1f}{r['wall_s']:>9.2f}{r['steps']:>7}"
-              f"{r['first_token_s']:>9.3f}{r['capacity_tokens']:>11}{r['weights_gb']:>12.2f}")
+        print(
+            f"{r['config']:<18}{r['output_tok_per_s']:>12.1f}{r['wall_s']:>9.2f}{r['steps']:>7}"
+            f"{r['first_token_s']:>9.3f}{r['capacity_tokens']:>11}{r['weights_gb']:>12.2f}"
+        )
     if len(rows) == 2:
-        print(f"speed-up W4A16+FP8KV / dense: {rows[1]['output_tok_per_s'] / rows[0]['output_tok_per_s']:.2f}x")
+        print(
+            f"speed-up W4A16+FP8KV / dense: {rows[1]['output_tok_per_s'] / rows[0]['output_tok_per_s']:.2f}x"
+        )
     return rows
 
 

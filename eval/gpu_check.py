@@ -54,11 +54,11 @@ import torch
 from slimserve.eval.engine_bench import SHAPES, build_engine
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 from slimserve.runtime.engine.llm_engine import LLMEngine
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.models.llama import ModelSpec
 from slimserve.runtime.models.load import random_model
-from slimserve.runtime.engine.sequence import SamplingParams
+from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 
 WEIGHTS = ("bf16", "W4A16", "W8A8")
 KV = ("auto", "fp8_e4m3")
@@ -67,34 +67,63 @@ STEPS = ("kernels", "decode", "hf", "tp", "sweeps")
 
 def _choices(allowed: tuple[str, ...]):
     """An argparse type: a comma list of `allowed` names, with one line naming a bad one."""
+
     def parse(text: str) -> list[str]:
         names = [n for n in text.split(",") if n]
         bad = [n for n in names if n not in allowed]
         if bad or not names:
-            raise argparse.ArgumentTypeError(f"{','.join(bad) or 'nothing'} is not one of "
-                                             f"{','.join(allowed)}")
+            raise argparse.ArgumentTypeError(
+                f"{','.join(bad) or 'nothing'} is not one of {','.join(allowed)}"
+            )
         return names
+
     return parse
 
 
 def _plan(dry_run: bool) -> dict:
     if dry_run:
-        tiny = replace(SHAPES["demo"], vocab_size=512, hidden_size=128, intermediate_size=256,
-                       num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32,
-                       inv_freq=SHAPES["demo"].inv_freq[:16])
+        tiny = replace(
+            SHAPES["demo"],
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            inv_freq=SHAPES["demo"].inv_freq[:16],
+        )
         # fp16: the Triton kernels take fp16/bf16 only, and the interpreter runs fp16
-        return {"shape": "tiny", "spec": tiny, "device": "cpu", "dtype": torch.float16,
-                "batches": (2,), "prompt_len": 8, "steps": 2, "warmup": 0, "max_model_len": 64,
-                "kv_cache_memory": "16MiB", "limits": {"kernels": 300, "decode": 300, "hf": 120,
-                                                       "tp": 200, "sweeps": 0}}
-    return {"shape": "llama3-8b", "spec": SHAPES["llama3-8b"], "device": "cuda",
-            "dtype": torch.bfloat16, "batches": (1, 16, 64, 256), "prompt_len": 128, "steps": 32,
-            "max_model_len": 512,
-            "warmup": 4, "kv_cache_memory": "8GiB",
-            "limits": {"kernels": 200, "decode": 200, "hf": 90, "tp": 300, "sweeps": 150}}
+        return {
+            "shape": "tiny",
+            "spec": tiny,
+            "device": "cpu",
+            "dtype": torch.float16,
+            "batches": (2,),
+            "prompt_len": 8,
+            "steps": 2,
+            "warmup": 0,
+            "max_model_len": 64,
+            "kv_cache_memory": "16MiB",
+            "limits": {"kernels": 300, "decode": 300, "hf": 120, "tp": 200, "sweeps": 0},
+        }
+    return {
+        "shape": "llama3-8b",
+        "spec": SHAPES["llama3-8b"],
+        "device": "cuda",
+        "dtype": torch.bfloat16,
+        "batches": (1, 16, 64, 256),
+        "prompt_len": 128,
+        "steps": 32,
+        "max_model_len": 512,
+        "warmup": 4,
+        "kv_cache_memory": "8GiB",
+        "limits": {"kernels": 200, "decode": 200, "hf": 90, "tp": 300, "sweeps": 150},
+    }
 
 
 # -- step 2: the engine's decode rate --------------------------------------------------------------
+
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
@@ -107,11 +136,14 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, warmup: int, de
     vocab = engine.runner.spec.vocab_size
     # Room to run to the end: sequences prefilled in the first chunks decode while the later
     # ones prefill (at batch 256 x 128 tokens, 4 steps more), so `warmup + steps` is too few.
-    params = SamplingParams(max_tokens=engine.runner.max_model_len - prompt_len, temperature=0.0,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=engine.runner.max_model_len - prompt_len, temperature=0.0, ignore_eos=True
+    )
     rids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in rids:
-        engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params)
+        engine.add_request(
+            rid, torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), params
+        )
     started: set[str] = set()
     while len(started) < batch:  # prefill (chunked) until every sequence has its first token
         started.update(out.request_id for out in engine.step())
@@ -127,8 +159,11 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, warmup: int, de
     for rid in rids:
         engine.abort_request(rid)
     assert decoded == batch * steps, f"{decoded} tokens in {steps} steps of batch {batch}"
-    return {"step_ms": 1e3 * dt / steps, "tok_s": batch * steps / dt,
-            "mean_context": prompt_len + warmup + steps / 2}
+    return {
+        "step_ms": 1e3 * dt / steps,
+        "tok_s": batch * steps / dt,
+        "mean_context": prompt_len + warmup + steps / 2,
+    }
 
 
 def held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -171,9 +206,14 @@ def _add_graphs(engine, plan: dict) -> str:
     """Give the engine's runner decode CUDA graphs (captured on CUDA; on the CPU the same static
     buffers run eagerly): the row label."""
     runner = engine.runner
-    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, max(plan["batches"]),
-                                 -(-runner.max_model_len // runner.block_size), runner.block_size,
-                                 runner.device)
+    runner.graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_caches,
+        max(plan["batches"]),
+        -(-runner.max_model_len // runner.block_size),
+        runner.block_size,
+        runner.device,
+    )
     if runner.device.type != "cuda":
         return "static"
     runner.graphs.capture()
@@ -184,15 +224,25 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
     rows = []
     for weights in plan.get("weights", WEIGHTS):
         for kv in plan.get("kv", KV):
-            row0 = {"weights": weights, "kv": "fp8" if kv == "fp8_e4m3" else "bf16", "graphs": "off"}
+            row0 = {
+                "weights": weights,
+                "kv": "fp8" if kv == "fp8_e4m3" else "bf16",
+                "graphs": "off",
+            }
             if plan["device"].startswith("cuda"):
                 torch.cuda.empty_cache()
             try:
                 engine = build_engine(
-                    plan["spec"], quant=False if weights == "bf16" else weights, kv_cache_dtype=kv,
-                    device=plan["device"], dtype=plan["dtype"], max_num_seqs=max(plan["batches"]),
-                    max_num_batched_tokens=8192, kv_cache_memory=plan["kv_cache_memory"],
-                    max_model_len=plan["max_model_len"])  # bounds the graphs' attention grid
+                    plan["spec"],
+                    quant=False if weights == "bf16" else weights,
+                    kv_cache_dtype=kv,
+                    device=plan["device"],
+                    dtype=plan["dtype"],
+                    max_num_seqs=max(plan["batches"]),
+                    max_num_batched_tokens=8192,
+                    kv_cache_memory=plan["kv_cache_memory"],
+                    max_model_len=plan["max_model_len"],
+                )  # bounds the graphs' attention grid
                 if plan["device"].startswith("cuda"):  # compile every kernel before timing
                     decode_rate(engine, 1, plan["prompt_len"], 2, 1, plan["device"])
                 for graphs in ("off", "on"):
@@ -200,24 +250,49 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
                         row0["graphs"] = _add_graphs(engine, plan)
                     for batch in plan["batches"]:  # one failed batch keeps the others' rows
                         try:
-                            r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"],
-                                            plan["warmup"], plan["device"])
+                            r = decode_rate(
+                                engine,
+                                batch,
+                                plan["prompt_len"],
+                                plan["steps"],
+                                plan["warmup"],
+                                plan["device"],
+                            )
                         except Exception:
-                            rows.append({**row0, "batch": batch, "error": traceback.format_exc()[-2000:]})
-                            print(f"decode {weights} KV {kv} graphs {row0['graphs']} batch {batch}: "
-                                  f"FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+                            rows.append(
+                                {**row0, "batch": batch, "error": traceback.format_exc()[-2000:]}
+                            )
+                            print(
+                                f"decode {weights} KV {kv} graphs {row0['graphs']} batch {batch}: "
+                                f"FAILED\n{traceback.format_exc()[-1500:]}",
+                                flush=True,
+                            )
                             continue
                         nbytes = step_bytes(engine, batch, r["mean_context"], plan["spec"])
                         roof = batch / (nbytes / (hbm_tbps * 1e12))
-                        rows.append({**row0, "batch": batch, **r, "bytes_per_step": nbytes,
-                                     "roofline_tok_s": roof, "roofline_share": r["tok_s"] / roof})
-                        print(f"decode {weights:>5} KV {row0['kv']:>4} graphs {row0['graphs']:>6} "
-                              f"batch {batch:>3}: {r['tok_s']:9.1f} tok/s, {r['step_ms']:7.2f} "
-                              f"ms/step, {100 * r['tok_s'] / roof:5.1f}% of roofline", flush=True)
+                        rows.append(
+                            {
+                                **row0,
+                                "batch": batch,
+                                **r,
+                                "bytes_per_step": nbytes,
+                                "roofline_tok_s": roof,
+                                "roofline_share": r["tok_s"] / roof,
+                            }
+                        )
+                        print(
+                            f"decode {weights:>5} KV {row0['kv']:>4} graphs {row0['graphs']:>6} "
+                            f"batch {batch:>3}: {r['tok_s']:9.1f} tok/s, {r['step_ms']:7.2f} "
+                            f"ms/step, {100 * r['tok_s'] / roof:5.1f}% of roofline",
+                            flush=True,
+                        )
                 del engine
             except Exception:
                 rows.append({**row0, "error": traceback.format_exc()[-2000:]})
-                print(f"decode {weights} KV {kv}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+                print(
+                    f"decode {weights} KV {kv}: FAILED\n{traceback.format_exc()[-1500:]}",
+                    flush=True,
+                )
             if plan["device"].startswith("cuda"):
                 torch.cuda.empty_cache()
     return rows
@@ -225,17 +300,24 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
 
 # -- step 3: transformers generate with a static cache ----------------------------------------------
 
+
 def _hf_config(spec: ModelSpec):
     from transformers import LlamaConfig
 
     theta = 1.0 / spec.inv_freq[1] ** (spec.head_dim / 2) if len(spec.inv_freq) > 1 else 10000.0
-    return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                       intermediate_size=spec.intermediate_size,
-                       num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                       num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                       max_position_embeddings=spec.max_position_embeddings,
-                       rms_norm_eps=spec.rms_norm_eps, rope_theta=theta,
-                       tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=theta,
+        tie_word_embeddings=False,
+    )
 
 
 def run_hf(plan: dict) -> list[dict]:
@@ -255,26 +337,38 @@ def run_hf(plan: dict) -> list[dict]:
     rows = []
     for batch in plan["batches"]:
         try:
-            ids = torch.randint(0, plan["spec"].vocab_size, (batch, plan["prompt_len"]),
-                                device=device)
+            ids = torch.randint(
+                0, plan["spec"].vocab_size, (batch, plan["prompt_len"]), device=device
+            )
 
             def gen(n: int) -> float:
                 _sync(device)
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                   min_new_tokens=n, do_sample=False, pad_token_id=0)
+                    model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=n,
+                        min_new_tokens=n,
+                        do_sample=False,
+                        pad_token_id=0,
+                    )
                 _sync(device)
                 return time.perf_counter() - t0
 
             gen(2)  # warm-up
             dt = gen(steps + 1) - gen(1)
             rows.append({"batch": batch, "tok_s": batch * steps / dt, "step_ms": 1e3 * dt / steps})
-            print(f"transformers generate (dynamic cache, eager) batch {batch:>3}: "
-                  f"{rows[-1]['tok_s']:9.1f} tok/s", flush=True)
+            print(
+                f"transformers generate (dynamic cache, eager) batch {batch:>3}: "
+                f"{rows[-1]['tok_s']:9.1f} tok/s",
+                flush=True,
+            )
         except Exception:
             rows.append({"batch": batch, "error": traceback.format_exc()[-2000:]})
-            print(f"transformers batch {batch}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+            print(
+                f"transformers batch {batch}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True
+            )
     return rows
 
 
@@ -292,17 +386,27 @@ def tp_note(gpus: int, dry_run: bool) -> str:
     if dry_run:
         return f"dry run: TP={TP_SIZE} over {TP_SIZE} CPU processes (gloo), tiny shape"
     if gpus < TP_SIZE:
-        return ("one GPU: TP=1 only (the bf16 eager decode rows above; TP=2 needs two GPUs, "
-                "nothing was run for it)")
+        return (
+            "one GPU: TP=1 only (the bf16 eager decode rows above; TP=2 needs two GPUs, "
+            "nothing was run for it)"
+        )
     return f"{gpus} GPUs: TP=1 from the decode rows above, TP={TP_SIZE} through the engine (NCCL)"
 
 
 def tp1_rows(decode_rows: list[dict]) -> list[dict]:
     """The TP=1 entry: step 2's bf16-weights, bf16-KV eager rows (the same engine, one rank)."""
-    return [{"tp": 1, "batch": r["batch"], "tok_s": r["tok_s"], "step_ms": r["step_ms"],
-             "comm_ms_per_step": None, "comm_calls_per_step": None}
-            for r in decode_rows if "tok_s" in r and r["weights"] == "bf16" and r["kv"] == "bf16"
-            and r["graphs"] == "off"]
+    return [
+        {
+            "tp": 1,
+            "batch": r["batch"],
+            "tok_s": r["tok_s"],
+            "step_ms": r["step_ms"],
+            "comm_ms_per_step": None,
+            "comm_calls_per_step": None,
+        }
+        for r in decode_rows
+        if "tok_s" in r and r["weights"] == "bf16" and r["kv"] == "bf16" and r["graphs"] == "off"
+    ]
 
 
 def save_random_checkpoint(spec: ModelSpec, dtype: torch.dtype, device: str, folder: Path) -> Path:
@@ -314,7 +418,10 @@ def save_random_checkpoint(spec: ModelSpec, dtype: torch.dtype, device: str, fol
     config = _hf_config(spec)
     config.dtype = dtype
     config.save_pretrained(folder)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(folder / "model.safetensors"),
+    )
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -329,28 +436,48 @@ def run_tp(plan: dict) -> list[dict]:
         try:
             folder = save_random_checkpoint(plan["spec"], plan["dtype"], plan["device"], Path(tmp))
             config = EngineConfig(
-                model=str(folder), device=plan["device"], dtype=str(plan["dtype"]).removeprefix("torch."),
-                verify="none", tensor_parallel_size=TP_SIZE, max_num_seqs=max(plan["batches"]),
-                max_num_batched_tokens=8192, kv_cache_memory=plan["kv_cache_memory"],
-                max_model_len=plan["max_model_len"])
+                model=str(folder),
+                device=plan["device"],
+                dtype=str(plan["dtype"]).removeprefix("torch."),
+                verify="none",
+                tensor_parallel_size=TP_SIZE,
+                max_num_seqs=max(plan["batches"]),
+                max_num_batched_tokens=8192,
+                kv_cache_memory=plan["kv_cache_memory"],
+                max_model_len=plan["max_model_len"],
+            )
             engine = LLMEngine(config)
             if plan["device"].startswith("cuda"):  # compile every kernel before timing
                 decode_rate(engine, 1, plan["prompt_len"], 2, 1, plan["device"])
             for batch in plan["batches"]:
                 before = engine.runner.comm_stats()
-                r = decode_rate(engine, batch, plan["prompt_len"], plan["steps"], plan["warmup"],
-                                plan["device"])
+                r = decode_rate(
+                    engine, batch, plan["prompt_len"], plan["steps"], plan["warmup"], plan["device"]
+                )
                 after = engine.runner.comm_stats()
                 steps = after["steps"] - before["steps"]  # prefill and warm-up steps too
-                rows.append({"tp": TP_SIZE, "batch": batch, "tok_s": r["tok_s"], "step_ms": r["step_ms"],
-                             "comm_ms_per_step": 1e3 * (after["comm_s"] - before["comm_s"]) / steps,
-                             "comm_calls_per_step": (after["comm_calls"] - before["comm_calls"]) / steps})
-                print(f"tensor parallel TP={TP_SIZE} batch {batch:>3}: {r['tok_s']:9.1f} tok/s, "
-                      f"{r['step_ms']:7.2f} ms/step, collectives {rows[-1]['comm_ms_per_step']:.2f} "
-                      f"ms/step on rank 0", flush=True)
+                rows.append(
+                    {
+                        "tp": TP_SIZE,
+                        "batch": batch,
+                        "tok_s": r["tok_s"],
+                        "step_ms": r["step_ms"],
+                        "comm_ms_per_step": 1e3 * (after["comm_s"] - before["comm_s"]) / steps,
+                        "comm_calls_per_step": (after["comm_calls"] - before["comm_calls"]) / steps,
+                    }
+                )
+                print(
+                    f"tensor parallel TP={TP_SIZE} batch {batch:>3}: {r['tok_s']:9.1f} tok/s, "
+                    f"{r['step_ms']:7.2f} ms/step, collectives {rows[-1]['comm_ms_per_step']:.2f} "
+                    f"ms/step on rank 0",
+                    flush=True,
+                )
         except Exception:
             rows.append({"tp": TP_SIZE, "error": traceback.format_exc()[-2000:]})
-            print(f"tensor parallel TP={TP_SIZE}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+            print(
+                f"tensor parallel TP={TP_SIZE}: FAILED\n{traceback.format_exc()[-1500:]}",
+                flush=True,
+            )
         finally:
             if engine is not None:
                 engine.runner.shutdown()
@@ -358,26 +485,35 @@ def run_tp(plan: dict) -> list[dict]:
 
 
 def _tp_table(tp: dict) -> str:
-    lines = [f"Tensor parallelism | {tp['note']}",
-             "| TP | batch | tok/s | ms/step | collectives ms/step (rank 0) | collectives/step |",
-             "|" + "---|" * 6]
+    lines = [
+        f"Tensor parallelism | {tp['note']}",
+        "| TP | batch | tok/s | ms/step | collectives ms/step (rank 0) | collectives/step |",
+        "|" + "---|" * 6,
+    ]
     for r in tp["rows"]:
         if "tok_s" not in r:
             lines.append(f"| {r['tp']} | - | FAILED | | | |")
             continue
         comm = "" if r["comm_ms_per_step"] is None else f"{r['comm_ms_per_step']:.2f}"
         calls = "" if r["comm_calls_per_step"] is None else f"{r['comm_calls_per_step']:.0f}"
-        lines.append(f"| {r['tp']} | {r['batch']} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {comm} | {calls} |")
+        lines.append(
+            f"| {r['tp']} | {r['batch']} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {comm} | {calls} |"
+        )
     return "\n".join(lines)
 
 
 # -- the run -------------------------------------------------------------------------------------
 
-def _child(step: str, dry_run: bool, hbm_tbps: float, result: str, weights: list[str],
-           kv: list[str]) -> int:
+
+def _child(
+    step: str, dry_run: bool, hbm_tbps: float, result: str, weights: list[str], kv: list[str]
+) -> int:
     plan = {**_plan(dry_run), "weights": weights, "kv": kv}
-    run = {"decode": lambda: run_decode(plan, hbm_tbps), "hf": lambda: run_hf(plan),
-           "tp": lambda: run_tp(plan)}[step]
+    run = {
+        "decode": lambda: run_decode(plan, hbm_tbps),
+        "hf": lambda: run_hf(plan),
+        "tp": lambda: run_tp(plan),
+    }[step]
     Path(result).write_text(json.dumps(run()))
     return 0
 
@@ -396,9 +532,21 @@ def _spawn(cmd: list[str], limit: float, env: dict) -> str:
 def _step(name: str, args, plan: dict, env: dict) -> tuple[str, list]:
     fd, path = tempfile.mkstemp(prefix=f"gpu-check-{name}-", suffix=".json")
     os.close(fd)
-    cmd = [sys.executable, "-m", "slimserve.eval.gpu_check", "--child", name, "--result", path,
-           "--hbm-tbps", str(args.hbm_tbps), "--weights", ",".join(args.weights),
-           "--kv", ",".join(args.kv)] + (["--dry-run"] if args.dry_run else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimserve.eval.gpu_check",
+        "--child",
+        name,
+        "--result",
+        path,
+        "--hbm-tbps",
+        str(args.hbm_tbps),
+        "--weights",
+        ",".join(args.weights),
+        "--kv",
+        ",".join(args.kv),
+    ] + (["--dry-run"] if args.dry_run else [])
     status = _spawn(cmd, plan["limits"][name], env)
     try:
         rows = json.loads(Path(path).read_text() or "[]")
@@ -410,8 +558,11 @@ def _step(name: str, args, plan: dict, env: dict) -> tuple[str, list]:
 
 def _table(report: dict) -> str:
     hf = {r["batch"]: r for r in report["transformers"] if "tok_s" in r}
-    lines = ["| weights | KV | batch | graphs | tok/s | ms/step | roofline tok/s | % roofline "
-             "| transformers tok/s | x transformers |", "|" + "---|" * 10]
+    lines = [
+        "| weights | KV | batch | graphs | tok/s | ms/step | roofline tok/s | % roofline "
+        "| transformers tok/s | x transformers |",
+        "|" + "---|" * 10,
+    ]
     for r in report["decode"]:
         if "tok_s" not in r:
             lines.append(f"| {r['weights']} | {r['kv']} | - | {r['graphs']} | FAILED | | | | | |")
@@ -420,9 +571,11 @@ def _table(report: dict) -> str:
         lines.append(
             f"| {r['weights']} | {r['kv']} | {r['batch']} | {r['graphs']} | {r['tok_s']:.1f} | "
             f"{r['step_ms']:.2f} | {r['roofline_tok_s']:.0f} | {100 * r['roofline_share']:.1f}% | "
-            f"{base['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x |" if base else
-            f"| {r['weights']} | {r['kv']} | {r['batch']} | {r['graphs']} | {r['tok_s']:.1f} | "
-            f"{r['step_ms']:.2f} | {r['roofline_tok_s']:.0f} | {100 * r['roofline_share']:.1f}% | | |")
+            f"{base['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f}x |"
+            if base
+            else f"| {r['weights']} | {r['kv']} | {r['batch']} | {r['graphs']} | {r['tok_s']:.1f} | "
+            f"{r['step_ms']:.2f} | {r['roofline_tok_s']:.0f} | {100 * r['roofline_share']:.1f}% | | |"
+        )
     return "\n".join(lines)
 
 
@@ -430,15 +583,31 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter")
     ap.add_argument("--budget-s", type=float, default=480.0, help="the whole run, seconds")
-    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the roofline "
-                    "(H200: 4.8 TB/s)")
+    ap.add_argument(
+        "--hbm-tbps",
+        type=float,
+        default=4.8,
+        help="HBM bandwidth for the roofline (H200: 4.8 TB/s)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_check.json")
-    ap.add_argument("--steps", type=_choices(STEPS), default=list(STEPS),
-                    help=f"comma list of steps to run (default: all of {','.join(STEPS)})")
-    ap.add_argument("--weights", type=_choices(WEIGHTS), default=list(WEIGHTS),
-                    help=f"decode rows' weights (default: {','.join(WEIGHTS)})")
-    ap.add_argument("--kv", type=_choices(KV), default=list(KV),
-                    help=f"decode rows' KV caches (default: {','.join(KV)})")
+    ap.add_argument(
+        "--steps",
+        type=_choices(STEPS),
+        default=list(STEPS),
+        help=f"comma list of steps to run (default: all of {','.join(STEPS)})",
+    )
+    ap.add_argument(
+        "--weights",
+        type=_choices(WEIGHTS),
+        default=list(WEIGHTS),
+        help=f"decode rows' weights (default: {','.join(WEIGHTS)})",
+    )
+    ap.add_argument(
+        "--kv",
+        type=_choices(KV),
+        default=list(KV),
+        help=f"decode rows' KV caches (default: {','.join(KV)})",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -457,16 +626,33 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spec = plan["spec"]
-    report = {"hardware": hardware_line(hardware_info()), "dry_run": args.dry_run,
-              "shape": plan["shape"], "hidden": spec.hidden_size, "layers": spec.num_layers,
-              "prompt_len": plan["prompt_len"], "decode_steps": plan["steps"],
-              "hbm_tbps": args.hbm_tbps, "steps": {}}
-    print(f"slimserve gpu_check | {report['hardware']} | random {plan['shape']} weights | "
-          f"{plan['prompt_len']}-token prompts, {plan['steps']} timed decode steps", flush=True)
+    report = {
+        "hardware": hardware_line(hardware_info()),
+        "dry_run": args.dry_run,
+        "shape": plan["shape"],
+        "hidden": spec.hidden_size,
+        "layers": spec.num_layers,
+        "prompt_len": plan["prompt_len"],
+        "decode_steps": plan["steps"],
+        "hbm_tbps": args.hbm_tbps,
+        "steps": {},
+    }
+    print(
+        f"slimserve gpu_check | {report['hardware']} | random {plan['shape']} weights | "
+        f"{plan['prompt_len']}-token prompts, {plan['steps']} timed decode steps",
+        flush=True,
+    )
 
     kern_json = out / "kernel_bench.json"
-    kern_cmd = [sys.executable, "-m", "slimserve.eval.kernels.bench", "--json-out", str(kern_json),
-                "--sections", "norm" if args.dry_run else "w4a16,w8a8,attn,norm"]
+    kern_cmd = [
+        sys.executable,
+        "-m",
+        "slimserve.eval.kernels.bench",
+        "--json-out",
+        str(kern_json),
+        "--sections",
+        "norm" if args.dry_run else "w4a16,w8a8,attn,norm",
+    ]
     if not args.dry_run:
         kern_cmd.append("--quick")
     report["decode"], report["transformers"] = [], []
@@ -474,11 +660,15 @@ def main(argv: list[str] | None = None) -> int:
         report["steps"]["kernels"] = _spawn(kern_cmd, plan["limits"]["kernels"], env)
     for name in ("decode", "hf"):
         if name in args.steps:
-            report["steps"][name], report["decode" if name == "decode" else "transformers"] = \
-                _step(name, args, plan, env)
+            report["steps"][name], report["decode" if name == "decode" else "transformers"] = _step(
+                name, args, plan, env
+            )
     gpus = tp_gpus(args.dry_run)
-    report["tensor_parallel"] = {"gpus": gpus, "note": tp_note(gpus, args.dry_run),
-                                 "rows": tp1_rows(report["decode"])}
+    report["tensor_parallel"] = {
+        "gpus": gpus,
+        "note": tp_note(gpus, args.dry_run),
+        "rows": tp1_rows(report["decode"]),
+    }
     if "tp" in args.steps:
         if gpus < TP_SIZE:
             report["steps"]["tp"] = "skipped (one GPU: TP=1 only)"
@@ -491,23 +681,41 @@ def main(argv: list[str] | None = None) -> int:
     if "sweeps" in args.steps:
         if plan["limits"]["sweeps"] and left >= plan["limits"]["sweeps"]:
             report["steps"]["sweeps"] = _spawn(
-                [sys.executable, "-m", "slimserve.eval.kernels.bench", "--sections", "w4a16,w8a8",
-                 "--json-out", str(out / "kernel_sweeps.json")], left, env)
+                [
+                    sys.executable,
+                    "-m",
+                    "slimserve.eval.kernels.bench",
+                    "--sections",
+                    "w4a16,w8a8",
+                    "--json-out",
+                    str(out / "kernel_sweeps.json"),
+                ],
+                left,
+                env,
+            )
         else:
-            report["steps"]["sweeps"] = ("skipped (budget)" if plan["limits"]["sweeps"]
-                                         else "skipped (dry run)")
+            report["steps"]["sweeps"] = (
+                "skipped (budget)" if plan["limits"]["sweeps"] else "skipped (dry run)"
+            )
     report["seconds"] = time.monotonic() - t0
-    print(f"\nEngine decode throughput | {report['hardware']} | random {plan['shape']} | batch x "
-          f"{plan['prompt_len']}-token prompts, {plan['steps']} decode steps timed | roofline at "
-          f"{args.hbm_tbps} TB/s\n" + _table(report))
+    print(
+        f"\nEngine decode throughput | {report['hardware']} | random {plan['shape']} | batch x "
+        f"{plan['prompt_len']}-token prompts, {plan['steps']} decode steps timed | roofline at "
+        f"{args.hbm_tbps} TB/s\n" + _table(report)
+    )
     print("\n" + _tp_table(report["tensor_parallel"]))
-    print("steps: " + ", ".join(f"{k} {v}" for k, v in report["steps"].items())
-          + f"; total {report['seconds']:.0f} s")
+    print(
+        "steps: "
+        + ", ".join(f"{k} {v}" for k, v in report["steps"].items())
+        + f"; total {report['seconds']:.0f} s"
+    )
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     print(f"results: {out / 'gpu_check.json'}")
     ok = all(v.startswith(("ok ", "skipped")) for v in report["steps"].values())
-    ok = ok and all("error" not in r for r in report["decode"] + report["transformers"]
-                    + report["tensor_parallel"]["rows"])
+    ok = ok and all(
+        "error" not in r
+        for r in report["decode"] + report["transformers"] + report["tensor_parallel"]["rows"]
+    )
     return 0 if ok else 1
 
 

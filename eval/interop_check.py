@@ -92,29 +92,47 @@ def check_artifact(artifact: Path, base_dir: Path | None = None, progress: bool 
     model = AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32).eval()
     ids = load_token_documents(report["dataset"], tok, base_dir)
     with torch.no_grad():
-        res = evaluate_perplexity(model, ids, report["seq_len"], report["windows"], progress=progress,
-                                  dataset=report["dataset"])
+        res = evaluate_perplexity(
+            model,
+            ids,
+            report["seq_len"],
+            report["windows"],
+            progress=progress,
+            dataset=report["dataset"],
+        )
     if res.windows != report["windows"]:
-        raise InteropError(f"{artifact}: the report scored {report['windows']} windows of {report['dataset']!r} "
-                           f"but only {res.windows} exist now; the corpus changed")
+        raise InteropError(
+            f"{artifact}: the report scored {report['windows']} windows of {report['dataset']!r} "
+            f"but only {res.windows} exist now; the corpus changed"
+        )
     return Check(str(artifact), stage, ours, res.ppl, res.windows, res.seq_len, report["dataset"])
 
 
 def format_table(checks: list[Check], tolerance: float) -> str:
-    lines = [hardware_line(hardware_info()), "transformers loads each artifact (float32 compute) and scores the "
-             "windows its report scored", "",
-             "| artifact | reference stage | ours | transformers | rel. diff | within |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        hardware_line(hardware_info()),
+        "transformers loads each artifact (float32 compute) and scores the "
+        "windows its report scored",
+        "",
+        "| artifact | reference stage | ours | transformers | rel. diff | within |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in checks:
-        lines.append(f"| {Path(c.artifact).name} | {c.reference_stage} | {c.ours:.4f} | {c.transformers:.4f} | "
-                     f"{c.rel_diff:.1e} | {'yes' if c.ok(tolerance) else 'NO'} ({tolerance:g}) |")
+        lines.append(
+            f"| {Path(c.artifact).name} | {c.reference_stage} | {c.ours:.4f} | {c.transformers:.4f} | "
+            f"{c.rel_diff:.1e} | {'yes' if c.ok(tolerance) else 'NO'} ({tolerance:g}) |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("artifacts", nargs="+", type=Path, help="artifact folders written by `compress run`")
-    p.add_argument("--tolerance", type=float, default=TOLERANCE, help="largest relative perplexity difference")
+    p.add_argument(
+        "artifacts", nargs="+", type=Path, help="artifact folders written by `compress run`"
+    )
+    p.add_argument(
+        "--tolerance", type=float, default=TOLERANCE, help="largest relative perplexity difference"
+    )
     p.add_argument("--json-out", type=Path, help="also write the results as JSON")
     args = p.parse_args(argv)
     checks = []
@@ -126,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_table(checks, args.tolerance))
     if args.json_out:
-        args.json_out.write_text(json.dumps([asdict(c) | {"rel_diff": c.rel_diff} for c in checks], indent=2))
+        args.json_out.write_text(
+            json.dumps([asdict(c) | {"rel_diff": c.rel_diff} for c in checks], indent=2)
+        )
     return 0 if all(c.ok(args.tolerance) for c in checks) else 1
 
 

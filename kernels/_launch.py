@@ -67,7 +67,7 @@ def split_k_slices(asked: int, tiles: int, k_tiles: int, device: torch.device) -
     return -(-k_tiles // per)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device`, which size split-K / split-context launches;
     off CUDA (interpreter, AOT) an H100/H200's 132, so the choice of path matches the GPU's."""
@@ -110,15 +110,18 @@ def check_tensor(
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
     if shape is not None:
         tshape = t.shape
-        if len(tshape) != len(shape) or any(s is not None and s != d
-                                            for s, d in zip(shape, tshape)):
+        if len(tshape) != len(shape) or any(
+            s is not None and s != d for s, d in zip(shape, tshape)
+        ):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} has shape {tuple(tshape)}; expected {want}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
     if last_contiguous and t.numel() > 0 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dim "
-                         f"(strides {tuple(t.stride())}); call .contiguous()")
+        raise ValueError(
+            f"{name} must be contiguous in its last dim "
+            f"(strides {tuple(t.stride())}); call .contiguous()"
+        )
 
 
 def next_pow2(n: int) -> int:

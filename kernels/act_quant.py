@@ -38,8 +38,10 @@ def launch_params(k: int, block_k: int | None = None) -> dict:
     """The constexprs and num_warps the launcher uses for rows of k elements."""
     if block_k is None:
         block_k = min(max(next_pow2(k), MIN_BLOCK_K), MAX_ONE_PASS_K)
-    check(block_k >= 16 and block_k == next_pow2(block_k),
-          lambda: f"block_k={block_k} must be a power of two >= 16")
+    check(
+        block_k >= 16 and block_k == next_pow2(block_k),
+        lambda: f"block_k={block_k} must be a power of two >= 16",
+    )
     return {"BLOCK_K": block_k, "ONE_PASS": block_k >= k, "num_warps": _num_warps(block_k)}
 
 
@@ -89,8 +91,9 @@ def _act_quant_kernel(
             _quantize_chunk(xc, scale, q_row, k0 + cols, m)
 
 
-def act_quant(x: torch.Tensor, *, block_k: int | None = None,
-              num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(
+    x: torch.Tensor, *, block_k: int | None = None, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token int8: x [M, K] fp16/bf16/fp32 -> (codes int8 [M, K], scale [M, 1] in x's dtype).
 
     block_k: the row tile (power of two); default next_pow2(K) clamped to [MIN_BLOCK_K,
@@ -113,14 +116,26 @@ def act_quant(x: torch.Tensor, *, block_k: int | None = None,
 def aot_variants() -> list[AotVariant]:
     """Every (dtype, block, one-pass or chunked) combination the default launch can pick."""
     variants = []
-    for dtype, name in _TL.items():
-        sig = {"x_ptr": f"*{name}", "q_ptr": "*i8", "s_ptr": f"*{name}", "K": "i32",
-               "stride_xm": "i32", "stride_qm": "i32", "BLOCK_K": "constexpr",
-               "ONE_PASS": "constexpr"}
+    for _dtype, name in _TL.items():
+        sig = {
+            "x_ptr": f"*{name}",
+            "q_ptr": "*i8",
+            "s_ptr": f"*{name}",
+            "K": "i32",
+            "stride_xm": "i32",
+            "stride_qm": "i32",
+            "BLOCK_K": "constexpr",
+            "ONE_PASS": "constexpr",
+        }
         for block_k in (256, 512, 1024, 2048, 4096, MAX_ONE_PASS_K):
             for one_pass in (True, False) if block_k == MAX_ONE_PASS_K else (True,):
-                variants.append(AotVariant(
-                    _act_quant_kernel, sig, {"BLOCK_K": block_k, "ONE_PASS": one_pass},
-                    {"num_warps": _num_warps(block_k)},
-                    name=f"act_quant_{name}_bk{block_k}_{'one' if one_pass else 'loop'}"))
+                variants.append(
+                    AotVariant(
+                        _act_quant_kernel,
+                        sig,
+                        {"BLOCK_K": block_k, "ONE_PASS": one_pass},
+                        {"num_warps": _num_warps(block_k)},
+                        name=f"act_quant_{name}_bk{block_k}_{'one' if one_pass else 'loop'}",
+                    )
+                )
     return variants

@@ -33,7 +33,7 @@ def launch_block(inter: int) -> int:
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2I] fp16/bf16/fp32, last dim contiguous: gate = x[:, :I], up = x[:, I:]
     out_ptr,  # [T, I] x's dtype, contiguous
-    I,
+    I,  # noqa: E741 (the intermediate size, as in the docstring's [T, 2I])
     stride_x,
     BLOCK: tl.constexpr,
 ):
@@ -49,13 +49,15 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * I + cols, round_to(silu * up, dt).to(dt), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, *, block: int | None = None,
-                 num_warps: int = 4) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, block: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """x [..., 2I] fp16/bf16/fp32 -> silu(x[..., :I]) * x[..., I:] as [..., I] in x's dtype."""
     check_tensor("x", x, dtypes=_DTYPES, last_contiguous=True)
-    check(x.dim() >= 1 and x.shape[-1] % 2 == 0 and x.shape[-1] > 0,
-          lambda: f"x has shape {tuple(x.shape)}; its last dim must be 2 * intermediate_size "
-                  f"(even, > 0)")
+    check(
+        x.dim() >= 1 and x.shape[-1] % 2 == 0 and x.shape[-1] > 0,
+        lambda: (
+            f"x has shape {tuple(x.shape)}; its last dim must be 2 * intermediate_size (even, > 0)"
+        ),
+    )
     inter = x.shape[-1] // 2
     block = block or launch_block(inter)
     check(block == next_pow2(block), lambda: f"block={block} must be a power of two")
@@ -70,10 +72,22 @@ def silu_and_mul(x: torch.Tensor, *, block: int | None = None,
 def aot_variants() -> list[AotVariant]:
     """fp16, bf16 and fp32 at every tile the launcher picks: 256 and 512 (I < 512, < 1024), 1024."""
     variants = []
-    for dtype, name in _TL.items():
-        sig = {"x_ptr": f"*{name}", "out_ptr": f"*{name}", "I": "i32", "stride_x": "i32",
-               "BLOCK": "constexpr"}
+    for _dtype, name in _TL.items():
+        sig = {
+            "x_ptr": f"*{name}",
+            "out_ptr": f"*{name}",
+            "I": "i32",
+            "stride_x": "i32",
+            "BLOCK": "constexpr",
+        }
         for block in (256, 512, BLOCK_DEFAULT):
-            variants.append(AotVariant(_silu_and_mul_kernel, sig, {"BLOCK": block},
-                                       {"num_warps": 4}, name=f"silu_and_mul_{name}_b{block}"))
+            variants.append(
+                AotVariant(
+                    _silu_and_mul_kernel,
+                    sig,
+                    {"BLOCK": block},
+                    {"num_warps": 4},
+                    name=f"silu_and_mul_{name}_b{block}",
+                )
+            )
     return variants

@@ -13,4 +13,6 @@ def cache_root() -> Path:
     """$SLIMSERVE_CACHE, else $XDG_CACHE_HOME/slimserve, else ~/.cache/slimserve."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "slimserve"
+    return (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "slimserve"
+    )

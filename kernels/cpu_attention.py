@@ -30,10 +30,26 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.slimserve_cpu_attention_init()
     fn = lib.slimserve_paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int64, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int64,
+        ctypes.c_float,
+        ctypes.c_float,
+        ctypes.c_float,
+        ctypes.c_int,
+    ]
 
 
 _LIB = cpu_build.CLibrary(NAME, _configure)
@@ -64,7 +80,9 @@ def paged_attention_decode(
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {unavailable_reason()}")
     if key_cache.dtype != value_cache.dtype or not supports(key_cache.dtype):
-        raise ValueError(f"CPU attention reads fp32, bf16 or fp8 caches, not {key_cache.dtype}/{value_cache.dtype}")
+        raise ValueError(
+            f"CPU attention reads fp32, bf16 or fp8 caches, not {key_cache.dtype}/{value_cache.dtype}"
+        )
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
         raise ValueError("CPU attention takes CPU tensors")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -72,20 +90,39 @@ def paged_attention_decode(
     n, heads, dim = query.shape
     _, block_size, kv_heads, cache_dim = key_cache.shape
     if cache_dim != dim or heads % kv_heads:
-        raise ValueError(f"query [{n}, {heads}, {dim}] does not match caches of {kv_heads} heads x {cache_dim}")
+        raise ValueError(
+            f"query [{n}, {heads}, {dim}] does not match caches of {kv_heads} heads x {cache_dim}"
+        )
     q = query.to(torch.float32).contiguous()
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     if tables.shape[0] != n or lens.shape[0] != n:
-        raise ValueError(f"{n} queries but {tables.shape[0]} block tables and {lens.shape[0]} lengths")
+        raise ValueError(
+            f"{n} queries but {tables.shape[0]} block tables and {lens.shape[0]} lengths"
+        )
     out = torch.empty(n, heads, dim, dtype=torch.float32)
     if n == 0:
         return out.to(query.dtype)
     rc = lib.slimserve_paged_decode_attention(
-        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), _KINDS[key_cache.dtype],
-        tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(), n, heads, kv_heads,
-        dim, block_size, key_cache.shape[0], float(scale), cpu_build.scalar(k_scale), cpu_build.scalar(v_scale),
-        torch.get_num_threads())
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        _KINDS[key_cache.dtype],
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        out.data_ptr(),
+        n,
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        key_cache.shape[0],
+        float(scale),
+        cpu_build.scalar(k_scale),
+        cpu_build.scalar(v_scale),
+        torch.get_num_threads(),
+    )
     if rc == -2:
         raise ValueError("a context length or block id lies outside the block tables or the cache")
     if rc != 0:

@@ -57,7 +57,13 @@ def _compiler_version(cc: str) -> str:
 
 def _cache_key(cc: str, flags: tuple[str, ...], source: bytes) -> str:
     h = hashlib.sha256(source)
-    for part in (cc, _compiler_version(cc), " ".join(flags), platform.machine(), " ".join(sorted(host_cpu_flags()))):
+    for part in (
+        cc,
+        _compiler_version(cc),
+        " ".join(flags),
+        platform.machine(),
+        " ".join(sorted(host_cpu_flags())),
+    ):
         h.update(b"\0" + part.encode())
     return h.hexdigest()[:20]
 

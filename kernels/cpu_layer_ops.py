@@ -29,8 +29,29 @@ def _configure(lib: ctypes.CDLL) -> None:
     lib.slimserve_rms_norm.restype = None
     lib.slimserve_rms_norm.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I, _I64, _I64, _F, _I]
     lib.slimserve_rope_write_kv.restype = _I
-    lib.slimserve_rope_write_kv.argtypes = [_P, _I64, _P, _I64, _P, _I64, _I, _I64, _I, _I, _I,
-                                            _P, _P, _P, _P, _I, _P, _I64, _F, _F, _I]
+    lib.slimserve_rope_write_kv.argtypes = [
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _P,
+        _I64,
+        _I,
+        _I64,
+        _I,
+        _I,
+        _I,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _P,
+        _I64,
+        _F,
+        _F,
+        _I,
+    ]
 
 
 _LIB = cpu_build.CLibrary(NAME, _configure)
@@ -50,10 +71,19 @@ def _norm(x, residual, weight, eps):
     out = torch.empty(x.shape, dtype=x.dtype)
     summed = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
     lib.slimserve_rms_norm(
-        x.data_ptr(), x.stride(0), 0 if residual is None else residual.data_ptr(),
-        0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
-        0 if summed is None else summed.data_ptr(), _KINDS[x.dtype], x.shape[0], x.shape[1],
-        float(eps), torch.get_num_threads())
+        x.data_ptr(),
+        x.stride(0),
+        0 if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        0 if summed is None else summed.data_ptr(),
+        _KINDS[x.dtype],
+        x.shape[0],
+        x.shape[1],
+        float(eps),
+        torch.get_num_threads(),
+    )
     return out, summed
 
 
@@ -64,19 +94,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _norm(x, None, weight, eps)[0]
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.fused_add_rms_norm` in one pass: (rms_norm(x + residual), x + residual)."""
-    if (_library() is None or not _rows(x) or not _rows(residual) or residual.dtype != x.dtype
-            or residual.shape != x.shape or weight.shape != x.shape[1:]):
+    if (
+        _library() is None
+        or not _rows(x)
+        or not _rows(residual)
+        or residual.dtype != x.dtype
+        or residual.shape != x.shape
+        or weight.shape != x.shape[1:]
+    ):
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     return _norm(x, residual, weight, eps)
 
 
 def _heads(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """[T, heads, D] with heads D apart and D contiguous (a view of a projection's output)."""
-    return (t.dim() == 3 and t.dtype == dtype and t.device.type == "cpu" and t.stride(2) == 1
-            and t.stride(1) == t.shape[2])
+    return (
+        t.dim() == 3
+        and t.dtype == dtype
+        and t.device.type == "cpu"
+        and t.stride(2) == 1
+        and t.stride(1) == t.shape[2]
+    )
 
 
 def rope_and_write_kv(
@@ -96,23 +138,55 @@ def rope_and_write_kv(
     value / scale, saturated, nearest even)."""
     dtype = query.dtype
     t, _, d = query.shape
-    ok = (_library() is not None and dtype in _KINDS and _heads(query, dtype) and _heads(key, dtype)
-          and _heads(value, dtype) and key.shape[0] == value.shape[0] == t and d % 2 == 0
-          and key.shape[2] == value.shape[2] == d and key.shape[1] == value.shape[1]
-          and key_cache.dtype == value_cache.dtype and key_cache.dtype in _CACHE_KINDS
-          and key_cache.is_contiguous() and value_cache.is_contiguous()
-          and key_cache.shape == value_cache.shape and key_cache.shape[2:] == key.shape[1:]
-          and cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
-          and cos.shape == sin.shape == (t, d // 2))
+    ok = (
+        _library() is not None
+        and dtype in _KINDS
+        and _heads(query, dtype)
+        and _heads(key, dtype)
+        and _heads(value, dtype)
+        and key.shape[0] == value.shape[0] == t
+        and d % 2 == 0
+        and key.shape[2] == value.shape[2] == d
+        and key.shape[1] == value.shape[1]
+        and key_cache.dtype == value_cache.dtype
+        and key_cache.dtype in _CACHE_KINDS
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and key_cache.shape == value_cache.shape
+        and key_cache.shape[2:] == key.shape[1:]
+        and cos.dtype == sin.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape == (t, d // 2)
+    )
     if not ok:
-        return reference_attention.rope_and_write_kv(query, key, value, cos, sin, key_cache,
-                                                     value_cache, slot_mapping, k_scale, v_scale)
+        return reference_attention.rope_and_write_kv(
+            query, key, value, cos, sin, key_cache, value_cache, slot_mapping, k_scale, v_scale
+        )
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = key_cache.shape[0] * key_cache.shape[1]
     rc = _library().slimserve_rope_write_kv(
-        query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
-        value.stride(0), _KINDS[dtype], t, query.shape[1], key.shape[1], d, cos.data_ptr(),
-        sin.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), _CACHE_KINDS[key_cache.dtype],
-        slots.data_ptr(), num_slots, cpu_build.scalar(k_scale), cpu_build.scalar(v_scale), torch.get_num_threads())
+        query.data_ptr(),
+        query.stride(0),
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        _KINDS[dtype],
+        t,
+        query.shape[1],
+        key.shape[1],
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        _CACHE_KINDS[key_cache.dtype],
+        slots.data_ptr(),
+        num_slots,
+        cpu_build.scalar(k_scale),
+        cpu_build.scalar(v_scale),
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise ValueError(f"a slot of slot_mapping lies past the cache's {num_slots} slots")

@@ -62,8 +62,19 @@ def fp8_e4m3_decode_scaled(code):
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, bt_row, toks, tok_ok, offs_d, stride_b, stride_o, head_off,
-             BLOCK_SIZE: tl.constexpr, IS_FP8: tl.constexpr, MASKED: tl.constexpr):
+def load_kv_tile(
+    cache_ptr,
+    bt_row,
+    toks,
+    tok_ok,
+    offs_d,
+    stride_b,
+    stride_o,
+    head_off,
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """[BLOCK_N, D] rows of one KV head for a sequence's logical tokens `toks` [BLOCK_N], through
     its block-table row `bt_row`: fp16/bf16 as stored, fp8 as fp16 value * 2^-8 (the caller's
     scale carries the 2^8). MASKED=False skips the masks (every token valid)."""
@@ -71,8 +82,11 @@ def load_kv_tile(cache_ptr, bt_row, toks, tok_ok, offs_d, stride_b, stride_o, he
         blk = tl.load(bt_row + toks // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
     else:
         blk = tl.load(bt_row + toks // BLOCK_SIZE).to(tl.int64)
-    ptrs = cache_ptr + (blk * stride_b + (toks % BLOCK_SIZE) * stride_o + head_off)[:, None] \
+    ptrs = (
+        cache_ptr
+        + (blk * stride_b + (toks % BLOCK_SIZE) * stride_o + head_off)[:, None]
         + offs_d[None, :]
+    )
     if MASKED:
         x = tl.load(ptrs, mask=tok_ok[:, None], other=0)
     else:
@@ -102,13 +116,24 @@ def _write_rows(src_ptr, dst_ptr, src_off, dst_off, mask, scale, IS_FP8: tl.cons
 
 @triton.jit
 def _write_kv_cache_kernel(
-    key_ptr, value_ptr,  # [T, Hkv, D] fp16/bf16/fp32, last dim contiguous
-    kc_ptr, vc_ptr,  # [num_blocks, block_size, Hkv, D] fp16/bf16, or uint8 views of fp8 caches
+    key_ptr,
+    value_ptr,  # [T, Hkv, D] fp16/bf16/fp32, last dim contiguous
+    kc_ptr,
+    vc_ptr,  # [num_blocks, block_size, Hkv, D] fp16/bf16, or uint8 views of fp8 caches
     slot_ptr,  # [T] int64
-    ks_ptr, vs_ptr,  # [1] fp32 scales (read only when IS_FP8)
+    ks_ptr,
+    vs_ptr,  # [1] fp32 scales (read only when IS_FP8)
     num_kv_heads,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HEAD_DIM: tl.constexpr,  # power of two
     BLOCK_H: tl.constexpr,  # next_pow2(num_kv_heads)
@@ -128,24 +153,45 @@ def _write_kv_cache_kernel(
     if IS_FP8:
         ks = tl.load(ks_ptr)
         vs = tl.load(vs_ptr)
-    _write_rows(key_ptr, kc_ptr, t * stride_kt + h * stride_kh + d,
-                blk * stride_kcb + off * stride_kco + h * stride_kch + d, mask, ks, IS_FP8)
-    _write_rows(value_ptr, vc_ptr, t * stride_vt + h * stride_vh + d,
-                blk * stride_vcb + off * stride_vco + h * stride_vch + d, mask, vs, IS_FP8)
+    _write_rows(
+        key_ptr,
+        kc_ptr,
+        t * stride_kt + h * stride_kh + d,
+        blk * stride_kcb + off * stride_kco + h * stride_kch + d,
+        mask,
+        ks,
+        IS_FP8,
+    )
+    _write_rows(
+        value_ptr,
+        vc_ptr,
+        t * stride_vt + h * stride_vh + d,
+        blk * stride_vcb + off * stride_vco + h * stride_vch + d,
+        mask,
+        vs,
+        IS_FP8,
+    )
 
 
 def scale_tensor(name: str, scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:
     """A per-layer scale as the fp32 [1] device tensor the kernels read (CUDA-graph friendly);
     a half-precision tensor (a module buffer cast with the model) is upcast, exactly."""
     if isinstance(scale, torch.Tensor):
-        check_tensor(name, scale, dtypes=(torch.float32, torch.bfloat16, torch.float16),
-                     device=device)
-        check(scale.numel() == 1,
-              lambda: f"{name} has shape {tuple(scale.shape)}; expected one element "
-                      f"(a per-layer scale, shape [1])")
+        check_tensor(
+            name, scale, dtypes=(torch.float32, torch.bfloat16, torch.float16), device=device
+        )
+        check(
+            scale.numel() == 1,
+            lambda: (
+                f"{name} has shape {tuple(scale.shape)}; expected one element "
+                f"(a per-layer scale, shape [1])"
+            ),
+        )
         return scale.reshape(1).float()
-    check(isinstance(scale, (int, float)) and float(scale) > 0,
-          lambda: f"{name}={scale!r} must be a positive float or a float32 tensor of shape [1]")
+    check(
+        isinstance(scale, (int, float)) and float(scale) > 0,
+        lambda: f"{name}={scale!r} must be a positive float or a float32 tensor of shape [1]",
+    )
     return torch.full((1,), float(scale), dtype=torch.float32, device=device)
 
 
@@ -172,11 +218,17 @@ def write_kv_cache(
     kc = cache_view("key_cache", key_cache)
     vc = cache_view("value_cache", value_cache)
     t, hkv, d = key.shape
-    check_tensor("value", value, dtypes=_KEY_DTYPES, shape=(t, hkv, d), device=dev,
-                 last_contiguous=True)
+    check_tensor(
+        "value", value, dtypes=_KEY_DTYPES, shape=(t, hkv, d), device=dev, last_contiguous=True
+    )
     check_tensor("key_cache", key_cache, shape=(None, None, hkv, d), device=dev)
-    check_tensor("value_cache", value_cache, dtypes=(key_cache.dtype,),
-                 shape=tuple(key_cache.shape), device=dev)
+    check_tensor(
+        "value_cache",
+        value_cache,
+        dtypes=(key_cache.dtype,),
+        shape=tuple(key_cache.shape),
+        device=dev,
+    )
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(t,), device=dev)
     check(d >= 1 and d == next_pow2(d), lambda: f"key has head_dim {d}; expected a power of two")
     ks = scale_tensor("k_scale", k_scale, dev)
@@ -184,11 +236,29 @@ def write_kv_cache(
     if t == 0:
         return
     _write_kv_cache_kernel[(t,)](
-        key, value, kc, vc, slot_mapping, ks, vs, hkv,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        BLOCK_SIZE=key_cache.shape[1], HEAD_DIM=d, BLOCK_H=next_pow2(hkv),
-        IS_FP8=key_cache.dtype == FP8, num_warps=NUM_WARPS,
+        key,
+        value,
+        kc,
+        vc,
+        slot_mapping,
+        ks,
+        vs,
+        hkv,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        vc.stride(0),
+        vc.stride(1),
+        vc.stride(2),
+        BLOCK_SIZE=key_cache.shape[1],
+        HEAD_DIM=d,
+        BLOCK_H=next_pow2(hkv),
+        IS_FP8=key_cache.dtype == FP8,
+        num_warps=NUM_WARPS,
     )
 
 
@@ -199,14 +269,27 @@ def aot_variants() -> list[AotVariant]:
     for kdt in _KEY_DTYPES:
         for cdt in CACHE_DTYPES:
             for d in (64, 128):
-                sig = {"key_ptr": f"*{_TL[kdt]}", "value_ptr": f"*{_TL[kdt]}",
-                       "kc_ptr": f"*{_TL[cdt]}", "vc_ptr": f"*{_TL[cdt]}", "slot_ptr": "*i64",
-                       "ks_ptr": "*fp32", "vs_ptr": "*fp32", "num_kv_heads": "i32"}
+                sig = {
+                    "key_ptr": f"*{_TL[kdt]}",
+                    "value_ptr": f"*{_TL[kdt]}",
+                    "kc_ptr": f"*{_TL[cdt]}",
+                    "vc_ptr": f"*{_TL[cdt]}",
+                    "slot_ptr": "*i64",
+                    "ks_ptr": "*fp32",
+                    "vs_ptr": "*fp32",
+                    "num_kv_heads": "i32",
+                }
                 for s in ("kt", "kh", "vt", "vh", "kcb", "kco", "kch", "vcb", "vco", "vch"):
                     sig[f"stride_{s}"] = "i32"
                 consts = {"BLOCK_SIZE": 16, "HEAD_DIM": d, "BLOCK_H": 8, "IS_FP8": cdt == FP8}
                 sig.update({k: "constexpr" for k in consts})
-                variants.append(AotVariant(_write_kv_cache_kernel, sig, consts,
-                                           {"num_warps": NUM_WARPS},
-                                           name=f"write_kv_{_TL[kdt]}_{_TL[cdt]}_d{d}"))
+                variants.append(
+                    AotVariant(
+                        _write_kv_cache_kernel,
+                        sig,
+                        consts,
+                        {"num_warps": NUM_WARPS},
+                        name=f"write_kv_{_TL[kdt]}_{_TL[cdt]}_d{d}",
+                    )
+                )
     return variants

@@ -79,8 +79,19 @@ def _dot_f32(query: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _attend(q, k, v, s_mask, m_i, l_i, acc, qk_scale, P_DTYPE: tl.constexpr,
-            DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+def _attend(
+    q,
+    k,
+    v,
+    s_mask,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    P_DTYPE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """One online-softmax step of q [M, D] over a KV tile k, v [N, D]; scores in log2 units."""
     if DOT_F32:
         k = k.to(tl.float32)
@@ -108,15 +119,36 @@ def _attend(q, k, v, s_mask, m_i, l_i, acc, qk_scale, P_DTYPE: tl.constexpr,
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     out_ptr,  # [B, H, D] query dtype (unused when SPLIT)
-    part_ptr, pm_ptr, pl_ptr,  # SPLIT: [B, H, S, D], [B, H, S], [B, H, S] fp32 partials
-    q_ptr, kc_ptr, vc_ptr,  # [B, H, D]; caches [num_blocks, block_size, Hkv, D]
-    bt_ptr, ctx_ptr, ks_ptr, vs_ptr,  # [B, max_blocks] i32, [B] i32, [1] fp32, [1] fp32
-    qk_scale, G, num_splits,  # softmax scale * log2(e) (* 2^8 for fp8); heads per KV head
-    stride_qb, stride_qh, stride_bt,
-    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, PARTITION: tl.constexpr, SPLIT: tl.constexpr,
-    IS_FP8: tl.constexpr, DOT_F32: tl.constexpr,
+    part_ptr,
+    pm_ptr,
+    pl_ptr,  # SPLIT: [B, H, S, D], [B, H, S], [B, H, S] fp32 partials
+    q_ptr,
+    kc_ptr,
+    vc_ptr,  # [B, H, D]; caches [num_blocks, block_size, Hkv, D]
+    bt_ptr,
+    ctx_ptr,
+    ks_ptr,
+    vs_ptr,  # [B, max_blocks] i32, [B] i32, [1] fp32, [1] fp32
+    qk_scale,
+    G,
+    num_splits,  # softmax scale * log2(e) (* 2^8 for fp8); heads per KV head
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -132,8 +164,11 @@ def _decode_kernel(
     heads = kvh * G + rows
     row_ok = rows < G
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     p_dtype = q_ptr.dtype.element_ty  # fp16/bf16 KV has the query's dtype
     if DOT_F32:
         q = q.to(tl.float32)
@@ -146,12 +181,35 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         ok = toks < end
-        k = load_kv_tile(kc_ptr, bt_row, toks, ok, offs_d, stride_kb, stride_ko, kvh * stride_kh,
-                         BLOCK_SIZE, IS_FP8, True)
-        v = load_kv_tile(vc_ptr, bt_row, toks, ok, offs_d, stride_vb, stride_vo, kvh * stride_vh,
-                         BLOCK_SIZE, IS_FP8, True)
-        m_i, l_i, acc = _attend(q, k, v, ok[None, :], m_i, l_i, acc, qk_scale, p_dtype,
-                                DOT_F32, True)
+        k = load_kv_tile(
+            kc_ptr,
+            bt_row,
+            toks,
+            ok,
+            offs_d,
+            stride_kb,
+            stride_ko,
+            kvh * stride_kh,
+            BLOCK_SIZE,
+            IS_FP8,
+            True,
+        )
+        v = load_kv_tile(
+            vc_ptr,
+            bt_row,
+            toks,
+            ok,
+            offs_d,
+            stride_vb,
+            stride_vo,
+            kvh * stride_vh,
+            BLOCK_SIZE,
+            IS_FP8,
+            True,
+        )
+        m_i, l_i, acc = _attend(
+            q, k, v, ok[None, :], m_i, l_i, acc, qk_scale, p_dtype, DOT_F32, True
+        )
     if IS_FP8:
         acc = acc * (tl.load(vs_ptr) * 256.0)
     if SPLIT:
@@ -163,13 +221,25 @@ def _decode_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context 0 (a padding row) -> zeros
         dt = out_ptr.dtype.element_ty
         o_off = (b * tl.num_programs(1) * G + heads).to(tl.int64) * HEAD_DIM
-        tl.store(out_ptr + o_off[:, None] + offs_d[None, :], round_to(out, dt).to(dt),
-                 mask=row_ok[:, None])
+        tl.store(
+            out_ptr + o_off[:, None] + offs_d[None, :],
+            round_to(out, dt).to(dt),
+            mask=row_ok[:, None],
+        )
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _reduce_kernel(out_ptr, part_ptr, pm_ptr, pl_ptr, ctx_ptr, num_splits,
-                   HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, SPLIT_TILE: tl.constexpr):
+def _reduce_kernel(
+    out_ptr,
+    part_ptr,
+    pm_ptr,
+    pl_ptr,
+    ctx_ptr,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    PARTITION: tl.constexpr,
+    SPLIT_TILE: tl.constexpr,
+):
     """out[b, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the used partitions."""
     b = tl.program_id(0)
     row = (b * tl.num_programs(1) + tl.program_id(1)).to(tl.int64)  # b * H + h
@@ -185,8 +255,11 @@ def _reduce_kernel(out_ptr, part_ptr, pm_ptr, pl_ptr, ctx_ptr, num_splits,
         m_new = tl.maximum(m_run, tl.max(m_s, 0))
         w = tl.where(ok, tl.math.exp2(m_s - m_new), 0.0)
         l_s = tl.load(pl_ptr + row * num_splits + s, mask=ok, other=0.0)
-        a_s = tl.load(part_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=ok[:, None], other=0.0)
+        a_s = tl.load(
+            part_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=ok[:, None],
+            other=0.0,
+        )
         alpha = tl.math.exp2(m_run - m_new)
         l_run = l_run * alpha + tl.sum(w * l_s, 0)
         acc = acc * alpha + tl.sum(w[:, None] * a_s, 0)
@@ -198,13 +271,33 @@ def _reduce_kernel(out_ptr, part_ptr, pm_ptr, pl_ptr, ctx_ptr, num_splits,
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
-    out_ptr, q_ptr,  # [T, H, D] (out contiguous)
-    kc_ptr, vc_ptr, bt_ptr, cu_ptr, ctx_ptr, ks_ptr, vs_ptr,  # cu_seqlens_q int32 [B + 1]
-    qk_scale, G, block_q,  # block_q = BLOCK_M // G query tokens per program
-    stride_qt, stride_qh, stride_bt,
-    stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr, DOT_F32: tl.constexpr,
+    out_ptr,
+    q_ptr,  # [T, H, D] (out contiguous)
+    kc_ptr,
+    vc_ptr,
+    bt_ptr,
+    cu_ptr,
+    ctx_ptr,
+    ks_ptr,
+    vs_ptr,  # cu_seqlens_q int32 [B + 1]
+    qk_scale,
+    G,
+    block_q,  # block_q = BLOCK_M // G query tokens per program
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    stride_kb,
+    stride_ko,
+    stride_kh,
+    stride_vb,
+    stride_vo,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     # First query of this tile within its sequence; the last tiles (the most KV to read under
     # the causal mask) are launched first, so the long programs do not form the tail.
@@ -223,8 +316,11 @@ def _prefill_kernel(
     heads = kvh * G + rows % G
     toks = (q_first + tile0 + qi).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (toks * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + (toks * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
     p_dtype = q_ptr.dtype.element_ty
     if DOT_F32:
         q = q.to(tl.float32)
@@ -241,21 +337,26 @@ def _prefill_kernel(
     full_end = (pos0 // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
-        k = load_kv_tile(kc_ptr, bt_row, t, t >= 0, offs_d, stride_kb, stride_ko, kh, BLOCK_SIZE,
-                         IS_FP8, False)
-        v = load_kv_tile(vc_ptr, bt_row, t, t >= 0, offs_d, stride_vb, stride_vo, vh, BLOCK_SIZE,
-                         IS_FP8, False)
-        m_i, l_i, acc = _attend(q, k, v, t[None, :] >= 0, m_i, l_i, acc, qk_scale, p_dtype,
-                                DOT_F32, False)
+        k = load_kv_tile(
+            kc_ptr, bt_row, t, t >= 0, offs_d, stride_kb, stride_ko, kh, BLOCK_SIZE, IS_FP8, False
+        )
+        v = load_kv_tile(
+            vc_ptr, bt_row, t, t >= 0, offs_d, stride_vb, stride_vo, vh, BLOCK_SIZE, IS_FP8, False
+        )
+        m_i, l_i, acc = _attend(
+            q, k, v, t[None, :] >= 0, m_i, l_i, acc, qk_scale, p_dtype, DOT_F32, False
+        )
     # Diagonal tiles, up to the last row's position; tiles past it are never loaded.
     kv_end = tl.minimum(ctx, pos0 + block_q)
     for n0 in range(full_end, kv_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         ok = t < kv_end
-        k = load_kv_tile(kc_ptr, bt_row, t, ok, offs_d, stride_kb, stride_ko, kh, BLOCK_SIZE,
-                         IS_FP8, True)
-        v = load_kv_tile(vc_ptr, bt_row, t, ok, offs_d, stride_vb, stride_vo, vh, BLOCK_SIZE,
-                         IS_FP8, True)
+        k = load_kv_tile(
+            kc_ptr, bt_row, t, ok, offs_d, stride_kb, stride_ko, kh, BLOCK_SIZE, IS_FP8, True
+        )
+        v = load_kv_tile(
+            vc_ptr, bt_row, t, ok, offs_d, stride_vb, stride_vo, vh, BLOCK_SIZE, IS_FP8, True
+        )
         causal = (t[None, :] <= pos[:, None]) & ok[None, :]
         m_i, l_i, acc = _attend(q, k, v, causal, m_i, l_i, acc, qk_scale, p_dtype, DOT_F32, True)
     if IS_FP8:
@@ -263,54 +364,105 @@ def _prefill_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dt = out_ptr.dtype.element_ty
     o_off = (toks * tl.num_programs(1) * G + heads) * HEAD_DIM  # out is contiguous [T, H, D]
-    tl.store(out_ptr + o_off[:, None] + offs_d[None, :], round_to(out, dt).to(dt),
-             mask=row_ok[:, None])
+    tl.store(
+        out_ptr + o_off[:, None] + offs_d[None, :], round_to(out, dt).to(dt), mask=row_ok[:, None]
+    )
 
 
-def _prepare(query, key_cache, value_cache, block_tables, context_lens, n_seqs, scale, k_scale,
-             v_scale, config, path) -> SimpleNamespace:
+def _prepare(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    n_seqs,
+    scale,
+    k_scale,
+    v_scale,
+    config,
+    path,
+) -> SimpleNamespace:
     """Check the shared arguments; return what both launchers pass to their kernels."""
     check_tensor("query", query, dtypes=_Q_DTYPES, ndim=3, last_contiguous=True)
     dev, (_, h, d) = query.device, query.shape
     kc, vc = cache_view("key_cache", key_cache), cache_view("value_cache", value_cache)
     check_tensor("key_cache", key_cache, shape=(None, None, None, d), device=dev)
     hkv = key_cache.shape[2]
-    check_tensor("value_cache", value_cache, dtypes=(key_cache.dtype,),
-                 shape=tuple(key_cache.shape), device=dev)
-    check(key_cache.dtype in (FP8, query.dtype),
-          lambda: f"key_cache has dtype {key_cache.dtype}; expected the query's dtype "
-                  f"{query.dtype} or float8_e4m3fn")
-    check(hkv > 0 and h % hkv == 0,
-          lambda: f"query has {h} heads; expected a multiple of key_cache's {hkv} KV heads")
-    check(d in (16, 32, 64, 128),
-          lambda: f"head_dim {d} is not supported; expected 16, 32, 64 or 128")
+    check_tensor(
+        "value_cache",
+        value_cache,
+        dtypes=(key_cache.dtype,),
+        shape=tuple(key_cache.shape),
+        device=dev,
+    )
+    check(
+        key_cache.dtype in (FP8, query.dtype),
+        lambda: (
+            f"key_cache has dtype {key_cache.dtype}; expected the query's dtype "
+            f"{query.dtype} or float8_e4m3fn"
+        ),
+    )
+    check(
+        hkv > 0 and h % hkv == 0,
+        lambda: f"query has {h} heads; expected a multiple of key_cache's {hkv} KV heads",
+    )
+    check(
+        d in (16, 32, 64, 128), lambda: f"head_dim {d} is not supported; expected 16, 32, 64 or 128"
+    )
     check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2, device=dev)
-    check(block_tables.shape[0] == n_seqs,
-          lambda: f"block_tables has {block_tables.shape[0]} rows; "
-                  f"expected one per sequence ({n_seqs})")
-    check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(n_seqs,),
-                 device=dev)
+    check(
+        block_tables.shape[0] == n_seqs,
+        lambda: (
+            f"block_tables has {block_tables.shape[0]} rows; expected one per sequence ({n_seqs})"
+        ),
+    )
+    check_tensor("context_lens", context_lens, dtypes=(torch.int32,), shape=(n_seqs,), device=dev)
     cfg = config or default_config(path, d)
-    check(isinstance(cfg, AttentionConfig),
-          lambda: f"config must be an AttentionConfig, got {cfg!r}")
-    check(cfg.block_n >= 16 and cfg.block_n == next_pow2(cfg.block_n),
-          lambda: f"config.block_n={cfg.block_n} must be a power of two >= 16")
+    check(
+        isinstance(cfg, AttentionConfig), lambda: f"config must be an AttentionConfig, got {cfg!r}"
+    )
+    check(
+        cfg.block_n >= 16 and cfg.block_n == next_pow2(cfg.block_n),
+        lambda: f"config.block_n={cfg.block_n} must be a power of two >= 16",
+    )
     fp8 = key_cache.dtype == FP8
     return SimpleNamespace(
-        kc=kc, vc=vc, ks=scale_tensor("k_scale", k_scale, dev),
-        vs=scale_tensor("v_scale", v_scale, dev), cfg=cfg, fp8=fp8, g=h // hkv, hkv=hkv,
-        h=h, d=d, bs=key_cache.shape[1],
+        kc=kc,
+        vc=vc,
+        ks=scale_tensor("k_scale", k_scale, dev),
+        vs=scale_tensor("v_scale", v_scale, dev),
+        cfg=cfg,
+        fp8=fp8,
+        g=h // hkv,
+        hkv=hkv,
+        h=h,
+        d=d,
+        bs=key_cache.shape[1],
         out=torch.empty(query.shape, dtype=query.dtype, device=dev),  # contiguous [*, H, D]
         qk_scale=float(scale) * _LOG2E * (_FP8_UNSCALE if fp8 else 1.0),
-        strides=(kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1),
-                 vc.stride(2)),
-        consts=dict(HEAD_DIM=d, BLOCK_SIZE=key_cache.shape[1], BLOCK_N=cfg.block_n, IS_FP8=fp8,
-                    DOT_F32=_dot_f32(query), num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages))
+        strides=(
+            kc.stride(0),
+            kc.stride(1),
+            kc.stride(2),
+            vc.stride(0),
+            vc.stride(1),
+            vc.stride(2),
+        ),
+        consts=dict(
+            HEAD_DIM=d,
+            BLOCK_SIZE=key_cache.shape[1],
+            BLOCK_N=cfg.block_n,
+            IS_FP8=fp8,
+            DOT_F32=_dot_f32(query),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
+    )
 
 
-def use_split(batch: int, num_kv_heads: int, max_ctx: int, cfg: AttentionConfig,
-              device: torch.device) -> bool:
+def use_split(
+    batch: int, num_kv_heads: int, max_ctx: int, cfg: AttentionConfig, device: torch.device
+) -> bool:
     """Split-K decode when the (sequence, KV head) programs fill few waves of the GPU and the
     context spans several partitions; config.split overrides."""
     if cfg.split is not None:
@@ -319,10 +471,17 @@ def use_split(batch: int, num_kv_heads: int, max_ctx: int, cfg: AttentionConfig,
 
 
 def paged_attention_decode(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-    k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, *,
-    config: AttentionConfig | None = None, max_context_len: int | None = None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+    *,
+    config: AttentionConfig | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """query [B, H, D] (one token per sequence) over context_lens[b] cached tokens -> [B, H, D].
 
@@ -331,11 +490,24 @@ def paged_attention_decode(
     A context of 0 (a padding row) gives zeros.
     """
     b = query.shape[0] if isinstance(query, torch.Tensor) else 0
-    p = _prepare(query, key_cache, value_cache, block_tables, context_lens, b, scale, k_scale,
-                 v_scale, config, "decode")
+    p = _prepare(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        b,
+        scale,
+        k_scale,
+        v_scale,
+        config,
+        "decode",
+    )
     cfg, dev = p.cfg, query.device
-    check(cfg.partition > 0 and cfg.partition % cfg.block_n == 0,
-          lambda: f"config.partition={cfg.partition} must be a positive multiple of block_n")
+    check(
+        cfg.partition > 0 and cfg.partition % cfg.block_n == 0,
+        lambda: f"config.partition={cfg.partition} must be a positive multiple of block_n",
+    )
     max_ctx = block_tables.shape[1] * p.bs if max_context_len is None else int(max_context_len)
     if b == 0 or max_ctx <= 0:
         return p.out.zero_()
@@ -344,21 +516,58 @@ def paged_attention_decode(
     part = torch.empty((b, p.h, n_split, p.d) if split else (1,), dtype=torch.float32, device=dev)
     pml = torch.empty((2, b, p.h, n_split) if split else (2, 1), dtype=torch.float32, device=dev)
     _decode_kernel[(b, p.hkv, n_split)](
-        p.out, part, pml[0], pml[1], query, p.kc, p.vc, block_tables, context_lens, p.ks, p.vs,
-        p.qk_scale, p.g, n_split, query.stride(0), query.stride(1), block_tables.stride(0),
-        *p.strides, BLOCK_G=max(16, next_pow2(p.g)), PARTITION=cfg.partition, SPLIT=split,
-        **p.consts)
+        p.out,
+        part,
+        pml[0],
+        pml[1],
+        query,
+        p.kc,
+        p.vc,
+        block_tables,
+        context_lens,
+        p.ks,
+        p.vs,
+        p.qk_scale,
+        p.g,
+        n_split,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        *p.strides,
+        BLOCK_G=max(16, next_pow2(p.g)),
+        PARTITION=cfg.partition,
+        SPLIT=split,
+        **p.consts,
+    )
     if split:
-        _reduce_kernel[(b, p.h)](p.out, part, pml[0], pml[1], context_lens, n_split, HEAD_DIM=p.d,
-                                 PARTITION=cfg.partition, SPLIT_TILE=SPLIT_TILE, num_warps=4)
+        _reduce_kernel[(b, p.h)](
+            p.out,
+            part,
+            pml[0],
+            pml[1],
+            context_lens,
+            n_split,
+            HEAD_DIM=p.d,
+            PARTITION=cfg.partition,
+            SPLIT_TILE=SPLIT_TILE,
+            num_warps=4,
+        )
     return p.out
 
 
 def paged_attention_prefill(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-    scale: float, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, *,
-    config: AttentionConfig | None = None, max_q_len: int | None = None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: float | torch.Tensor = 1.0,
+    v_scale: float | torch.Tensor = 1.0,
+    *,
+    config: AttentionConfig | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of query [T, H, D] (sequence b's tokens are cu_seqlens_q[b]:[b+1], their
     K/V already cached) over each sequence's cache -> [T, H, D].
@@ -369,22 +578,52 @@ def paged_attention_prefill(
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), ndim=1)
     n = cu_seqlens_q.shape[0] - 1
     check(n >= 0, "cu_seqlens_q must have B + 1 entries, got 0")
-    p = _prepare(query, key_cache, value_cache, block_tables, context_lens, n, scale, k_scale,
-                 v_scale, config, "prefill")
+    p = _prepare(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        n,
+        scale,
+        k_scale,
+        v_scale,
+        config,
+        "prefill",
+    )
     check_tensor("cu_seqlens_q", cu_seqlens_q, device=query.device)
     bm = p.cfg.block_m
-    check(bm >= 16 and bm == next_pow2(bm) and bm >= p.g,
-          lambda: f"config.block_m={bm} must be a power of two >= 16 and >= {p.g} (heads per "
-                  f"KV head)")
+    check(
+        bm >= 16 and bm == next_pow2(bm) and bm >= p.g,
+        lambda: (
+            f"config.block_m={bm} must be a power of two >= 16 and >= {p.g} (heads per KV head)"
+        ),
+    )
     max_q = query.shape[0] if max_q_len is None else int(max_q_len)
     check(max_q >= 0, lambda: f"max_q_len={max_q_len} must be >= 0")
     if query.shape[0] == 0 or n == 0 or max_q == 0:
         return p.out
     block_q = bm // p.g
     _prefill_kernel[(triton.cdiv(max_q, block_q), p.hkv, n)](
-        p.out, query, p.kc, p.vc, block_tables, cu_seqlens_q, context_lens, p.ks, p.vs,
-        p.qk_scale, p.g, block_q, query.stride(0), query.stride(1), block_tables.stride(0),
-        *p.strides, BLOCK_M=bm, **p.consts)
+        p.out,
+        query,
+        p.kc,
+        p.vc,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        p.ks,
+        p.vs,
+        p.qk_scale,
+        p.g,
+        block_q,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        *p.strides,
+        BLOCK_M=bm,
+        **p.consts,
+    )
     return p.out
 
 
@@ -397,8 +636,16 @@ def _signature(kernel, ptrs: dict[str, str], consts: dict) -> dict[str, str]:
     """AOT signature: pointers as given (default fp32), constexprs, qk_scale fp32, ints i32."""
     fn = getattr(kernel, "fn", kernel)
     names = fn.__code__.co_varnames[: fn.__code__.co_argcount]
-    return {n: "constexpr" if n in consts else ptrs.get(n, "*fp32") if n.endswith("_ptr")
-            else "fp32" if n == "qk_scale" else "i32" for n in names}
+    return {
+        n: "constexpr"
+        if n in consts
+        else ptrs.get(n, "*fp32")
+        if n.endswith("_ptr")
+        else "fp32"
+        if n == "qk_scale"
+        else "i32"
+        for n in names
+    }
 
 
 def aot_variants() -> list[AotVariant]:
@@ -407,26 +654,50 @@ def aot_variants() -> list[AotVariant]:
     for qdt in _Q_DTYPES:
         for kvdt in (qdt, FP8):
             q, kv = _TL[qdt], _TL[kvdt]
-            ptrs = {"out_ptr": f"*{q}", "q_ptr": f"*{q}", "kc_ptr": f"*{kv}",
-                    "vc_ptr": f"*{kv}", "bt_ptr": "*i32", "ctx_ptr": "*i32", "cu_ptr": "*i32"}
+            ptrs = {
+                "out_ptr": f"*{q}",
+                "q_ptr": f"*{q}",
+                "kc_ptr": f"*{kv}",
+                "vc_ptr": f"*{kv}",
+                "bt_ptr": "*i32",
+                "ctx_ptr": "*i32",
+                "cu_ptr": "*i32",
+            }
             for d in (64, 128):
                 base = {"HEAD_DIM": d, "BLOCK_SIZE": 16, "IS_FP8": kvdt == FP8, "DOT_F32": False}
                 dc, pc = default_config("decode", d), default_config("prefill", d)
                 for split in (False, True):
-                    consts = dict(base, BLOCK_G=16, BLOCK_N=dc.block_n, PARTITION=dc.partition,
-                                  SPLIT=split)
-                    variants.append(AotVariant(
-                        _decode_kernel, _signature(_decode_kernel, ptrs, consts), consts,
-                        {"num_warps": dc.num_warps, "num_stages": dc.num_stages},
-                        name=f"decode_{q}_{kv}_d{d}{'_split' if split else ''}"))
+                    consts = dict(
+                        base, BLOCK_G=16, BLOCK_N=dc.block_n, PARTITION=dc.partition, SPLIT=split
+                    )
+                    variants.append(
+                        AotVariant(
+                            _decode_kernel,
+                            _signature(_decode_kernel, ptrs, consts),
+                            consts,
+                            {"num_warps": dc.num_warps, "num_stages": dc.num_stages},
+                            name=f"decode_{q}_{kv}_d{d}{'_split' if split else ''}",
+                        )
+                    )
                 consts = dict(base, BLOCK_M=pc.block_m, BLOCK_N=pc.block_n)
-                variants.append(AotVariant(
-                    _prefill_kernel, _signature(_prefill_kernel, ptrs, consts), consts,
-                    {"num_warps": pc.num_warps, "num_stages": pc.num_stages},
-                    name=f"prefill_{q}_{kv}_d{d}"))
+                variants.append(
+                    AotVariant(
+                        _prefill_kernel,
+                        _signature(_prefill_kernel, ptrs, consts),
+                        consts,
+                        {"num_warps": pc.num_warps, "num_stages": pc.num_stages},
+                        name=f"prefill_{q}_{kv}_d{d}",
+                    )
+                )
                 if kvdt == qdt:
                     consts = {"HEAD_DIM": d, "PARTITION": dc.partition, "SPLIT_TILE": SPLIT_TILE}
-                    variants.append(AotVariant(
-                        _reduce_kernel, _signature(_reduce_kernel, ptrs, consts), consts,
-                        {"num_warps": 4}, name=f"reduce_{q}_d{d}"))
+                    variants.append(
+                        AotVariant(
+                            _reduce_kernel,
+                            _signature(_reduce_kernel, ptrs, consts),
+                            consts,
+                            {"num_warps": 4},
+                            name=f"reduce_{q}_d{d}",
+                        )
+                    )
     return variants

@@ -31,7 +31,9 @@ def _unpack(packed: torch.Tensor, num_bits: int, size: int) -> torch.Tensor:
 def _unpack_dense(packed: torch.Tensor, num_bits: int, size: int) -> torch.Tensor:
     """Widths that do not divide 32 (3, 5, 6, 7): code i is bits [i*b, (i+1)*b) of the row's
     little-endian word stream and may straddle two words."""
-    words = torch.cat([packed.long() & 0xFFFFFFFF, torch.zeros_like(packed[:, :1], dtype=torch.long)], 1)
+    words = torch.cat(
+        [packed.long() & 0xFFFFFFFF, torch.zeros_like(packed[:, :1], dtype=torch.long)], 1
+    )
     start = torch.arange(size, device=packed.device) * num_bits
     w, off = start // 32, start % 32
     fields = ((words[:, w] >> off) | (words[:, w + 1] << (32 - off))) & ((1 << num_bits) - 1)
@@ -53,16 +55,19 @@ def unpack_zero_point(weight_zero_point: torch.Tensor, num_bits: int, rows: int)
     return _unpack(weight_zero_point.t().contiguous(), num_bits, rows).t()
 
 
-def _group_index(k: int, groups: int, g_idx: torch.Tensor | None, group_size: int | None,
-                 device: torch.device) -> torch.Tensor:
+def _group_index(
+    k: int, groups: int, g_idx: torch.Tensor | None, group_size: int | None, device: torch.device
+) -> torch.Tensor:
     """int64 [K] scale column of each input column."""
     if g_idx is not None:
         return g_idx.long()
     if groups == 1:
         return torch.zeros(k, dtype=torch.long, device=device)
     if not group_size:
-        raise ValueError(f"scales have {groups} groups but group_size={group_size}; pass the "
-                         "scheme's group_size or a weight_g_idx")
+        raise ValueError(
+            f"scales have {groups} groups but group_size={group_size}; pass the "
+            "scheme's group_size or a weight_g_idx"
+        )
     return torch.arange(k, device=device) // group_size
 
 
@@ -95,7 +100,9 @@ def dequantize_packed(
     """fp32 [N, K] weight of a pack-quantized Linear (4 or 8 bits); the caller casts it."""
     n, k = (int(v) for v in weight_shape)
     codes = _unpack(weight_packed, num_bits, k)
-    zp = unpack_zero_point(weight_zero_point, num_bits, n) if weight_zero_point is not None else None
+    zp = (
+        unpack_zero_point(weight_zero_point, num_bits, n) if weight_zero_point is not None else None
+    )
     return dequantize_codes(codes, weight_scale, zp, weight_g_idx, group_size)
 
 
@@ -111,8 +118,15 @@ def linear_w4a16(
     num_bits: int = 4,
 ) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype, W from packed codes (wNa16, N=4 or 8)."""
-    w = dequantize_packed(weight_packed, weight_scale, weight_zero_point, weight_g_idx,
-                          weight_shape, num_bits, group_size)
+    w = dequantize_packed(
+        weight_packed,
+        weight_scale,
+        weight_zero_point,
+        weight_g_idx,
+        weight_shape,
+        num_bits,
+        group_size,
+    )
     return F.linear(x, w.to(x.dtype), bias)
 
 
@@ -171,8 +185,12 @@ def w8a8_gemm(
     return out.to(out_dtype)
 
 
-def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_w8a8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x [..., K] -> [..., N]: dynamic per-token int8 activations times int8 [N, K] weights."""
     lead = x.shape[:-1]
     q, s = quantize_per_token_int8(x.reshape(-1, x.shape[-1]))
@@ -187,8 +205,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight.to(x.dtype) * normed.to(x.dtype)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the sum is rounded to x's dtype first, as the
     unfused `residual = residual + hidden` of a transformers decoder layer does."""
     summed = x + residual

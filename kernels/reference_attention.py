@@ -47,8 +47,9 @@ def write_kv_cache(
             flat[slots] = src.to(cache.dtype)
 
 
-def rope_tables(positions: torch.Tensor,
-                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [T, D/2] fp32 of positions [T] x inv_freq [D/2] (fp32): computed once per
     step and shared by every layer's `rope_and_write_kv`. transformers' tables are these
     concatenated with themselves (cos(cat(f, f)) = cat(cos f, cos f))."""
@@ -123,8 +124,12 @@ class AttentionPlan:
     prefill: tuple[_PrefillSeq, ...]
 
 
-def plan_attention(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                   block_tables: torch.Tensor, block_size: int) -> AttentionPlan:
+def plan_attention(
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> AttentionPlan:
     """Plan `paged_attention` for a batch (the arguments of `paged_attention_prefill`).
 
     One-token rows are sorted by context length and cut into buckets of _DECODE_BUCKET, so a
@@ -137,7 +142,7 @@ def plan_attention(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
     ctx = context_lens.tolist()
     dev = block_tables.device
     single, several = [], []
-    for b, c in enumerate(ctx):
+    for b, _c in enumerate(ctx):
         n = cu[b + 1] - cu[b]
         if n == 1:
             single.append(b)
@@ -146,16 +151,21 @@ def plan_attention(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
     buckets = []
     single.sort(key=ctx.__getitem__)
     for i in range(0, len(single), _DECODE_BUCKET):
-        part = single[i:i + _DECODE_BUCKET]
+        part = single[i : i + _DECODE_BUCKET]
         nblk = -(-ctx[part[-1]] // block_size)  # sorted: the last row has the longest context
         seq = torch.tensor(part, dtype=torch.int64, device=dev)
         rows = torch.tensor([cu[b] for b in part], dtype=torch.int64, device=dev)
         lens = torch.tensor([ctx[b] for b in part], device=dev)
         past = torch.arange(nblk * block_size, device=dev) >= lens.unsqueeze(1)
         mask = torch.zeros(past.shape, device=dev).masked_fill_(past, float("-inf"))
-        buckets.append(_DecodeBucket(
-            rows, block_tables[seq, :nblk].long().flatten(), nblk * block_size,
-            mask.view(len(part), 1, 1, -1)))
+        buckets.append(
+            _DecodeBucket(
+                rows,
+                block_tables[seq, :nblk].long().flatten(),
+                nblk * block_size,
+                mask.view(len(part), 1, 1, -1),
+            )
+        )
     seqs = []
     for b in several:
         n, c = cu[b + 1] - cu[b], ctx[b]
@@ -163,12 +173,13 @@ def plan_attention(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
         if c > n:  # query i sits at position c - n + i and sees keys up to it
             kpos = torch.arange(c, device=dev)
             mask = kpos <= (c - n + torch.arange(n, device=dev)).unsqueeze(1)
-        seqs.append(_PrefillSeq(cu[b], n, c, block_tables[b, :-(-c // block_size)].long(), mask))
+        seqs.append(_PrefillSeq(cu[b], n, c, block_tables[b, : -(-c // block_size)].long(), mask))
     return AttentionPlan(tuple(buckets), tuple(seqs))
 
 
-def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, rows: int, length: int,
-               scale: float | torch.Tensor) -> torch.Tensor:
+def _gather_kv(
+    cache: torch.Tensor, blocks: torch.Tensor, rows: int, length: int, scale: float | torch.Tensor
+) -> torch.Tensor:
     """fp32 [rows, Hkv, length, D] (a transposed view): the first `length` cached tokens of
     `rows` block lists laid end to end (fp8 dequantized with its scale)."""
     kv = cache.index_select(0, blocks)  # [rows * nblk, bs, Hkv, D]; faster than cache[blocks]
@@ -214,8 +225,9 @@ def paged_attention(
         else:
             k = _gather_kv(key_cache, s.blocks, 1, s.ctx, k_scale)
             v = _gather_kv(value_cache, s.blocks, 1, s.ctx, v_scale)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, is_causal=s.mask is None,
-                                           scale=scale, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=gqa
+        )
         out[rows] = o[0].transpose(0, 1).to(query.dtype)
     return out
 
@@ -257,5 +269,6 @@ def paged_attention_decode(
     """One new query token per sequence: query [B, H, D] over context_lens[b] cached tokens
     (including its own) -> [B, H, D] in query's dtype."""
     cu = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return paged_attention_prefill(query, key_cache, value_cache, block_tables, cu, context_lens,
-                                   scale, k_scale, v_scale)
+    return paged_attention_prefill(
+        query, key_cache, value_cache, block_tables, cu, context_lens, scale, k_scale, v_scale
+    )

@@ -68,11 +68,18 @@ def _rms_norm_kernel(
 
 def _launch(x, residual, weight, eps, num_warps):
     check_tensor("x", x, dtypes=_DTYPES, last_contiguous=True)
-    check(x.dim() >= 1 and x.shape[-1] > 0, lambda: f"x has shape {tuple(x.shape)}; it needs a "
-                                            "non-empty last (hidden) dim")
+    check(
+        x.dim() >= 1 and x.shape[-1] > 0,
+        lambda: f"x has shape {tuple(x.shape)}; it needs a non-empty last (hidden) dim",
+    )
     hidden = x.shape[-1]
-    check(hidden <= MAX_HIDDEN, lambda: f"x has hidden size {hidden}; rms_norm supports up to "
-                                f"{MAX_HIDDEN} (one row per program)")
+    check(
+        hidden <= MAX_HIDDEN,
+        lambda: (
+            f"x has hidden size {hidden}; rms_norm supports up to "
+            f"{MAX_HIDDEN} (one row per program)"
+        ),
+    )
     check_tensor("weight", weight, dtypes=_DTYPES, shape=(hidden,), device=x.device)
     check(weight.stride(0) == 1 or hidden == 1, "weight must be contiguous; call .contiguous()")
     check(isinstance(eps, (int, float)) and eps >= 0, lambda: f"eps={eps!r} must be a float >= 0")
@@ -80,8 +87,14 @@ def _launch(x, residual, weight, eps, num_warps):
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res_out = r2 = None
     if residual is not None:
-        check_tensor("residual", residual, dtypes=(x.dtype,), shape=tuple(x.shape),
-                     device=x.device, last_contiguous=True)
+        check_tensor(
+            "residual",
+            residual,
+            dtypes=(x.dtype,),
+            shape=tuple(x.shape),
+            device=x.device,
+            last_contiguous=True,
+        )
         r2 = residual.reshape(-1, hidden)
         res_out = torch.empty_like(out)
     if x2.shape[0]:
@@ -89,23 +102,38 @@ def _launch(x, residual, weight, eps, num_warps):
         if num_warps is not None:
             params["num_warps"] = num_warps
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2 if r2 is not None else x2, weight, out, res_out if res_out is not None else out,
-            hidden, x2.stride(0), r2.stride(0) if r2 is not None else 0, float(eps),
-            HAS_RESIDUAL=residual is not None, **params,
+            x2,
+            r2 if r2 is not None else x2,
+            weight,
+            out,
+            res_out if res_out is not None else out,
+            hidden,
+            x2.stride(0),
+            r2.stride(0) if r2 is not None else 0,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            **params,
         )
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), res_out.view(x.shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-             num_warps: int | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, num_warps: int | None = None
+) -> torch.Tensor:
     """RMSNorm of x [..., H] (fp16/bf16/fp32) with weight [H] -> [..., H] in x's dtype."""
     return _launch(x, None, weight, eps, num_warps)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       *, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), both [..., H] in x's dtype, in one pass.
 
     The inputs are not modified (vLLM's op of the same name works in place)."""
@@ -119,15 +147,29 @@ def aot_variants() -> list[AotVariant]:
     for dtype in _DTYPES:
         name = _TL[dtype]
         for wname in dict.fromkeys((name, "fp32")):
-            sig = {"x_ptr": f"*{name}", "r_ptr": f"*{name}", "w_ptr": f"*{wname}",
-                   "out_ptr": f"*{name}", "res_out_ptr": f"*{name}", "H": "i32",
-                   "stride_x": "i32", "stride_r": "i32", "eps": "fp32",
-                   "BLOCK": "constexpr", "HAS_RESIDUAL": "constexpr"}
+            sig = {
+                "x_ptr": f"*{name}",
+                "r_ptr": f"*{name}",
+                "w_ptr": f"*{wname}",
+                "out_ptr": f"*{name}",
+                "res_out_ptr": f"*{name}",
+                "H": "i32",
+                "stride_x": "i32",
+                "stride_r": "i32",
+                "eps": "fp32",
+                "BLOCK": "constexpr",
+                "HAS_RESIDUAL": "constexpr",
+            }
             for block in (256, 512, 1024, 2048, 4096, 8192, MAX_HIDDEN):
                 params = launch_params(block)
                 for res in (False, True):
-                    variants.append(AotVariant(
-                        _rms_norm_kernel, sig, {"BLOCK": block, "HAS_RESIDUAL": res},
-                        {"num_warps": params["num_warps"]},
-                        name=f"rms_norm_{name}_w{wname}_b{block}_{'add' if res else 'plain'}"))
+                    variants.append(
+                        AotVariant(
+                            _rms_norm_kernel,
+                            sig,
+                            {"BLOCK": block, "HAS_RESIDUAL": res},
+                            {"num_warps": params["num_warps"]},
+                            name=f"rms_norm_{name}_w{wname}_b{block}_{'add' if res else 'plain'}",
+                        )
+                    )
     return variants

@@ -55,14 +55,30 @@ def _rotate_rows(ptr, row_off, heads, stride_h, c, s, HALF: tl.constexpr, BLOCK_
 
 @triton.jit
 def _rope_kv_kernel(
-    q_ptr, k_ptr, v_ptr,  # [T, H, D], [T, Hkv, D], [T, Hkv, D]; last dim contiguous
-    cos_ptr, sin_ptr,  # [T, D/2] fp32, contiguous
-    kc_ptr, vc_ptr,  # [num_blocks, block_size, Hkv, D] fp16/bf16, or uint8 views of fp8 caches
+    q_ptr,
+    k_ptr,
+    v_ptr,  # [T, H, D], [T, Hkv, D], [T, Hkv, D]; last dim contiguous
+    cos_ptr,
+    sin_ptr,  # [T, D/2] fp32, contiguous
+    kc_ptr,
+    vc_ptr,  # [num_blocks, block_size, Hkv, D] fp16/bf16, or uint8 views of fp8 caches
     slot_ptr,  # [T] int64
-    ks_ptr, vs_ptr,  # [1] fp32 (read only when IS_FP8)
-    num_heads, num_kv_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kco, stride_kch, stride_vcb, stride_vco, stride_vch,
+    ks_ptr,
+    vs_ptr,  # [1] fp32 (read only when IS_FP8)
+    num_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kco,
+    stride_kch,
+    stride_vcb,
+    stride_vco,
+    stride_vch,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     HALF: tl.constexpr,  # head_dim / 2, a power of two
     BLOCK_H: tl.constexpr,  # next_pow2(num_heads)
@@ -74,8 +90,9 @@ def _rope_kv_kernel(
     c = tl.load(cos_ptr + t * HALF + cols)
     s = tl.load(sin_ptr + t * HALF + cols)
     _rotate_rows(q_ptr, t * stride_qt, num_heads, stride_qh, c, s, HALF, BLOCK_H)
-    k1, k2, h, d, mask = _rotate_rows(k_ptr, t * stride_kt, num_kv_heads, stride_kh, c, s, HALF,
-                                      BLOCK_HKV)
+    k1, k2, h, d, mask = _rotate_rows(
+        k_ptr, t * stride_kt, num_kv_heads, stride_kh, c, s, HALF, BLOCK_HKV
+    )
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
         ks = 1.0
@@ -115,33 +132,68 @@ def rope_and_write_kv(
     check_tensor("query", query, dtypes=_X_DTYPES, ndim=3, last_contiguous=True)
     dev, (t, h, d) = query.device, query.shape
     hkv = key.shape[1] if isinstance(key, torch.Tensor) and key.dim() == 3 else -1
-    check_tensor("key", key, dtypes=(query.dtype,), shape=(t, None, d), device=dev,
-                 last_contiguous=True)
-    check_tensor("value", value, dtypes=(query.dtype,), shape=(t, hkv, d), device=dev,
-                 last_contiguous=True)
-    check(d >= 2 and d == next_pow2(d), lambda: f"query has head_dim {d}; expected a power of "
-                                                "two >= 2")
+    check_tensor(
+        "key", key, dtypes=(query.dtype,), shape=(t, None, d), device=dev, last_contiguous=True
+    )
+    check_tensor(
+        "value", value, dtypes=(query.dtype,), shape=(t, hkv, d), device=dev, last_contiguous=True
+    )
+    check(
+        d >= 2 and d == next_pow2(d),
+        lambda: f"query has head_dim {d}; expected a power of two >= 2",
+    )
     for name, table in (("cos", cos), ("sin", sin)):
         check_tensor(name, table, dtypes=(torch.float32,), shape=(t, d // 2), device=dev)
-        check(table.is_contiguous(),
-              lambda name=name: f"{name} must be contiguous; call .contiguous()")
+        check(
+            table.is_contiguous(),
+            lambda name=name: f"{name} must be contiguous; call .contiguous()",
+        )
     kc = cache_view("key_cache", key_cache)
     vc = cache_view("value_cache", value_cache)
     check_tensor("key_cache", key_cache, shape=(None, None, hkv, d), device=dev)
-    check_tensor("value_cache", value_cache, dtypes=(key_cache.dtype,),
-                 shape=tuple(key_cache.shape), device=dev)
+    check_tensor(
+        "value_cache",
+        value_cache,
+        dtypes=(key_cache.dtype,),
+        shape=tuple(key_cache.shape),
+        device=dev,
+    )
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(t,), device=dev)
     ks = scale_tensor("k_scale", k_scale, dev)
     vs = scale_tensor("v_scale", v_scale, dev)
     if t == 0:
         return
     _rope_kv_kernel[(t,)](
-        query, key, value, cos, sin, kc, vc, slot_mapping, ks, vs, h, hkv,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        BLOCK_SIZE=key_cache.shape[1], HALF=d // 2, BLOCK_H=next_pow2(h),
-        BLOCK_HKV=next_pow2(hkv), IS_FP8=key_cache.dtype == FP8, num_warps=NUM_WARPS,
+        query,
+        key,
+        value,
+        cos,
+        sin,
+        kc,
+        vc,
+        slot_mapping,
+        ks,
+        vs,
+        h,
+        hkv,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
+        vc.stride(0),
+        vc.stride(1),
+        vc.stride(2),
+        BLOCK_SIZE=key_cache.shape[1],
+        HALF=d // 2,
+        BLOCK_H=next_pow2(h),
+        BLOCK_HKV=next_pow2(hkv),
+        IS_FP8=key_cache.dtype == FP8,
+        num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
 
@@ -154,17 +206,50 @@ def aot_variants() -> list[AotVariant]:
         for cdt in (xdt, FP8):
             for d in (64, 128):
                 x, c = _TL[xdt], _TL[cdt]
-                sig = {"q_ptr": f"*{x}", "k_ptr": f"*{x}", "v_ptr": f"*{x}", "cos_ptr": "*fp32",
-                       "sin_ptr": "*fp32", "kc_ptr": f"*{c}", "vc_ptr": f"*{c}",
-                       "slot_ptr": "*i64", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
-                       "num_heads": "i32", "num_kv_heads": "i32"}
-                for s in ("qt", "qh", "kt", "kh", "vt", "vh", "kcb", "kco", "kch", "vcb", "vco",
-                          "vch"):
+                sig = {
+                    "q_ptr": f"*{x}",
+                    "k_ptr": f"*{x}",
+                    "v_ptr": f"*{x}",
+                    "cos_ptr": "*fp32",
+                    "sin_ptr": "*fp32",
+                    "kc_ptr": f"*{c}",
+                    "vc_ptr": f"*{c}",
+                    "slot_ptr": "*i64",
+                    "ks_ptr": "*fp32",
+                    "vs_ptr": "*fp32",
+                    "num_heads": "i32",
+                    "num_kv_heads": "i32",
+                }
+                for s in (
+                    "qt",
+                    "qh",
+                    "kt",
+                    "kh",
+                    "vt",
+                    "vh",
+                    "kcb",
+                    "kco",
+                    "kch",
+                    "vcb",
+                    "vco",
+                    "vch",
+                ):
                     sig[f"stride_{s}"] = "i32"
-                consts = {"BLOCK_SIZE": 16, "HALF": d // 2, "BLOCK_H": 32, "BLOCK_HKV": 8,
-                          "IS_FP8": cdt == FP8}
+                consts = {
+                    "BLOCK_SIZE": 16,
+                    "HALF": d // 2,
+                    "BLOCK_H": 32,
+                    "BLOCK_HKV": 8,
+                    "IS_FP8": cdt == FP8,
+                }
                 sig.update({k: "constexpr" for k in consts})
-                variants.append(AotVariant(_rope_kv_kernel, sig, consts,
-                                           {"num_warps": NUM_WARPS, "enable_fp_fusion": False},
-                                           name=f"rope_kv_{x}_{c}_d{d}"))
+                variants.append(
+                    AotVariant(
+                        _rope_kv_kernel,
+                        sig,
+                        consts,
+                        {"num_warps": NUM_WARPS, "enable_fp_fusion": False},
+                        name=f"rope_kv_{x}_{c}_d{d}",
+                    )
+                )
     return variants

@@ -42,13 +42,15 @@ class W4A16Weight:
     num_bits: int  # 4 or 8
 
 
-def _permute_packed(packed: torch.Tensor, num_bits: int, k: int,
-                    order: torch.Tensor) -> torch.Tensor:
+def _permute_packed(
+    packed: torch.Tensor, num_bits: int, k: int, order: torch.Tensor
+) -> torch.Tensor:
     """CT words [N, W] repacked with their K codes reordered: column j <- column order[j]."""
     pack = 32 // num_bits
     unpack = reference.unpack_int4_weight if num_bits == 4 else reference.unpack_int8_weight
-    fields = torch.zeros(packed.shape[0], packed.shape[1] * pack, dtype=torch.int32,
-                         device=packed.device)
+    fields = torch.zeros(
+        packed.shape[0], packed.shape[1] * pack, dtype=torch.int32, device=packed.device
+    )
     fields[:, :k] = unpack(packed, k)[:, order] + (1 << (num_bits - 1))
     fields = fields.reshape(packed.shape[0], -1, pack)
     words = fields[..., 0]
@@ -57,10 +59,15 @@ def _permute_packed(packed: torch.Tensor, num_bits: int, k: int,
     return words
 
 
-def prepare_w4a16(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                  weight_zero_point: torch.Tensor | None, weight_g_idx: torch.Tensor | None,
-                  weight_shape: torch.Tensor | tuple[int, int], group_size: int | None,
-                  num_bits: int = 4) -> W4A16Weight:
+def prepare_w4a16(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    weight_g_idx: torch.Tensor | None,
+    weight_shape: torch.Tensor | tuple[int, int],
+    group_size: int | None,
+    num_bits: int = 4,
+) -> W4A16Weight:
     """Load-time repack of CT pack-quantized tensors (module docstring) into `W4A16Weight`.
 
     Act-order g_idx is handled by sorting K by group (stable): groups become contiguous, x's
@@ -70,8 +77,9 @@ def prepare_w4a16(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     check(num_bits in (4, 8), lambda: f"num_bits={num_bits} is not supported; use 4 or 8")
     n, k = (int(v) for v in weight_shape)
     dev = weight_packed.device
-    check_tensor("weight_packed", weight_packed, dtypes=(torch.int32,),
-                 shape=(n, -(-k * num_bits // 32)))
+    check_tensor(
+        "weight_packed", weight_packed, dtypes=(torch.int32,), shape=(n, -(-k * num_bits // 32))
+    )
     check_tensor("weight_scale", weight_scale, dtypes=SCALE_DTYPES, device=dev)
     scale = weight_scale.reshape(1, 1).expand(n, 1) if weight_scale.numel() == 1 else weight_scale
     check_tensor("weight_scale", scale, ndim=2, shape=(n, None))
@@ -79,20 +87,28 @@ def prepare_w4a16(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
     if groups == 1:
         group_size = 0
     elif weight_g_idx is None:
-        check(bool(group_size) and groups == -(-k // group_size),
-              lambda: f"weight_scale has {groups} groups for K={k} but "
-                      f"group_size={group_size}; pass "
-                      f"the scheme's group_size (K / groups rounded up) or a weight_g_idx")
+        check(
+            bool(group_size) and groups == -(-k // group_size),
+            lambda: (
+                f"weight_scale has {groups} groups for K={k} but "
+                f"group_size={group_size}; pass "
+                f"the scheme's group_size (K / groups rounded up) or a weight_g_idx"
+            ),
+        )
     perm = gidx = None
     qweight = weight_packed  # CT's word w already holds k = w * 32/b + field: only transposed
     if weight_g_idx is not None:
-        check_tensor("weight_g_idx", weight_g_idx, dtypes=(torch.int32, torch.int64),
-                     shape=(k,), device=dev)
-        check(k == 0 or 0 <= int(weight_g_idx.min()) and int(weight_g_idx.max()) < groups,
-              lambda: f"weight_g_idx values must lie in [0, {groups}) (weight_scale's groups)")
+        check_tensor(
+            "weight_g_idx", weight_g_idx, dtypes=(torch.int32, torch.int64), shape=(k,), device=dev
+        )
+        check(
+            k == 0 or 0 <= int(weight_g_idx.min()) and int(weight_g_idx.max()) < groups,
+            lambda: f"weight_g_idx values must lie in [0, {groups}) (weight_scale's groups)",
+        )
         order = torch.sort(weight_g_idx.long(), stable=True)
         regular = bool(group_size) and torch.equal(
-            order.values, torch.arange(k, device=dev) // group_size)
+            order.values, torch.arange(k, device=dev) // group_size
+        )
         if groups > 1 and not regular:
             gidx, group_size = order.values.to(torch.int32), 0
         if not torch.equal(order.indices, torch.arange(k, device=dev)):
@@ -102,12 +118,26 @@ def prepare_w4a16(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
         gidx = (torch.arange(k, device=dev) // group_size).to(torch.int32)
     zeros = None
     if weight_zero_point is not None:  # [N, G] signed -> int8 [G, N]
-        check_tensor("weight_zero_point", weight_zero_point, dtypes=(torch.int32,),
-                     shape=(-(-n * num_bits // 32), groups), device=dev)
+        check_tensor(
+            "weight_zero_point",
+            weight_zero_point,
+            dtypes=(torch.int32,),
+            shape=(-(-n * num_bits // 32), groups),
+            device=dev,
+        )
         zeros = reference.unpack_zero_point(weight_zero_point, num_bits, n).to(torch.int8)
         zeros = zeros.t().contiguous()
-    return W4A16Weight(qweight.t().contiguous(), scale.t().contiguous(), zeros, perm, gidx, n, k,
-                       int(group_size or 0), num_bits)
+    return W4A16Weight(
+        qweight.t().contiguous(),
+        scale.t().contiguous(),
+        zeros,
+        perm,
+        gidx,
+        n,
+        k,
+        int(group_size or 0),
+        num_bits,
+    )
 
 
 def dequantize_torch(w: W4A16Weight) -> torch.Tensor:
@@ -117,8 +147,11 @@ def dequantize_torch(w: W4A16Weight) -> torch.Tensor:
     shifts = torch.arange(pack, device=w.qweight.device, dtype=torch.int32) * w.num_bits
     fields = (w.qweight[:, None, :] >> shifts[None, :, None]) & ((1 << w.num_bits) - 1)
     q = fields.reshape(-1, w.n)[: w.k].float() - (1 << (w.num_bits - 1))  # [K, N] sorted order
-    g = (w.group_idx.long() if w.group_idx is not None
-         else torch.arange(w.k, device=q.device) // (w.group_size or max(w.k, 1)))
+    g = (
+        w.group_idx.long()
+        if w.group_idx is not None
+        else torch.arange(w.k, device=q.device) // (w.group_size or max(w.k, 1))
+    )
     if w.zeros is not None:
         q = q - w.zeros.float()[g]
     wt = q * w.scales.float()[g]

@@ -77,14 +77,30 @@ def split_k(cfg: W8A8Config, m: int, n: int, k: int, device: torch.device) -> tu
     """(slices, K tiles per slice) for this config and shape (kernels/_launch.py
     `split_k_slices`: config.split_k, or for 0 enough to fill the SMs)."""
     k_tiles = triton.cdiv(k, cfg.block_k)
-    split = split_k_slices(cfg.split_k, triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),
-                           k_tiles, device)
+    split = split_k_slices(
+        cfg.split_k, triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), k_tiles, device
+    )
     return split, triton.cdiv(k_tiles, split)
 
 
 @triton.jit
-def _epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, offs_m, offs_n, rm, rn, M, N, stride_as,
-              stride_ws, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _epilogue(
+    acc,
+    c_ptr,
+    as_ptr,
+    ws_ptr,
+    bias_ptr,
+    offs_m,
+    offs_n,
+    rm,
+    rn,
+    M,
+    N,
+    stride_as,
+    stride_ws,
+    SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     """Store acc (int32 [BM, BN]) scaled (acc * a_scale * w_scale (+ bias), one rounding) or raw."""
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
     c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -110,10 +126,18 @@ def _w8a8_gemm_kernel(
     bias_ptr,  # [N] bias (read only when HAS_BIAS)
     c_ptr,  # [M, N] out_dtype (int32 accumulators when not SCALED), contiguous; PARTIAL: the
     # int32 [split, M, N] slices
-    M, N, K,
-    stride_am, stride_as, stride_wn, stride_ws,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_as,
+    stride_wn,
+    stride_ws,
     k_tiles_per_split,  # PARTIAL: BLOCK_K steps of this program's K slice (grid axis 1)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask in the loop
     SCALED: tl.constexpr,  # apply the scales (and bias) and store out_dtype; else store int32
     HAS_BIAS: tl.constexpr,
@@ -138,7 +162,9 @@ def _w8a8_gemm_kernel(
     if PARTIAL:
         k_first = tl.program_id(1) * k_tiles_per_split
         k_last = tl.minimum(k_first + k_tiles_per_split, k_tiles)
-    a_ptrs = a_ptr + rm[:, None] * stride_am + (k_first * BLOCK_K + rk)[None, :]  # [BLOCK_M, BLOCK_K]
+    a_ptrs = (
+        a_ptr + rm[:, None] * stride_am + (k_first * BLOCK_K + rk)[None, :]
+    )  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + rn[None, :] * stride_wn + (k_first * BLOCK_K + rk)[:, None]  # W^T tile
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -156,17 +182,59 @@ def _w8a8_gemm_kernel(
 
     if PARTIAL:
         part = c_ptr + tl.program_id(1).to(tl.int64) * M * N
-        _epilogue(acc, part, as_ptr, ws_ptr, bias_ptr, offs_m, offs_n, rm, rn, M, N, stride_as,
-                  stride_ws, False, False)
+        _epilogue(
+            acc,
+            part,
+            as_ptr,
+            ws_ptr,
+            bias_ptr,
+            offs_m,
+            offs_n,
+            rm,
+            rn,
+            M,
+            N,
+            stride_as,
+            stride_ws,
+            False,
+            False,
+        )
     else:
-        _epilogue(acc, c_ptr, as_ptr, ws_ptr, bias_ptr, offs_m, offs_n, rm, rn, M, N, stride_as,
-                  stride_ws, SCALED, HAS_BIAS)
+        _epilogue(
+            acc,
+            c_ptr,
+            as_ptr,
+            ws_ptr,
+            bias_ptr,
+            offs_m,
+            offs_n,
+            rm,
+            rn,
+            M,
+            N,
+            stride_as,
+            stride_ws,
+            SCALED,
+            HAS_BIAS,
+        )
 
 
 @triton.jit(do_not_specialize=["M", "split"])
-def _w8a8_splitk_reduce_kernel(part_ptr, as_ptr, ws_ptr, bias_ptr, c_ptr, M, N, split,
-                               stride_as, stride_ws, SCALED: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _w8a8_splitk_reduce_kernel(
+    part_ptr,
+    as_ptr,
+    ws_ptr,
+    bias_ptr,
+    c_ptr,
+    M,
+    N,
+    split,
+    stride_as,
+    stride_ws,
+    SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """c[M, N] = epilogue(sum over s of part[s, M, N]): int32 sums, so exact in any order.
     Grid: (cdiv(M * N, BLOCK),)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -188,21 +256,29 @@ def _w8a8_splitk_reduce_kernel(part_ptr, as_ptr, ws_ptr, bias_ptr, c_ptr, M, N, 
 
 
 def _check_config(cfg: W8A8Config) -> None:
-    for name, value, least in (("block_m", cfg.block_m, 16), ("block_n", cfg.block_n, 16),
-                               ("block_k", cfg.block_k, 32)):
-        check(value >= least and value == next_pow2(value),
-              lambda: f"config.{name}={value} must be a power of two >= {least} (tl.dot int8 "
-                      f"tiles)")
+    for name, value, least in (
+        ("block_m", cfg.block_m, 16),
+        ("block_n", cfg.block_n, 16),
+        ("block_k", cfg.block_k, 32),
+    ):
+        check(
+            value >= least and value == next_pow2(value),
+            lambda: f"config.{name}={value} must be a power of two >= {least} (tl.dot int8 tiles)",
+        )
     check(cfg.group_m >= 1, lambda: f"config.group_m={cfg.group_m} must be >= 1")
     check(cfg.split_k >= 0, lambda: f"config.split_k={cfg.split_k} must be >= 0 (0: auto, 1: off)")
 
 
 def _check_scale(name: str, s: torch.Tensor, rows: int, device: torch.device) -> None:
     check_tensor(name, s, dtypes=_SCALE_DTYPES, device=device)
-    check(s.numel() == rows and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)),
-          lambda: f"{name} has shape {tuple(s.shape)}; expected [{rows}, 1] or [{rows}] (one "
-                  f"scale per "
-                  "row)")
+    check(
+        s.numel() == rows and (s.dim() == 1 or (s.dim() == 2 and s.shape[1] == 1)),
+        lambda: (
+            f"{name} has shape {tuple(s.shape)}; expected [{rows}, 1] or [{rows}] (one "
+            f"scale per "
+            "row)"
+        ),
+    )
 
 
 def w8a8_gemm(
@@ -222,15 +298,23 @@ def w8a8_gemm(
     check_tensor("w_q", w_q, dtypes=(torch.int8,), ndim=2, device=dev, last_contiguous=True)
     m, k = a_q.shape
     n = w_q.shape[0]
-    check(w_q.shape[1] == k,
-          lambda: f"w_q has shape {tuple(w_q.shape)}; expected [N, {k}] (K of a_q)")
-    check(out_dtype in _OUT_DTYPES, lambda: f"out_dtype={out_dtype} must be one of torch.float16, "
-                                    "torch.bfloat16, torch.float32, torch.int32")
+    check(
+        w_q.shape[1] == k, lambda: f"w_q has shape {tuple(w_q.shape)}; expected [N, {k}] (K of a_q)"
+    )
+    check(
+        out_dtype in _OUT_DTYPES,
+        lambda: (
+            f"out_dtype={out_dtype} must be one of torch.float16, "
+            "torch.bfloat16, torch.float32, torch.int32"
+        ),
+    )
     _check_scale("a_scale", a_scale, m, dev)
     _check_scale("w_scale", w_scale, n, dev)
     if bias is not None:
-        check(out_dtype != torch.int32, "bias is not applied to int32 accumulators; pass "
-                                        "bias=None with out_dtype=torch.int32")
+        check(
+            out_dtype != torch.int32,
+            "bias is not applied to int32 accumulators; pass bias=None with out_dtype=torch.int32",
+        )
         check_tensor("bias", bias, dtypes=_SCALE_DTYPES, shape=(n,), device=dev)
         check(bias.stride(0) == 1 or n == 1, "bias must be contiguous; call .contiguous()")
     cfg = config or default_config(m)
@@ -246,24 +330,61 @@ def w8a8_gemm(
     scaled = out_dtype != torch.int32
     target = torch.empty((split, m, n), dtype=torch.int32, device=dev) if split > 1 else out
     _w8a8_gemm_kernel[(tiles, split)](
-        a_q, a_scale, w_q, w_scale, bias_arg, target,
-        m, n, k, a_q.stride(0), a_scale.stride(0), w_q.stride(0), w_scale.stride(0), per,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=k % cfg.block_k == 0, SCALED=scaled, HAS_BIAS=bias is not None,
-        PARTIAL=split > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        a_q,
+        a_scale,
+        w_q,
+        w_scale,
+        bias_arg,
+        target,
+        m,
+        n,
+        k,
+        a_q.stride(0),
+        a_scale.stride(0),
+        w_q.stride(0),
+        w_scale.stride(0),
+        per,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        EVEN_K=k % cfg.block_k == 0,
+        SCALED=scaled,
+        HAS_BIAS=bias is not None,
+        PARTIAL=split > 1,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         enable_fp_fusion=False,
     )
     if split > 1:
         _w8a8_splitk_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
-            target, a_scale, w_scale, bias_arg, out, m, n, split, a_scale.stride(0),
-            w_scale.stride(0), SCALED=scaled, HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK,
-            num_warps=4, enable_fp_fusion=False)
+            target,
+            a_scale,
+            w_scale,
+            bias_arg,
+            out,
+            m,
+            n,
+            split,
+            a_scale.stride(0),
+            w_scale.stride(0),
+            SCALED=scaled,
+            HAS_BIAS=bias is not None,
+            BLOCK=_REDUCE_BLOCK,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
     return out
 
 
-def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, *,
-                config: W8A8Config | None = None) -> torch.Tensor:
+def linear_w8a8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: W8A8Config | None = None,
+) -> torch.Tensor:
     """x [..., K] fp16/bf16/fp32 -> [..., N] in x's dtype: per-token int8 quantization of x, then
     the GEMM with int8 weight [N, K] and weight_scale [N, 1] or [N]."""
     check_tensor("x", x, dtypes=(torch.float16, torch.bfloat16, torch.float32))
@@ -276,37 +397,90 @@ def linear_w8a8(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 def aot_variants() -> list[AotVariant]:
     """Every CONFIGS row with: raw int32 (ragged K), bf16 + bias (even K), fp16 (ragged K), and
     fp32 with fp32 scales + bias (even K); both K branches and every epilogue per tile."""
-    combos = [("i32", "fp16", False, False), ("bf16", "bf16", True, True),
-              ("fp16", "fp16", False, False), ("fp32", "fp32", True, True)]
+    combos = [
+        ("i32", "fp16", False, False),
+        ("bf16", "bf16", True, True),
+        ("fp16", "fp16", False, False),
+        ("fp32", "fp32", True, True),
+    ]
     variants = []
     for bound, cfg in CONFIGS:
         for out, sc, has_bias, even_k in combos:
-            sig = {"a_ptr": "*i8", "as_ptr": f"*{sc}", "w_ptr": "*i8", "ws_ptr": f"*{sc}",
-                   "bias_ptr": f"*{sc}", "c_ptr": f"*{out}", "M": "i32", "N": "i32", "K": "i32",
-                   "stride_am": "i32", "stride_as": "i32", "stride_wn": "i32", "stride_ws": "i32",
-                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-                   "GROUP_M": "constexpr", "EVEN_K": "constexpr", "SCALED": "constexpr",
-                   "HAS_BIAS": "constexpr"}
-            const = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                     "GROUP_M": cfg.group_m, "EVEN_K": even_k, "SCALED": out != "i32",
-                     "HAS_BIAS": has_bias}
-            opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                    "enable_fp_fusion": False}
+            sig = {
+                "a_ptr": "*i8",
+                "as_ptr": f"*{sc}",
+                "w_ptr": "*i8",
+                "ws_ptr": f"*{sc}",
+                "bias_ptr": f"*{sc}",
+                "c_ptr": f"*{out}",
+                "M": "i32",
+                "N": "i32",
+                "K": "i32",
+                "stride_am": "i32",
+                "stride_as": "i32",
+                "stride_wn": "i32",
+                "stride_ws": "i32",
+                "BLOCK_M": "constexpr",
+                "BLOCK_N": "constexpr",
+                "BLOCK_K": "constexpr",
+                "GROUP_M": "constexpr",
+                "EVEN_K": "constexpr",
+                "SCALED": "constexpr",
+                "HAS_BIAS": "constexpr",
+            }
+            const = {
+                "BLOCK_M": cfg.block_m,
+                "BLOCK_N": cfg.block_n,
+                "BLOCK_K": cfg.block_k,
+                "GROUP_M": cfg.group_m,
+                "EVEN_K": even_k,
+                "SCALED": out != "i32",
+                "HAS_BIAS": has_bias,
+            }
+            opts = {
+                "num_warps": cfg.num_warps,
+                "num_stages": cfg.num_stages,
+                "enable_fp_fusion": False,
+            }
             for partial in (False, True) if cfg.split_k != 1 else (False,):
-                variants.append(AotVariant(
-                    _w8a8_gemm_kernel, dict(sig, k_tiles_per_split="i32", PARTIAL="constexpr"),
-                    dict(const, PARTIAL=partial), opts,
-                    name=f"w8a8_m{bound}_{out}_{sc}{'_bias' if has_bias else ''}"
-                         f"_{'even' if even_k else 'ragged'}k{'_partial' if partial else ''}"))
-    for out, sc, has_bias in (("i32", "fp16", False), ("bf16", "bf16", True), ("fp16", "fp16", False),
-                              ("fp32", "fp32", True)):
-        sig = {"part_ptr": "*i32", "as_ptr": f"*{sc}", "ws_ptr": f"*{sc}", "bias_ptr": f"*{sc}",
-               "c_ptr": f"*{out}", "M": "i32", "N": "i32", "split": "i32", "stride_as": "i32",
-               "stride_ws": "i32", "SCALED": "constexpr", "HAS_BIAS": "constexpr",
-               "BLOCK": "constexpr"}
-        variants.append(AotVariant(
-            _w8a8_splitk_reduce_kernel, sig,
-            {"SCALED": out != "i32", "HAS_BIAS": has_bias, "BLOCK": _REDUCE_BLOCK},
-            {"num_warps": 4, "enable_fp_fusion": False},
-            name=f"w8a8_splitk_reduce_{out}_{sc}{'_bias' if has_bias else ''}"))
+                variants.append(
+                    AotVariant(
+                        _w8a8_gemm_kernel,
+                        dict(sig, k_tiles_per_split="i32", PARTIAL="constexpr"),
+                        dict(const, PARTIAL=partial),
+                        opts,
+                        name=f"w8a8_m{bound}_{out}_{sc}{'_bias' if has_bias else ''}"
+                        f"_{'even' if even_k else 'ragged'}k{'_partial' if partial else ''}",
+                    )
+                )
+    for out, sc, has_bias in (
+        ("i32", "fp16", False),
+        ("bf16", "bf16", True),
+        ("fp16", "fp16", False),
+        ("fp32", "fp32", True),
+    ):
+        sig = {
+            "part_ptr": "*i32",
+            "as_ptr": f"*{sc}",
+            "ws_ptr": f"*{sc}",
+            "bias_ptr": f"*{sc}",
+            "c_ptr": f"*{out}",
+            "M": "i32",
+            "N": "i32",
+            "split": "i32",
+            "stride_as": "i32",
+            "stride_ws": "i32",
+            "SCALED": "constexpr",
+            "HAS_BIAS": "constexpr",
+            "BLOCK": "constexpr",
+        }
+        variants.append(
+            AotVariant(
+                _w8a8_splitk_reduce_kernel,
+                sig,
+                {"SCALED": out != "i32", "HAS_BIAS": has_bias, "BLOCK": _REDUCE_BLOCK},
+                {"num_warps": 4, "enable_fp_fusion": False},
+                name=f"w8a8_splitk_reduce_{out}_{sc}{'_bias' if has_bias else ''}",
+            )
+        )
     return variants

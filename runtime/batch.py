@@ -84,13 +84,15 @@ class StagingBuffer:
             self._host[i] = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
         return self._host[i]
 
-    def upload(self, fields: list[list[int]], table: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def upload(
+        self, fields: list[list[int]], table: torch.Tensor
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """int64 device views of `fields` (in order) and of the [B, W] `table`."""
         sizes = [len(f) for f in fields]
         n = sum(sizes)
         host = self._buffer(n + table.numel())
         host[:n].copy_(torch.tensor([v for f in fields for v in f], dtype=torch.int64))
-        host[n: n + table.numel()].view(table.shape).copy_(table)
+        host[n : n + table.numel()].view(table.shape).copy_(table)
         # copy=True: on the CPU (tests) the views must not alias a buffer that is reused
         dev = host[: n + table.numel()].to(self.device, non_blocking=True, copy=True)
         self.copies += 1
@@ -136,15 +138,25 @@ def prepare_batch(
     q_lens = [len(c) for c in token_chunks]
     if staging is not None:
         (ids_d, pos_d, slots_d, cu_d, ctx_d, logits_d), tables_d = staging.upload(
-            [ids, pos, slots, cu, ctx, logits_idx], tables)
+            [ids, pos, slots, cu, ctx, logits_idx], tables
+        )
         # the int32 fields travel as int64 in the one buffer
         cu_d, ctx_d, tables_d = (t.to(torch.int32) for t in (cu_d, ctx_d, tables_d))
     else:
+
         def dev(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        ids_d, pos_d, slots_d = dev(ids, torch.int64), dev(pos, torch.int64), dev(slots, torch.int64)
-        cu_d, ctx_d, logits_d = dev(cu, torch.int32), dev(ctx, torch.int32), dev(logits_idx, torch.int64)
+        ids_d, pos_d, slots_d = (
+            dev(ids, torch.int64),
+            dev(pos, torch.int64),
+            dev(slots, torch.int64),
+        )
+        cu_d, ctx_d, logits_d = (
+            dev(cu, torch.int32),
+            dev(ctx, torch.int32),
+            dev(logits_idx, torch.int64),
+        )
         tables_d = tables.to(device, non_blocking=True)
     return BatchInputs(
         input_ids=ids_d,

@@ -20,7 +20,6 @@ import dataclasses
 import gc
 import logging
 import sys
-from typing import Optional
 
 import typer
 from rich.console import Console
@@ -40,8 +39,12 @@ from slimserve.runtime.serve_options import (
     typer_param,
 )
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Run slimserve artifacts and Hugging Face checkpoints.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Run slimserve artifacts and Hugging Face checkpoints.",
+)
 console = Console(stderr=True)
 # s that open requests get to finish after Ctrl-C before uvicorn cancels them (they are aborted)
 GRACEFUL_SHUTDOWN_S = 5
@@ -54,8 +57,9 @@ KEEP_ALIVE_S = 30
 
 def _fail(e: BaseException) -> None:
     """One clear line, exit code 2, as for every user error (docs/architecture.md, "Conventions")."""
-    console.print(f"[bold red]error:[/] {escape(str(e).splitlines()[0])}", highlight=False,
-                  soft_wrap=True)
+    console.print(
+        f"[bold red]error:[/] {escape(str(e).splitlines()[0])}", highlight=False, soft_wrap=True
+    )
     raise typer.Exit(2)
 
 
@@ -66,9 +70,12 @@ def _root() -> None:
 
 @app.command()
 def generate(
-    model: str = typer.Argument(..., help="slimserve artifact or HF checkpoint folder, a .gguf file "
-                                          "(or pkg:<module> shipping one), or a hub id (downloaded "
-                                          "when the network allows)"),
+    model: str = typer.Argument(
+        ...,
+        help="slimserve artifact or HF checkpoint folder, a .gguf file "
+        "(or pkg:<module> shipping one), or a hub id (downloaded "
+        "when the network allows)",
+    ),
     prompt: str = typer.Option(..., "--prompt", "-p", help="text to continue"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, max=32768),
     temperature: float = typer.Option(0.0, min=0.0, help="0 = greedy"),
@@ -87,23 +94,30 @@ def generate(
     """Continue a prompt with the serving engine (paged KV cache, our kernels)."""
     from pathlib import Path
 
-    from slimserve.runtime.errors import ArtifactError, RequestError
-    from slimserve.runtime.loading.gguf import resolve_model
-    from slimserve.runtime.llm import LLM
     from slimserve.runtime.engine.sequence import SamplingParams
+    from slimserve.runtime.errors import ArtifactError, RequestError
+    from slimserve.runtime.llm import LLM
+    from slimserve.runtime.loading.gguf import resolve_model
 
     if not prompt:
         _fail(ValueError("--prompt is empty; give some text to continue"))
     try:
         path = resolve_model(model)  # a GGUF checkpoint: its cached HF conversion
         path = path if Path(path).expanduser().is_dir() else _download(model)
-        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed)
-        llm = LLM(path, device=device, trust_remote_code=trust_remote_code, verify=verify,
-                  allow_failed_gate=allow_failed_gate, kv_cache_memory=256 * 2**20,
-                  tensor_parallel_size=tensor_parallel_size,
-                  pipeline_parallel_size=pipeline_parallel_size,
-                  distributed_executor_backend=distributed_executor_backend)
+        params = SamplingParams(
+            max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
+        )
+        llm = LLM(
+            path,
+            device=device,
+            trust_remote_code=trust_remote_code,
+            verify=verify,
+            allow_failed_gate=allow_failed_gate,
+            kv_cache_memory=256 * 2**20,
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+        )
         out = llm.generate(prompt, params, use_tqdm=False)[0]
         llm.engine.runner.shutdown()
     except (ArtifactError, RequestError, ValueError, OSError) as e:
@@ -116,18 +130,21 @@ def _download(model: str) -> str:
     import re
 
     if not re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", model):
-        raise ValueError(f"no such model folder: {model}; pass an artifact or checkpoint folder "
-                         "or a Hugging Face model id such as org/name")
+        raise ValueError(
+            f"no such model folder: {model}; pass an artifact or checkpoint folder "
+            "or a Hugging Face model id such as org/name"
+        )
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*",
-                                                        "*.model", "*.txt"])
+        return snapshot_download(
+            model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        )
     except Exception as e:  # offline, gated, missing
         raise ValueError(f"could not download {model}: {str(e).splitlines()[0]}") from None
 
 
-def _serve_config_defaults(ctx: typer.Context, value: Optional[str]) -> Optional[str]:
+def _serve_config_defaults(ctx: typer.Context, value: str | None) -> str | None:
     """--config FILE (eager): the file's options become click's default_map, so every option the
     command line does not give comes from the file (runtime/serve_config.py checks it against
     the file options of runtime/serve_options.py)."""
@@ -159,29 +176,49 @@ def serve(o: ServeOptions) -> None:
 
     ranks = o.tensor_parallel_size * o.pipeline_parallel_size
     if o.data_parallel_size > 1 and ranks > 1:
-        _fail(ValueError("--data-parallel-size cannot be combined with --tensor-parallel-size or "
-                         "--pipeline-parallel-size yet; use one of them"))
+        _fail(
+            ValueError(
+                "--data-parallel-size cannot be combined with --tensor-parallel-size or "
+                "--pipeline-parallel-size yet; use one of them"
+            )
+        )
     from slimserve.runtime.disagg.protocol import ROLES
 
     if o.role not in ROLES:
         _fail(ValueError(f"--role {o.role!r}: choose one of {', '.join(ROLES)}"))
     if o.role != "colocated" and ranks > 1:
-        _fail(ValueError(f"--role {o.role} cannot be combined with --tensor-parallel-size or "
-                         "--pipeline-parallel-size yet (KV hand-over is from one rank); drop one"))
+        _fail(
+            ValueError(
+                f"--role {o.role} cannot be combined with --tensor-parallel-size or "
+                "--pipeline-parallel-size yet (KV hand-over is from one rank); drop one"
+            )
+        )
     if o.role != "colocated" and o.data_parallel_size > 1:
-        _fail(ValueError(f"--role {o.role} with --data-parallel-size {o.data_parallel_size}: use "
-                         "--prefill-replicas K to make K of the replicas prefill and the rest "
-                         "decode"))
+        _fail(
+            ValueError(
+                f"--role {o.role} with --data-parallel-size {o.data_parallel_size}: use "
+                "--prefill-replicas K to make K of the replicas prefill and the rest "
+                "decode"
+            )
+        )
     if o.prefill_replicas and not 0 < o.prefill_replicas < o.data_parallel_size:
-        _fail(ValueError(f"--prefill-replicas {o.prefill_replicas} needs --data-parallel-size of "
-                         f"at least {o.prefill_replicas + 1} (at least one decode replica)"))
+        _fail(
+            ValueError(
+                f"--prefill-replicas {o.prefill_replicas} needs --data-parallel-size of "
+                f"at least {o.prefill_replicas + 1} (at least one decode replica)"
+            )
+        )
     from slimserve.runtime.config import parse_size
 
     try:
         segments_bytes = parse_size(o.kv_segments_max_bytes)
     except ValueError:
-        _fail(ValueError(f"--kv-segments-max-bytes {o.kv_segments_max_bytes!r}: not a size; use "
-                         "e.g. 4GiB or 512MiB"))
+        _fail(
+            ValueError(
+                f"--kv-segments-max-bytes {o.kv_segments_max_bytes!r}: not a size; use "
+                "e.g. 4GiB or 512MiB"
+            )
+        )
     if segments_bytes is not None and segments_bytes < 1:
         _fail(ValueError("--kv-segments-max-bytes must be at least 1 byte"))
     if o.data_parallel_size > 1:
@@ -204,30 +241,50 @@ def serve(o: ServeOptions) -> None:
         _fail(e)
     s = engine.stats()
     console.print(f"start-up: {engine.startup_line()}", highlight=False, soft_wrap=True)
-    console.print(f"[bold]{escape(engine.model_name)}[/]: KV cache {s.num_blocks} blocks x "
-                  f"{s.block_size} tokens = {s.capacity_tokens} tokens; max_model_len "
-                  f"{engine.max_model_len}; "
-                  f"serving on http://{o.host}:{o.port}/v1", highlight=False, soft_wrap=True)
+    console.print(
+        f"[bold]{escape(engine.model_name)}[/]: KV cache {s.num_blocks} blocks x "
+        f"{s.block_size} tokens = {s.capacity_tokens} tokens; max_model_len "
+        f"{engine.max_model_len}; "
+        f"serving on http://{o.host}:{o.port}/v1",
+        highlight=False,
+        soft_wrap=True,
+    )
     if ranks > 1:
         kv = [r.kv_cache_bytes / 2**20 for r in engine.rank_stats()]  # each rank's own numbers
-        console.print(f"{len(kv)} ranks (tensor parallel {o.tensor_parallel_size} x pipeline "
-                      f"parallel {o.pipeline_parallel_size}): KV cache per rank "
-                      f"{', '.join(f'{m:.1f}' for m in kv)} MiB, {sum(kv):.1f} MiB in total",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"{len(kv)} ranks (tensor parallel {o.tensor_parallel_size} x pipeline "
+            f"parallel {o.pipeline_parallel_size}): KV cache per rank "
+            f"{', '.join(f'{m:.1f}' for m in kv)} MiB, {sum(kv):.1f} MiB in total",
+            highlight=False,
+            soft_wrap=True,
+        )
     if o.role != "colocated":
         try:
             engine.engine.kv_layout  # noqa: B018 - checked now: a split model cannot hand over
         except ValueError as e:
             _fail(e)
-        console.print(f"role: {o.role} (KV blocks handed over through shared memory on this "
-                      "host)", highlight=False)
+        console.print(
+            f"role: {o.role} (KV blocks handed over through shared memory on this host)",
+            highlight=False,
+        )
     if o.role != "colocated" and o.internal_key is None:
-        console.print("note: no --internal-key: this replica refuses every KV hand-over (403); "
-                      "give it and the router the same --internal-key", highlight=False)
-    api = build_app(engine, api_key=o.api_key, max_queue=o.max_queue,
-                    body_timeout_s=o.body_timeout, stream_timeout_s=o.stream_timeout, role=o.role,
-                    internal_key=o.internal_key, require_cache_salt=o.require_cache_salt,
-                    kv_segments_max=o.kv_segments_max, kv_segments_max_bytes=segments_bytes)
+        console.print(
+            "note: no --internal-key: this replica refuses every KV hand-over (403); "
+            "give it and the router the same --internal-key",
+            highlight=False,
+        )
+    api = build_app(
+        engine,
+        api_key=o.api_key,
+        max_queue=o.max_queue,
+        body_timeout_s=o.body_timeout,
+        stream_timeout_s=o.stream_timeout,
+        role=o.role,
+        internal_key=o.internal_key,
+        require_cache_salt=o.require_cache_salt,
+        kv_segments_max=o.kv_segments_max,
+        kv_segments_max_bytes=segments_bytes,
+    )
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
@@ -236,9 +293,14 @@ def serve(o: ServeOptions) -> None:
             api.state.serving.drain()
             await super().shutdown(sockets)
 
-    uv_config = uvicorn.Config(api, host=o.host, port=o.port, limit_concurrency=o.max_connections,
-                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                               timeout_keep_alive=KEEP_ALIVE_S)
+    uv_config = uvicorn.Config(
+        api,
+        host=o.host,
+        port=o.port,
+        limit_concurrency=o.max_connections,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     logging.getLogger("uvicorn.access").addFilter(_NoStatePolls())  # a router polls ~7/s
     # Loading leaves long-lived objects (~380,000 for the demo model: torch, transformers,
     # triton, the tokenizer); a full collection walks them all (~250 ms here), a stall of every
@@ -265,17 +327,33 @@ def _run_router(r: RouterOptions) -> None:
     from slimserve.runtime.router.app import build_router_app
 
     try:
-        api = build_router_app(r.replica, policy=r.policy, api_key=r.api_key,
-                               admin_key=r.admin_key, poll_interval_s=r.poll_interval,
-                               body_timeout_s=r.body_timeout, stream_timeout_s=r.stream_timeout,
-                               internal_key=r.internal_key)
+        api = build_router_app(
+            r.replica,
+            policy=r.policy,
+            api_key=r.api_key,
+            admin_key=r.admin_key,
+            poll_interval_s=r.poll_interval,
+            body_timeout_s=r.body_timeout,
+            stream_timeout_s=r.stream_timeout,
+            internal_key=r.internal_key,
+        )
     except ValueError as e:  # a bad URL or policy
         _fail(e)
-    console.print(f"router ({escape(r.policy)}) over {len(r.replica)} replica(s) on "
-                  f"http://{r.host}:{r.port}/v1", highlight=False, soft_wrap=True)
-    uvicorn.run(api, host=r.host, port=r.port, limit_concurrency=r.max_connections,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=KEEP_ALIVE_S,
-                log_level="warning")
+    console.print(
+        f"router ({escape(r.policy)}) over {len(r.replica)} replica(s) on "
+        f"http://{r.host}:{r.port}/v1",
+        highlight=False,
+        soft_wrap=True,
+    )
+    uvicorn.run(
+        api,
+        host=r.host,
+        port=r.port,
+        limit_concurrency=r.max_connections,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        log_level="warning",
+    )
 
 
 def _replica_servers(o: ServeOptions, cuda: bool) -> list:
@@ -300,17 +378,23 @@ def _replica_servers(o: ServeOptions, cuda: bool) -> list:
         envs = [{**env, "CUDA_VISIBLE_DEVICES": gpus[i]} for i in range(n)]
     else:
         threads = str(max(1, (os.cpu_count() or 1) // n))
-        envs = [{**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-                for _ in range(n)]
+        envs = [{**env, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} for _ in range(n)]
     shared = replica_argv(o)
     specs = []
     for i in range(n):
         port = free_port()
-        own = serve_argv({"artifact": o.artifact, "host": "127.0.0.1", "port": port,
-                          "device": "cuda" if cuda else "cpu"})
+        own = serve_argv(
+            {
+                "artifact": o.artifact,
+                "host": "127.0.0.1",
+                "port": port,
+                "device": "cuda" if cuda else "cpu",
+            }
+        )
         role = serve_argv({"role": ("prefill" if i < prefill else "decode") if prefill else None})
-        specs.append(ServerSpec(serve_cmd([*own, *shared, *role]), f"http://127.0.0.1:{port}",
-                                envs[i]))
+        specs.append(
+            ServerSpec(serve_cmd([*own, *shared, *role]), f"http://127.0.0.1:{port}", envs[i])
+        )
     return specs
 
 
@@ -325,11 +409,16 @@ def _serve_data_parallel(o: ServeOptions) -> None:
     from slimserve.runtime.server.trust import new_internal_key
 
     if o.router_policy not in POLICIES:
-        _fail(ValueError(f"--router-policy {o.router_policy!r}: choose one of "
-                         f"{', '.join(POLICIES)}"))
+        _fail(
+            ValueError(f"--router-policy {o.router_policy!r}: choose one of {', '.join(POLICIES)}")
+        )
     if o.device.startswith("cuda:"):
-        _fail(ValueError("--device cuda:N cannot be combined with --data-parallel-size: each "
-                         "replica gets one GPU of CUDA_VISIBLE_DEVICES; use --device cuda"))
+        _fail(
+            ValueError(
+                "--device cuda:N cannot be combined with --data-parallel-size: each "
+                "replica gets one GPU of CUDA_VISIBLE_DEVICES; use --device cuda"
+            )
+        )
     cuda = o.device == "cuda"
     if o.device == "auto":
         import torch
@@ -340,8 +429,11 @@ def _serve_data_parallel(o: ServeOptions) -> None:
     n, prefill = o.data_parallel_size, o.prefill_replicas
     share = "one GPU" if cuda else f"{specs[0].env['OMP_NUM_THREADS']} threads"
     roles = f" ({prefill} prefill, {n - prefill} decode)" if prefill else ""
-    console.print(f"starting {n} replicas{roles} ({share} each): "
-                  f"{', '.join(s.url for s in specs)}", highlight=False, soft_wrap=True)
+    console.print(
+        f"starting {n} replicas{roles} ({share} each): {', '.join(s.url for s in specs)}",
+        highlight=False,
+        soft_wrap=True,
+    )
     import signal
 
     def terminated(signum, frame):  # uvicorn re-raises SIGTERM after its graceful shutdown:

@@ -26,7 +26,9 @@ def parse_size(text: str | int | float | None) -> int | None:
         return None if text is None else int(text)
     m = _SIZE.match(text)
     if not m:
-        raise ValueError(f"kv_cache_memory: cannot read {text!r} as a size; use e.g. 2GiB or 512MiB")
+        raise ValueError(
+            f"kv_cache_memory: cannot read {text!r} as a size; use e.g. 2GiB or 512MiB"
+        )
     unit = (m.group(2) or "").upper()[:1]
     return int(float(m.group(1)) * _UNITS[unit])
 
@@ -42,11 +44,15 @@ def parse_layers(value: list[int] | str | None) -> list[int] | None:
         try:
             value = [int(t) for t in text.replace(" ", ",").split(",") if t]
         except ValueError:
-            raise ValueError(f"kv_cache_skip_layers: cannot read {value!r} as layer indices; use e.g. "
-                             "1,16 (or none)") from None
+            raise ValueError(
+                f"kv_cache_skip_layers: cannot read {value!r} as layer indices; use e.g. "
+                "1,16 (or none)"
+            ) from None
     bad = [i for i in value if not isinstance(i, int) or isinstance(i, bool) or i < 0]
     if bad:
-        raise ValueError(f"kv_cache_skip_layers: {bad} are not layer indices; use integers >= 0, e.g. 1,16")
+        raise ValueError(
+            f"kv_cache_skip_layers: {bad} are not layer indices; use integers >= 0, e.g. 1,16"
+        )
     return sorted(set(value))
 
 
@@ -76,8 +82,12 @@ class EngineConfig:
     cuda_graphs: bool = False
     seed: int = 0  # default RNG seed for requests without one
     trust_remote_code: bool = False  # never on unless asked
-    verify: str = "strict"  # strict: a slimserve artifact needs a matching slimserve.json; none: skip
-    allow_failed_gate: bool = False  # load an artifact whose slimserve.json says its ppl gate failed
+    verify: str = (
+        "strict"  # strict: a slimserve artifact needs a matching slimserve.json; none: skip
+    )
+    allow_failed_gate: bool = (
+        False  # load an artifact whose slimserve.json says its ppl gate failed
+    )
     # ranks one model is split over (runtime/distributed/): processes of the `mp` executor, one
     # GPU each on CUDA (cuda:0..N-1), an equal share of the cores each on CPU
     tensor_parallel_size: int = 1
@@ -96,29 +106,41 @@ class EngineConfig:
         if self.verify not in VERIFY_MODES:
             raise ValueError(f"verify: {self.verify!r} is not one of {', '.join(VERIFY_MODES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
+            raise ValueError(
+                f"kv_cache_dtype: {self.kv_cache_dtype!r} is not one of "
+                f"{', '.join(KV_CACHE_DTYPES)}"
+            )
         self.kv_cache_skip_layers = parse_layers(self.kv_cache_skip_layers)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in ("mp", "ray"):
-            raise ValueError(f"distributed_executor_backend: {self.distributed_executor_backend!r} is "
-                             "not one of mp, ray")
+            raise ValueError(
+                f"distributed_executor_backend: {self.distributed_executor_backend!r} is "
+                "not one of mp, ray"
+            )
         if self.pipeline_parallel_size < 1:
-            raise ValueError(f"pipeline_parallel_size: must be >= 1, got {self.pipeline_parallel_size}")
+            raise ValueError(
+                f"pipeline_parallel_size: must be >= 1, got {self.pipeline_parallel_size}"
+            )
         if (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1) and self.cuda_graphs:
-            raise ValueError("cuda_graphs: not supported with tensor or pipeline parallelism yet; "
-                             "drop --cuda-graphs")
+            raise ValueError(
+                "cuda_graphs: not supported with tensor or pipeline parallelism yet; "
+                "drop --cuda-graphs"
+            )
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction: must be in (0, 1], got {self.memory_fraction}")
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         gguf = gguf_file(self.model)  # a .gguf file, a folder holding one, pkg:<module>
         name = gguf.stem if gguf is not None else Path(self.model).resolve().name
-        self.model = resolve_model(self.model)  # last: converting a GGUF the first time takes a while
+        self.model = resolve_model(
+            self.model
+        )  # last: converting a GGUF the first time takes a while
         if not Path(self.model).is_dir():
-            raise ValueError(f"model: {self.model!r} is not a folder; pass an artifact made by "
-                             "`compress run`, a Hugging Face checkpoint folder or a .gguf file")
+            raise ValueError(
+                f"model: {self.model!r} is not a folder; pass an artifact made by "
+                "`compress run`, a Hugging Face checkpoint folder or a .gguf file"
+            )
         if self.served_model_name is None:
             self.served_model_name = name

@@ -16,7 +16,9 @@ from pathlib import Path
 
 # Folders skipped anywhere in the tree: third-party code, the test suites (huge, repetitive)
 # and IDLE (GUI code that is mostly Tk boilerplate).
-EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
+EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+)
 # Per-mille of files that go to validation (about 5%).
 VALIDATION_PER_MILLE = 50
 SPLITS = ("train", "validation")

@@ -27,9 +27,10 @@ from __future__ import annotations
 import difflib
 import inspect
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import yaml
 
@@ -55,30 +56,38 @@ def read_serve_config(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
-        raise ServeConfigError(f"--config {path}: cannot read it ({why}); give a readable YAML "
-                               "file of serve options") from None
+        raise ServeConfigError(
+            f"--config {path}: cannot read it ({why}); give a readable YAML file of serve options"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or "syntax error"
-        raise ServeConfigError(f"--config {path}: not valid YAML{where} ({problem}); write one "
-                               "`option_name: value` per line") from None
+        raise ServeConfigError(
+            f"--config {path}: not valid YAML{where} ({problem}); write one "
+            "`option_name: value` per line"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ServeConfigError(f"--config {path}: holds a {type(data).__name__}, not a mapping; "
-                               "write one `option_name: value` per line")
+        raise ServeConfigError(
+            f"--config {path}: holds a {type(data).__name__}, not a mapping; "
+            "write one `option_name: value` per line"
+        )
     out: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
-            raise ServeConfigError(f"--config {path}: key {key!r} is not an option name; keys are "
-                                   "serve's option names such as max_num_seqs")
+            raise ServeConfigError(
+                f"--config {path}: key {key!r} is not an option name; keys are "
+                "serve's option names such as max_num_seqs"
+            )
         name = normalize_key(key)
         if name in out:
-            raise ServeConfigError(f"--config {path}: {key!r} repeats another spelling of "
-                                   f"{name!r}; keep one")
+            raise ServeConfigError(
+                f"--config {path}: {key!r} repeats another spelling of {name!r}; keep one"
+            )
         if value is not None:
             out[name] = value
     for key in MODEL_KEYS:
@@ -114,9 +123,13 @@ def options_of(command: Callable) -> dict[str, OptionSpec]:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         kind = args[0] if typing.get_origin(kind) is not None and len(args) == 1 else kind
         info = param.default
-        specs[name] = OptionSpec(name, kind if kind in (bool, int, float, str) else str,
-                                 getattr(info, "min", None), getattr(info, "max", None),
-                                 isinstance(info, typer.models.ArgumentInfo))
+        specs[name] = OptionSpec(
+            name,
+            kind if kind in (bool, int, float, str) else str,
+            getattr(info, "min", None),
+            getattr(info, "max", None),
+            isinstance(info, typer.models.ArgumentInfo),
+        )
     return specs
 
 
@@ -126,21 +139,29 @@ _WANT = {bool: "true or false", int: "an integer", float: "a number", str: "a st
 def _check_value(spec: OptionSpec, key: str, value: Any, path: str | Path) -> Any:
     ok = {bool: (bool,), int: (int,), float: (int, float), str: (str, int, float)}[spec.kind]
     if (isinstance(value, bool) and spec.kind is not bool) or not isinstance(value, ok):
-        raise ServeConfigError(f"--config {path}: {key} must be {_WANT[spec.kind]}, got "
-                               f"{value!r}; fix the value or remove the key")
+        raise ServeConfigError(
+            f"--config {path}: {key} must be {_WANT[spec.kind]}, got "
+            f"{value!r}; fix the value or remove the key"
+        )
     if spec.kind is str:
         return str(value)  # a string option given a number (a byte count, a name)
     if spec.kind is float:
         value = float(value)
-    for bound, bad, word in ((spec.low, lambda b: value < b, ">="), (spec.high, lambda b: value > b, "<=")):
+    for bound, bad, word in (
+        (spec.low, lambda b: value < b, ">="),
+        (spec.high, lambda b: value > b, "<="),
+    ):
         if bound is not None and bad(bound):
-            raise ServeConfigError(f"--config {path}: {key} {value!r} must be {word} {bound:g}; "
-                                   "fix the value or remove the key")
+            raise ServeConfigError(
+                f"--config {path}: {key} {value!r} must be {word} {bound:g}; "
+                "fix the value or remove the key"
+            )
     return value
 
 
-def check_serve_config(values: Mapping[str, Any], options: Mapping[str, OptionSpec],
-                       path: str | Path) -> dict[str, Any]:
+def check_serve_config(
+    values: Mapping[str, Any], options: Mapping[str, OptionSpec], path: str | Path
+) -> dict[str, Any]:
     """`values` (from read_serve_config) keyed by the command's parameter names, type- and
     range-checked against `options` (options_of the serve command)."""
     argument = next((o.name for o in options.values() if o.argument), None)
@@ -152,8 +173,10 @@ def check_serve_config(values: Mapping[str, Any], options: Mapping[str, OptionSp
             known = [n for n in options if n != argument] + ([MODEL_KEYS[0]] if argument else [])
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean {close[0]}?" if close else "see `runtime serve --help`"
-            raise ServeConfigError(f"--config {path}: unknown key {key!r}; {hint} (keys are "
-                                   "serve's option names, e.g. max_num_seqs)")
+            raise ServeConfigError(
+                f"--config {path}: unknown key {key!r}; {hint} (keys are "
+                "serve's option names, e.g. max_num_seqs)"
+            )
         out[name] = _check_value(spec, key, value, path)
     return out
 
@@ -163,9 +186,12 @@ def load_serve_config(path: str | Path, options: Mapping[str, OptionSpec]) -> di
     return check_serve_config(read_serve_config(path), options, path)
 
 
-def write_serve_config(path: str | Path, values: Mapping[str, Any],
-                       comment: str | None = None,
-                       options: Mapping[str, OptionSpec] | None = None) -> Path:
+def write_serve_config(
+    path: str | Path,
+    values: Mapping[str, Any],
+    comment: str | None = None,
+    options: Mapping[str, OptionSpec] | None = None,
+) -> Path:
     """Write `values` (serve parameter names -> plain values; `model` for the positional
     argument, first) as a file `runtime serve --config` reads; `comment` lines go on top.
     `options`: the schema the reader will check (ServeConfigError before anything is written)."""
@@ -179,8 +205,11 @@ def write_serve_config(path: str | Path, values: Mapping[str, Any],
     if options is not None:
         check_serve_config({**({"model": models[0]} if models else {}), **body}, options, path)
     head = "".join(f"# {line}\n" for line in (comment or "").splitlines())
-    text = yaml.safe_dump({**({"model": models[0]} if models else {}), **body}, sort_keys=False,
-                          default_flow_style=False)
+    text = yaml.safe_dump(
+        {**({"model": models[0]} if models else {}), **body},
+        sort_keys=False,
+        default_flow_style=False,
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + text, encoding="utf-8")
     return path

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -43,7 +43,9 @@ class HiddenMap:
 
     student_layers: tuple[int, ...]  # student decoder layers whose outputs are matched
     teacher_layers: tuple[int, ...]  # the teacher layer each one is matched to
-    channels: torch.Tensor | None  # [H_student] teacher hidden channels the student kept (None: all)
+    channels: (
+        torch.Tensor | None
+    )  # [H_student] teacher hidden channels the student kept (None: all)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -56,7 +58,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def sample_windows(stream: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+def sample_windows(
+    stream: torch.Tensor, batch_size: int, seq_len: int, gen: torch.Generator
+) -> torch.Tensor:
     """`batch_size` random windows of a token stream [N]. -> [batch_size, seq_len] int64."""
     starts = torch.randint(0, stream.numel() - seq_len + 1, (batch_size,), generator=gen)
     return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
@@ -71,7 +75,10 @@ class _LayerOutputs:
 
     def _hook(self, i: int):
         def hook(_m, _args, out):
-            self.outputs[i] = out[0] if isinstance(out, tuple) else out  # recompute overwrites: same value
+            self.outputs[i] = (
+                out[0] if isinstance(out, tuple) else out
+            )  # recompute overwrites: same value
+
         return hook
 
     def take(self, indices: tuple[int, ...]) -> list[torch.Tensor]:
@@ -99,25 +106,38 @@ def _checkpointing(model: nn.Module, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def distill(student: nn.Module, teacher: nn.Module, stream: torch.Tensor, cfg: TrainConfig,
-            weights: LossWeights, hidden: HiddenMap | None = None, device: torch.device | str = "cpu",
-            on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+def distill(
+    student: nn.Module,
+    teacher: nn.Module,
+    stream: torch.Tensor,
+    cfg: TrainConfig,
+    weights: LossWeights,
+    hidden: HiddenMap | None = None,
+    device: torch.device | str = "cpu",
+    on_step: Callable[[int, dict], None] | None = None,
+) -> list[dict]:
     """Train `student` in place towards `teacher` on windows of `stream` [N] token ids.
 
     Both models must be on `device`. Returns one record per step: step, lr, loss and its parts
     (kl, ce, hidden as enabled), seconds since the start.
     """
     if stream.numel() < cfg.seq_len:
-        raise ValueError(f"the distillation data has {stream.numel()} tokens, fewer than seq_len="
-                         f"{cfg.seq_len}; use a larger dataset or a smaller seq_len")
+        raise ValueError(
+            f"the distillation data has {stream.numel()} tokens, fewer than seq_len="
+            f"{cfg.seq_len}; use a larger dataset or a smaller seq_len"
+        )
     device = torch.device(device)
     params = [p for p in student.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     s_hooks = t_hooks = None
     if hidden is not None and weights.hidden:
-        s_hooks = _LayerOutputs(decoder_layers(student, mapping_for(student)), hidden.student_layers)
-        t_hooks = _LayerOutputs(decoder_layers(teacher, mapping_for(teacher)), hidden.teacher_layers)
+        s_hooks = _LayerOutputs(
+            decoder_layers(student, mapping_for(student)), hidden.student_layers
+        )
+        t_hooks = _LayerOutputs(
+            decoder_layers(teacher, mapping_for(teacher)), hidden.teacher_layers
+        )
     if cfg.gradient_checkpointing:
         _checkpointing(student, True)
     was_training = student.training
@@ -135,14 +155,20 @@ def distill(student: nn.Module, teacher: nn.Module, stream: torch.Tensor, cfg: T
             with _autocast(device, cfg.bf16):
                 s_logits = student(input_ids=ids, use_cache=False).logits  # [B, T, V]
             loss, parts = distill_loss(
-                s_logits, t_logits, ids, weights,
+                s_logits,
+                t_logits,
+                ids,
+                weights,
                 s_hooks.take(hidden.student_layers) if s_hooks else None,
                 t_hooks.take(hidden.teacher_layers) if t_hooks else None,
-                hidden.channels if hidden is not None else None)
+                hidden.channels if hidden is not None else None,
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.max_grad_norm > 0:
-                parts["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+                parts["grad_norm"] = float(
+                    torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+                )
             opt.step()
             record = {"step": step, "lr": lr, **parts, "seconds": time.perf_counter() - t0}
             history.append(record)

@@ -1,10 +1,10 @@
 """Knowledge-distillation losses (pure functions of tensors).
 
-  kl_loss      T^2 * KL(teacher || student) of the token distributions at temperature T
-               (Hinton et al. 2015: the T^2 keeps gradient magnitudes comparable across T)
-  ce_loss      next-token cross-entropy of the student on the data
-  hidden_loss  MSE between student and teacher hidden states of mapped layers, relative to the
-               teacher's mean square (so its weight does not depend on the residual stream's scale)
+kl_loss      T^2 * KL(teacher || student) of the token distributions at temperature T
+             (Hinton et al. 2015: the T^2 keeps gradient magnitudes comparable across T)
+ce_loss      next-token cross-entropy of the student on the data
+hidden_loss  MSE between student and teacher hidden states of mapped layers, relative to the
+             teacher's mean square (so its weight does not depend on the residual stream's scale)
 """
 
 from __future__ import annotations
@@ -23,14 +23,18 @@ class LossWeights:
     temperature: float = 1.0  # softmax temperature of the KL term
 
 
-def kl_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def kl_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """T^2 * mean over tokens of KL(softmax(teacher/T) || softmax(student/T)), in nats.
 
     Logits [..., V] (any leading shape, the same for both); computed in float32.
     """
     if student_logits.shape != teacher_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher logits "
-                         f"{tuple(teacher_logits.shape)} differ; teacher and student must share the vocabulary")
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and teacher logits "
+            f"{tuple(teacher_logits.shape)} differ; teacher and student must share the vocabulary"
+        )
     t = temperature
     log_s = F.log_softmax(student_logits.float() / t, dim=-1)
     log_t = F.log_softmax(teacher_logits.float() / t, dim=-1)
@@ -44,16 +48,19 @@ def ce_loss(student_logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tens
     return F.cross_entropy(pred.reshape(-1, pred.size(-1)), input_ids[:, 1:].reshape(-1))
 
 
-def hidden_loss(student: list[torch.Tensor], teacher: list[torch.Tensor],
-                channels: torch.Tensor | None = None) -> torch.Tensor:
+def hidden_loss(
+    student: list[torch.Tensor], teacher: list[torch.Tensor], channels: torch.Tensor | None = None
+) -> torch.Tensor:
     """Mean over pairs of ||s - t[..., channels]||^2 / ||t[..., channels]||^2 (per-element means).
 
     student[i] [B, T, H'] pairs with teacher[i] [B, T, H]; `channels` [H'] picks the teacher
     channels the student kept (None: H' == H, all of them).
     """
     if len(student) != len(teacher) or not student:
-        raise ValueError(f"hidden_loss needs equally many student and teacher states (got "
-                         f"{len(student)} and {len(teacher)}, at least one)")
+        raise ValueError(
+            f"hidden_loss needs equally many student and teacher states (got "
+            f"{len(student)} and {len(teacher)}, at least one)"
+        )
     total = student[0].new_zeros((), dtype=torch.float32)
     for s, t in zip(student, teacher):
         t = t.float() if channels is None else t.float().index_select(-1, channels.to(t.device))
@@ -61,10 +68,15 @@ def hidden_loss(student: list[torch.Tensor], teacher: list[torch.Tensor],
     return total / len(student)
 
 
-def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, input_ids: torch.Tensor,
-                 weights: LossWeights, student_hidden: list[torch.Tensor] | None = None,
-                 teacher_hidden: list[torch.Tensor] | None = None,
-                 channels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    weights: LossWeights,
+    student_hidden: list[torch.Tensor] | None = None,
+    teacher_hidden: list[torch.Tensor] | None = None,
+    channels: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The weighted sum of the enabled terms and each term's value (for logs and reports)."""
     total = student_logits.new_zeros((), dtype=torch.float32)
     parts: dict[str, float] = {}

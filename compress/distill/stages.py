@@ -31,7 +31,9 @@ class DistillOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    teacher: str | None = None  # checkpoint path or hub id; None: the model before the first prune stage
+    teacher: str | None = (
+        None  # checkpoint path or hub id; None: the model before the first prune stage
+    )
     dataset: str | None = None  # training data spec; None: the calibration dataset (train split)
     steps: int = Field(200, gt=0)  # optimizer steps
     batch_size: int = Field(8, gt=0)  # windows per step
@@ -55,14 +57,26 @@ class DistillOptions(BaseModel):
     @model_validator(mode="after")
     def _some_loss(self):
         if self.kl_weight == self.ce_weight == self.hidden_weight == 0:
-            raise ValueError("kl_weight, ce_weight and hidden_weight are all 0; give one of them a weight")
+            raise ValueError(
+                "kl_weight, ce_weight and hidden_weight are all 0; give one of them a weight"
+            )
         return self
 
     def train_config(self, device: torch.device) -> TrainConfig:
         bf16 = self.precision == "bf16" or (self.precision == "auto" and device.type == "cuda")
-        return TrainConfig(self.steps, self.batch_size, self.seq_len, self.lr, self.warmup_steps,
-                           self.min_lr_ratio, self.weight_decay, self.max_grad_norm,
-                           self.gradient_checkpointing, self.seed, bf16)
+        return TrainConfig(
+            self.steps,
+            self.batch_size,
+            self.seq_len,
+            self.lr,
+            self.warmup_steps,
+            self.min_lr_ratio,
+            self.weight_decay,
+            self.max_grad_norm,
+            self.gradient_checkpointing,
+            self.seed,
+            bf16,
+        )
 
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.kl_weight, self.ce_weight, self.hidden_weight, self.temperature)
@@ -88,30 +102,42 @@ class DistillStage(Stage):
 
     def prepare(self, state: CompressionState) -> None:
         if state.quantized:
-            raise RecipeError("stages: distill comes after a quantization stage, which it would undo; "
-                              "distill first, then quantize")
+            raise RecipeError(
+                "stages: distill comes after a quantization stage, which it would undo; "
+                "distill first, then quantize"
+            )
         self._teacher = self._load_teacher(state)
         self._hidden = self._hidden_map(state) if self.options.hidden_weight else None
-        spec = parse_dataset(self.options.dataset or state.calibration_dataset, state.base_dir).for_calibration()
+        spec = parse_dataset(
+            self.options.dataset or state.calibration_dataset, state.base_dir
+        ).for_calibration()
         self._dataset = str(spec)
         self._stream = load_token_documents(spec, state.tokenizer)  # [num_tokens]
 
     def _load_teacher(self, state: CompressionState) -> nn.Module:
         if self.options.teacher is None:
             if state.teacher is None:
-                raise RecipeError("distill: no teacher; put a prune stage before it or set distill.teacher")
+                raise RecipeError(
+                    "distill: no teacher; put a prune stage before it or set distill.teacher"
+                )
             return state.teacher
         from slimserve.runtime.loading.loader import load_model
 
         path = Path(self.options.teacher).expanduser()
-        if not path.is_absolute() and state.base_dir is not None and (state.base_dir / path).exists():
+        if (
+            not path.is_absolute()
+            and state.base_dir is not None
+            and (state.base_dir / path).exists()
+        ):
             path = state.base_dir / path
         loaded = load_model(path if path.exists() else self.options.teacher, dtype=torch.float32)
         teacher = loaded.model.requires_grad_(False).eval()
         t_vocab, s_vocab = teacher.config.vocab_size, state.model.config.vocab_size
         if t_vocab != s_vocab:
-            raise RecipeError(f"distill.teacher {self.options.teacher} has vocab {t_vocab}, the model "
-                              f"{s_vocab}; a teacher must share the student's tokenizer")
+            raise RecipeError(
+                f"distill.teacher {self.options.teacher} has vocab {t_vocab}, the model "
+                f"{s_vocab}; a teacher must share the student's tokenizer"
+            )
         return teacher
 
     def _hidden_map(self, state: CompressionState) -> HiddenMap:
@@ -120,21 +146,27 @@ class DistillStage(Stage):
         if tmap is None:
             t_cfg, s_cfg = self._teacher.config, state.model.config
             if (t_cfg.num_hidden_layers, t_cfg.hidden_size) != (n_student, s_cfg.hidden_size):
-                raise RecipeError("distill.hidden_weight: the teacher's depth/width differ from the model's "
-                                  "and no prune stage maps them; use the prune stage's teacher or set "
-                                  "hidden_weight: 0")
+                raise RecipeError(
+                    "distill.hidden_weight: the teacher's depth/width differ from the model's "
+                    "and no prune stage maps them; use the prune stage's teacher or set "
+                    "hidden_weight: 0"
+                )
         chosen = tuple(self.options.hidden_layers or range(n_student))
         bad = [i for i in chosen if not 0 <= i < n_student]
         if bad:
-            raise RecipeError(f"distill.hidden_layers: layer {bad[0]} does not exist; the model has "
-                              f"{n_student} layers (0..{n_student - 1})")
+            raise RecipeError(
+                f"distill.hidden_layers: layer {bad[0]} does not exist; the model has "
+                f"{n_student} layers (0..{n_student - 1})"
+            )
         teacher_layers = tuple(tmap.layers[i] for i in chosen) if tmap else chosen
         channels = torch.tensor(tmap.hidden) if tmap and tmap.hidden is not None else None
         return HiddenMap(chosen, teacher_layers, channels)
 
     def apply(self, state: CompressionState) -> None:
         t0, cpu0 = time.perf_counter(), time.process_time()
-        device = resolve_device(self.options.device, f"stages.{self.name}.device", auto=state.device)
+        device = resolve_device(
+            self.options.device, f"stages.{self.name}.device", auto=state.device
+        )
         student, teacher = state.model, self._teacher
         student.to(device)
         teacher.to(device)
@@ -146,8 +178,9 @@ class DistillStage(Stage):
             student.eval()
         round_to_storage(student, state.storage_dtype)
         self.report.seconds = time.perf_counter() - t0
-        self.report.details.update(describe_training(self.options, history, self._dataset, device,
-                                                     self._stream.numel()))
+        self.report.details.update(
+            describe_training(self.options, history, self._dataset, device, self._stream.numel())
+        )
         # CPU seconds of this process (all threads): on a shared machine wall time overstates the cost
         self.report.details["cpu_seconds"] = time.process_time() - cpu0
 
@@ -160,8 +193,16 @@ class DistillStage(Stage):
             def on_step(_step: int, record: dict) -> None:
                 bar.update(task, advance=1, loss=f"{record['loss']:.4f}")
 
-            return distill(student, teacher, self._stream, self.options.train_config(device),
-                           self.options.loss_weights(), self._hidden, device, on_step)
+            return distill(
+                student,
+                teacher,
+                self._stream,
+                self.options.train_config(device),
+                self.options.loss_weights(),
+                self._hidden,
+                device,
+                on_step,
+            )
 
     def finalize(self, state: CompressionState) -> StageReport:
         self._stream = None
@@ -176,13 +217,21 @@ def round_to_storage(model: nn.Module, storage: torch.dtype) -> None:
         p.copy_(p.to(storage).to(p.dtype))
 
 
-def describe_training(opts: DistillOptions, history: list[dict], dataset: str, device: torch.device,
-                      stream_tokens: int) -> dict:
+def describe_training(
+    opts: DistillOptions,
+    history: list[dict],
+    dataset: str,
+    device: torch.device,
+    stream_tokens: int,
+) -> dict:
     """Report facts: the run's settings, first/last losses and a down-sampled loss curve."""
     n = len(history)
     every = max(1, -(-n // CURVE_POINTS))  # ceil(n / CURVE_POINTS)
-    curve = [{k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()}
-             for i, r in enumerate(history) if i % every == 0 or i == n - 1]
+    curve = [
+        {k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()}
+        for i, r in enumerate(history)
+        if i % every == 0 or i == n - 1
+    ]
     window = max(1, min(10, n // 5))  # smooth first/last over a few steps
 
     def mean_loss(rows):
@@ -192,12 +241,19 @@ def describe_training(opts: DistillOptions, history: list[dict], dataset: str, d
     tokens = n * opts.batch_size * opts.seq_len
     return {
         "teacher": opts.teacher or "model before the first prune stage",
-        "dataset": dataset, "dataset_tokens": stream_tokens, "device": str(device),
+        "dataset": dataset,
+        "dataset_tokens": stream_tokens,
+        "device": str(device),
         "bf16": opts.train_config(device).bf16,
-        "steps": opts.steps, "batch_size": opts.batch_size, "seq_len": opts.seq_len, "lr": opts.lr,
-        "warmup_steps": opts.warmup_steps, "temperature": opts.temperature,
+        "steps": opts.steps,
+        "batch_size": opts.batch_size,
+        "seq_len": opts.seq_len,
+        "lr": opts.lr,
+        "warmup_steps": opts.warmup_steps,
+        "temperature": opts.temperature,
         "weights": {"kl": opts.kl_weight, "ce": opts.ce_weight, "hidden": opts.hidden_weight},
-        "tokens_trained": tokens, "tokens_per_second": tokens / seconds if seconds else None,
+        "tokens_trained": tokens,
+        "tokens_per_second": tokens / seconds if seconds else None,
         "loss_first": mean_loss(history[:window]) if history else None,
         "loss_last": mean_loss(history[-window:]) if history else None,
         "loss_curve": curve,

@@ -52,7 +52,9 @@ COMPRESSED_TENSORS = "compressed-tensors"
 GPTQ = "gptq"
 AWQ = "awq"
 FORMATS = (COMPRESSED_TENSORS, GPTQ, AWQ)
-GPTQ_CONFIG_FILE = "quantize_config.json"  # AutoGPTQ's side file, read when config.json lacks the block
+GPTQ_CONFIG_FILE = (
+    "quantize_config.json"  # AutoGPTQ's side file, read when config.json lacks the block
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,14 +80,18 @@ def check_exportable(fmt: str, scheme: QuantScheme, partial_groups: bool = False
         raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     w = scheme.weights
     if partial_groups and w.strategy == "group" and not LIMITS[fmt].partial_groups:
-        raise SchemeError(f"export.allow_partial_groups: {fmt} checkpoints cannot hold partial groups "
-                          f"(its loaders need group_size {w.group_size} to divide every in_features); "
-                          "export format 'compressed-tensors' or use a group_size that divides them")
+        raise SchemeError(
+            f"export.allow_partial_groups: {fmt} checkpoints cannot hold partial groups "
+            f"(its loaders need group_size {w.group_size} to divide every in_features); "
+            "export format 'compressed-tensors' or use a group_size that divides them"
+        )
     if fmt == COMPRESSED_TENSORS:
         if scheme.ct_format() not in SUPPORTED_FORMATS:
-            raise SchemeError(f"scheme {scheme} needs compressed-tensors format "
-                              f"{scheme.ct_format()!r}, which is not exported yet; supported: "
-                              f"{', '.join(SUPPORTED_FORMATS)}")
+            raise SchemeError(
+                f"scheme {scheme} needs compressed-tensors format "
+                f"{scheme.ct_format()!r}, which is not exported yet; supported: "
+                f"{', '.join(SUPPORTED_FORMATS)}"
+            )
     elif fmt == GPTQ:
         gptq_format.check_gptq_scheme(scheme)
     else:
@@ -119,8 +125,10 @@ def export_artifact(fmt: str, *args: Any, layers: LayerStore | None = None, **kw
     if fmt not in FORMATS:
         raise SchemeError(f"export format {fmt!r} is unknown; use one of {', '.join(FORMATS)}")
     if opts.kv_scales and not LIMITS[fmt].kv_cache_scales:
-        raise SchemeError(f"fp8 KV-cache scales cannot be stored in a {fmt} checkpoint; export "
-                          "format 'compressed-tensors' or drop the kv_cache stage")
+        raise SchemeError(
+            f"fp8 KV-cache scales cannot be stored in a {fmt} checkpoint; export "
+            "format 'compressed-tensors' or drop the kv_cache stage"
+        )
     for name, qw in quantized.items():
         try:
             check_exportable(fmt, (opts.schemes or {}).get(name) or QuantScheme(qw.args))
@@ -133,8 +141,9 @@ def export_artifact(fmt: str, *args: Any, layers: LayerStore | None = None, **kw
             v2 = v2 or gptq_format.needs_v2(qw)
             desc_act = desc_act or not gptq_format.is_monotonic(qw.group_index())
         version = gptq_format.V2 if v2 else gptq_format.V1
-        qc = gptq_format.gptq_config(next(iter(quantized.values())).args, desc_act=desc_act,
-                                     checkpoint_format=version)
+        qc = gptq_format.gptq_config(
+            next(iter(quantized.values())).args, desc_act=desc_act, checkpoint_format=version
+        )
         tensors = weights(lambda n, qw: gptq_format.gptq_tensors(n, qw, checkpoint_format=version))
         return write_artifact(opts, tensors, qc, {GPTQ_CONFIG_FILE: qc})
     qc = awq_format.awq_config(next(iter(quantized.values())).args, unquantized)
@@ -143,18 +152,24 @@ def export_artifact(fmt: str, *args: Any, layers: LayerStore | None = None, **kw
 
 def _output_embedding_name(model: torch.nn.Module) -> str | None:
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
+    return (
+        next((n for n, m in model.named_modules() if m is out), None) if out is not None else None
+    )
 
 
-def _check_modules(fmt: str, model: torch.nn.Module, quantized: dict[str, QuantizedWeight]) -> list[str]:
+def _check_modules(
+    fmt: str, model: torch.nn.Module, quantized: dict[str, QuantizedWeight]
+) -> list[str]:
     """Check what a single-config format can describe; return the unquantized Linears' names.
 
     gptq and awq have one global scheme, never quantize the output embedding (lm_head), and
     gptq loaders quantize every other Linear (awq lists the rest in modules_to_not_convert).
     """
     if not quantized:
-        raise SchemeError(f"export format {fmt!r} needs quantized Linears and none were quantized; "
-                          "add a quantization stage (e.g. rtn) or export 'compressed-tensors'")
+        raise SchemeError(
+            f"export format {fmt!r} needs quantized Linears and none were quantized; "
+            "add a quantization stage (e.g. rtn) or export 'compressed-tensors'"
+        )
     if fmt == GPTQ:  # the whole config is global, so every module needs the same arguments
         key = lambda a: (a.num_bits, a.symmetric, a.strategy, a.group_size)  # noqa: E731
     else:  # awq writes symmetric schemes as asymmetric, so only the group size must agree
@@ -165,16 +180,20 @@ def _check_modules(fmt: str, model: torch.nn.Module, quantized: dict[str, Quanti
             raise SchemeError(
                 f"{name} is quantized as {qw.args} but {first_name} as {first.args}; a {fmt} "
                 "checkpoint has one scheme for all Linears, so quantize them alike or export "
-                "'compressed-tensors'")
+                "'compressed-tensors'"
+            )
     head = _output_embedding_name(model)
     if head in quantized:
-        raise SchemeError(f"{head} (the output embedding) is quantized, which {fmt} loaders do not "
-                          f"expect; add {head!r} to the stage's ignore list or export 'compressed-tensors'")
+        raise SchemeError(
+            f"{head} (the output embedding) is quantized, which {fmt} loaders do not "
+            f"expect; add {head!r} to the stage's ignore list or export 'compressed-tensors'"
+        )
     unquantized = [n for n in linear_classes(model) if n not in quantized]
     stray = [n for n in unquantized if n != head]
     if fmt == GPTQ and stray:
         raise SchemeError(
             f"{stray[0]} is not quantized, but gptq loaders quantize every Linear of the decoder "
             "layers; quantize it too, or export 'awq' or 'compressed-tensors' (they can list "
-            "unquantized modules)")
+            "unquantized modules)"
+        )
     return unquantized

@@ -16,9 +16,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -104,15 +105,19 @@ def compressed_tensors_plan(
     function, the extra tensors (fp8 KV scales) and the `quantization_config` block (None when
     nothing is quantized). Needs only the names, shapes and arguments of `opts.quantized`."""
     model, kv_scales = opts.model, opts.kv_scales
-    schemes = {n: (opts.schemes or {}).get(n) or QuantScheme(qw.args)
-               for n, qw in opts.quantized.items()}
+    schemes = {
+        n: (opts.schemes or {}).get(n) or QuantScheme(qw.args) for n, qw in opts.quantized.items()
+    }
     extra: dict[str, torch.Tensor] = {}
     qc = None
     if schemes or kv_scales:
         linears = linear_classes(model)
         extra = kv_tensors(kv_scales or {}, model.get_input_embeddings().weight.dtype)
-        qc = quantization_config({n: schemes[n] for n in linears if n in schemes}, linears,
-                                 kv_cache_scheme() if kv_scales else None)
+        qc = quantization_config(
+            {n: schemes[n] for n in linears if n in schemes},
+            linears,
+            kv_cache_scheme() if kv_scales else None,
+        )
     return (lambda n, qw: linear_tensors(n, qw, schemes[n])), extra, qc
 
 
@@ -185,8 +190,10 @@ def replace_problem(out_dir: str | Path) -> str | None:
             return None
     except OSError as e:
         return f"{out_dir} cannot be read ({e.strerror}); choose a new folder for the artifact"
-    return (f"{out_dir} is not empty and is not a slimserve artifact (no {MANIFEST_NAME}); export "
-            "replaces only an earlier artifact, so choose a new or empty folder")
+    return (
+        f"{out_dir} is not empty and is not a slimserve artifact (no {MANIFEST_NAME}); export "
+        "replaces only an earlier artifact, so choose a new or empty folder"
+    )
 
 
 def _umask() -> int:
@@ -266,7 +273,9 @@ def _write_config(model: torch.nn.Module, folder: Path, quant_config: dict | Non
 
 
 def artifact_tensors(
-    model: torch.nn.Module, quantized: dict[str, QuantizedWeight], linear_fn: LinearTensorsFn,
+    model: torch.nn.Module,
+    quantized: dict[str, QuantizedWeight],
+    linear_fn: LinearTensorsFn,
     keys: Callable[[str], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor to save: the model's state dict with each quantized `<name>.weight` swapped
@@ -279,18 +288,24 @@ def artifact_tensors(
     linears = linear_classes(model)
     for name, qw in quantized.items():
         if name not in linears:
-            raise ValueError(f"quantized module {name!r} is not a Linear of the model; pass module "
-                             "names as in model.named_modules(), e.g. 'model.layers.0.self_attn.q_proj'")
+            raise ValueError(
+                f"quantized module {name!r} is not a Linear of the model; pass module "
+                "names as in model.named_modules(), e.g. 'model.layers.0.self_attn.q_proj'"
+            )
         weight = model.get_submodule(name).weight
         if tuple(weight.shape) != qw.shape:
-            raise ValueError(f"{name}: quantized shape {qw.shape} != weight shape {tuple(weight.shape)}")
+            raise ValueError(
+                f"{name}: quantized shape {qw.shape} != weight shape {tuple(weight.shape)}"
+            )
     skip = {f"{n}.weight" for n in quantized}
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     state = model.state_dict()
     bad = sorted(k for k in skip if k in tied or k in tied.values())
     if bad:
-        raise ValueError(f"{bad[0]} is tied to another weight and cannot be quantized alone; "
-                         "ignore that module or untie the embeddings (tie_word_embeddings=false)")
+        raise ValueError(
+            f"{bad[0]} is tied to another weight and cannot be quantized alone; "
+            "ignore that module or untie the embeddings (tie_word_embeddings=false)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}  # storage address -> first name written
     for key, t in state.items():
@@ -308,5 +323,8 @@ def artifact_tensors(
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            and a.storage_offset() == b.storage_offset() and a.shape == b.shape)
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+    )

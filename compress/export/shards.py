@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import save_file
@@ -27,13 +27,29 @@ from slimserve.runtime.loading.lazy_weights import ST_NAMES, read_header, releas
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default shard size ("5GB")
 _COPY_CHUNK = 64 * 2**20
 # safetensors' dtype enum in declaration order: save_file writes larger (later) dtypes first
-_DTYPE_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
-                "F64", "I64", "U64")
+_DTYPE_ORDER = (
+    "BOOL",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "F64",
+    "I64",
+    "U64",
+)
 PARTS_DIR = ".parts"  # hidden: never part of the artifact (the manifest skips hidden folders)
 
 
-def all_quantized(quantized: dict[str, QuantizedWeight],
-                  layers: LayerStore | None) -> Iterator[tuple[str, QuantizedWeight]]:
+def all_quantized(
+    quantized: dict[str, QuantizedWeight], layers: LayerStore | None
+) -> Iterator[tuple[str, QuantizedWeight]]:
     """Every quantized weight with its data: those in memory, then each layer's from its spill."""
     for name, qw in quantized.items():
         if not is_meta(qw):
@@ -43,15 +59,22 @@ def all_quantized(quantized: dict[str, QuantizedWeight],
             yield from layers.quantized_weights(i).items()
 
 
-def layer_by_layer_weights(model: torch.nn.Module, layers: LayerStore, quantized: dict[str, QuantizedWeight],
-                           linear_fn: LinearTensorsFn, extra: dict[str, torch.Tensor] | None = None,
-                           max_shard_bytes: int = MAX_SHARD_BYTES) -> Callable[[Path], None]:
+def layer_by_layer_weights(
+    model: torch.nn.Module,
+    layers: LayerStore,
+    quantized: dict[str, QuantizedWeight],
+    linear_fn: LinearTensorsFn,
+    extra: dict[str, torch.Tensor] | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Callable[[Path], None]:
     """The weight writer `io.write_artifact` calls with its temporary folder: the artifact tensors
     of each decoder layer of `layers` (floating tensors in the model's dtype, quantized Linears
     through `linear_fn`), then the rest of `model`, plus `extra` tensors (e.g. `<attn>.k_scale`)
     in the part of the layer they name."""
     extra = dict(extra or {})
-    dtype = model.get_input_embeddings().weight.dtype  # export casts the skeleton to the storage dtype
+    dtype = (
+        model.get_input_embeddings().weight.dtype
+    )  # export casts the skeleton to the storage dtype
 
     def write(folder: Path) -> None:
         parts_dir = folder / PARTS_DIR
@@ -62,8 +85,12 @@ def layer_by_layer_weights(model: torch.nn.Module, layers: LayerStore, quantized
             pre = layers.prefix(i)
             layers.load(i, dtype)
             try:
-                tensors = artifact_tensors(model, layers.quantized_weights(i), linear_fn,
-                                           keys=lambda k, pre=pre: k.startswith(pre))
+                tensors = artifact_tensors(
+                    model,
+                    layers.quantized_weights(i),
+                    linear_fn,
+                    keys=lambda k, pre=pre: k.startswith(pre),
+                )
             finally:
                 layers.drop(i)
             tensors.update({k: v for k, v in extra.items() if k.startswith(pre)})
@@ -71,7 +98,9 @@ def layer_by_layer_weights(model: torch.nn.Module, layers: LayerStore, quantized
             del tensors
             release_memory()
         trunk_q = {n: qw for n, qw in quantized.items() if not n.startswith(inside)}
-        tensors = artifact_tensors(model, trunk_q, linear_fn, keys=lambda k: not k.startswith(inside))
+        tensors = artifact_tensors(
+            model, trunk_q, linear_fn, keys=lambda k: not k.startswith(inside)
+        )
         tensors.update({k: v for k, v in extra.items() if not k.startswith(inside)})
         parts.append(_save_part(tensors, parts_dir, len(parts)))
         del tensors
@@ -87,7 +116,9 @@ def _save_part(tensors: dict[str, torch.Tensor], folder: Path, n: int) -> Path:
     return path
 
 
-def concatenate(parts: list[Path], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def concatenate(
+    parts: list[Path], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[str]:
     """Copy the tensors of safetensors `parts` into `folder` as one `model.safetensors`, or as
     shards of at most `max_shard_bytes` of data (a part is never split) with an index; returns
     the files written. Streams bytes: nothing is loaded."""
@@ -98,15 +129,21 @@ def concatenate(parts: list[Path], folder: Path, max_shard_bytes: int = MAX_SHAR
         if groups[-1] and sum(sizes[k] for k in groups[-1]) + size > max_shard_bytes:
             groups.append([])
         groups[-1].append(j)
-    names = ([WEIGHTS_NAME] if len(groups) == 1 else
-             [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))])
+    names = (
+        [WEIGHTS_NAME]
+        if len(groups) == 1
+        else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    )
     weight_map: dict[str, str] = {}
     for name, group in zip(names, groups):
         entries = [(key, e) for j in group for key, e in headers[j].items()]
         _write_shard(folder / name, entries)
         weight_map.update({key: name for key, _ in entries})
     if len(names) > 1:
-        index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": sum(sizes)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     return names
 
@@ -120,7 +157,11 @@ def _write_shard(path: Path, entries) -> None:
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for key, e in entries:
-        header[key] = {"dtype": ST_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[key] = {
+            "dtype": ST_NAMES[e.dtype],
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + e.nbytes],
+        }
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it

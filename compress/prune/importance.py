@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimserve.compress.calibration import capture_first_layer_inputs
-from slimserve.compress.stage import LayerContext, LayerInputs
 from slimserve.compress.mappings import decoder_layers, mapping_for
 from slimserve.compress.prune.sizes import Dims
+from slimserve.compress.stage import LayerContext, LayerInputs
 
 
 @dataclass(slots=True)
@@ -56,7 +56,9 @@ class _LayerStats:
         self.hidden = 0.0  # [H] sum of |norm output| over both norms
         self.handles = [
             layer.mlp.down_proj.register_forward_pre_hook(self._mlp),
-            layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: self._heads(a[0], num_heads)),
+            layer.self_attn.o_proj.register_forward_pre_hook(
+                lambda m, a: self._heads(a[0], num_heads)
+            ),
             layer.input_layernorm.register_forward_hook(self._norm),
             layer.post_attention_layernorm.register_forward_hook(self._norm),
         ]
@@ -80,8 +82,9 @@ class _LayerStats:
 
 
 @torch.no_grad()
-def activation_importance(model: nn.Module, batches: list[torch.Tensor], device: torch.device | str = "cpu",
-                          on_layer=None) -> Importance:
+def activation_importance(
+    model: nn.Module, batches: list[torch.Tensor], device: torch.device | str = "cpu", on_layer=None
+) -> Importance:
     """Minitron activation scores and Block Influence from calibration batches [b, seq_len] of ids.
 
     Runs layer-sequentially (one decoder layer on `device` at a time), like the quantizers.
@@ -110,7 +113,9 @@ def activation_importance(model: nn.Module, batches: list[torch.Tensor], device:
         layer.to("cpu")
         if on_layer:
             on_layer(i + 1, len(layers))
-    return Importance(torch.stack(heads), torch.stack(channels), hidden, torch.tensor(influence), "activation")
+    return Importance(
+        torch.stack(heads), torch.stack(channels), hidden, torch.tensor(influence), "activation"
+    )
 
 
 def _col_norm2(w: torch.Tensor) -> torch.Tensor:
@@ -139,7 +144,11 @@ def magnitude_importance(model: nn.Module) -> Importance:
         q_rows = _row_norm2(attn.q_proj.weight).view(n_q, -1).sum(dim=1)  # [n_q]
         o_cols = _col_norm2(attn.o_proj.weight).view(n_q, -1).sum(dim=1)  # [n_q]
         heads.append((q_rows + o_cols).sqrt())
-        ch = _row_norm2(mlp.gate_proj.weight) + _row_norm2(mlp.up_proj.weight) + _col_norm2(mlp.down_proj.weight)
+        ch = (
+            _row_norm2(mlp.gate_proj.weight)
+            + _row_norm2(mlp.up_proj.weight)
+            + _col_norm2(mlp.down_proj.weight)
+        )
         channels.append(ch.sqrt())  # [F]
         g_attn = layer.input_layernorm.weight.float().pow(2)  # norm gains scale what q/k/v read
         g_mlp = layer.post_attention_layernorm.weight.float().pow(2)
@@ -168,7 +177,9 @@ def mean_nll(model: nn.Module, batches: list[torch.Tensor]) -> float:
     return total / count
 
 
-def layer_perplexity_scores(model: nn.Module, batches: list[torch.Tensor], on_layer=None) -> torch.Tensor:
+def layer_perplexity_scores(
+    model: nn.Module, batches: list[torch.Tensor], on_layer=None
+) -> torch.Tensor:
     """Per layer, the calibration NLL increase (nats) when that layer is skipped. [L]"""
     layers = decoder_layers(model, mapping_for(model))
     was_training = model.training

@@ -72,20 +72,32 @@ class Targets:
 def resolve_dims(dims: Dims, t: Targets) -> Dims:
     """The shape after pruning `dims` as `t` asks; RecipeError (naming the key) if impossible."""
     if t.multiple_of < 1:
-        raise RecipeError(f"{KEY}.multiple_of={t.multiple_of}; use a positive channel multiple such as 64")
+        raise RecipeError(
+            f"{KEY}.multiple_of={t.multiple_of}; use a positive channel multiple such as 64"
+        )
     heads, kv = _resolve_heads(dims, t)
     # transformers 5 refuses a Llama config whose hidden_size is not a multiple of
     # num_attention_heads even when head_dim is explicit, so hidden sizes step by both.
     step = math.lcm(t.multiple_of, heads)
-    hidden = _resolve_channels(dims.hidden_size, t.hidden, t.hidden_size, "hidden", "hidden_size", step)
+    hidden = _resolve_channels(
+        dims.hidden_size, t.hidden, t.hidden_size, "hidden", "hidden_size", step
+    )
     if hidden % heads:
-        raise RecipeError(f"{KEY}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, "
-                          f"which transformers refuses to load; prune heads to a divisor of {hidden} "
-                          f"or use a hidden size that is a multiple of {step}")
+        raise RecipeError(
+            f"{KEY}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, "
+            f"which transformers refuses to load; prune heads to a divisor of {hidden} "
+            f"or use a hidden size that is a multiple of {step}"
+        )
     return replace(
         dims,
-        intermediate_size=_resolve_channels(dims.intermediate_size, t.mlp, t.intermediate_size,
-                                            "mlp", "intermediate_size", t.multiple_of),
+        intermediate_size=_resolve_channels(
+            dims.intermediate_size,
+            t.mlp,
+            t.intermediate_size,
+            "mlp",
+            "intermediate_size",
+            t.multiple_of,
+        ),
         hidden_size=hidden,
         num_attention_heads=heads,
         num_key_value_heads=kv,
@@ -94,18 +106,28 @@ def resolve_dims(dims: Dims, t: Targets) -> Dims:
 
 
 def _both(amount_key: str, size_key: str) -> RecipeError:
-    return RecipeError(f"{KEY}.{amount_key} and {KEY}.{size_key} are both set; give the amount removed "
-                       f"or the size kept, not both")
+    return RecipeError(
+        f"{KEY}.{amount_key} and {KEY}.{size_key} are both set; give the amount removed "
+        f"or the size kept, not both"
+    )
 
 
 def _check_fraction(key: str, value: float) -> None:
     if not 0.0 <= value < 1.0:
-        raise RecipeError(f"{KEY}.{key}={value} is not a fraction in [0, 1); give the share removed, "
-                          f"e.g. {key}: 0.25")
+        raise RecipeError(
+            f"{KEY}.{key}={value} is not a fraction in [0, 1); give the share removed, "
+            f"e.g. {key}: 0.25"
+        )
 
 
-def _resolve_channels(current: int, fraction: float | None, size: int | None, amount_key: str,
-                      size_key: str, multiple: int) -> int:
+def _resolve_channels(
+    current: int,
+    fraction: float | None,
+    size: int | None,
+    amount_key: str,
+    size_key: str,
+    multiple: int,
+) -> int:
     """Channels kept: `size` as given (a multiple of `multiple`), or current*(1-fraction) rounded."""
     if fraction is not None and size is not None:
         raise _both(amount_key, size_key)
@@ -113,13 +135,17 @@ def _resolve_channels(current: int, fraction: float | None, size: int | None, am
         if size == current:
             return size
         if not 0 < size < current:
-            raise RecipeError(f"{KEY}.{size_key}={size} is not between 1 and the model's {current - 1}; "
-                              f"pruning only removes channels")
+            raise RecipeError(
+                f"{KEY}.{size_key}={size} is not between 1 and the model's {current - 1}; "
+                f"pruning only removes channels"
+            )
         if size % multiple:
             lo, hi = size // multiple * multiple, (size // multiple + 1) * multiple
             near = " or ".join(str(v) for v in (lo, hi) if 0 < v < current)
-            raise RecipeError(f"{KEY}.{size_key}={size} is not a multiple of {multiple} ({_why(size_key)}); "
-                              f"use {near or 'a multiple'} or change {KEY}.multiple_of")
+            raise RecipeError(
+                f"{KEY}.{size_key}={size} is not a multiple of {multiple} ({_why(size_key)}); "
+                f"use {near or 'a multiple'} or change {KEY}.multiple_of"
+            )
         return size
     if not fraction:
         if fraction is not None:
@@ -127,15 +153,19 @@ def _resolve_channels(current: int, fraction: float | None, size: int | None, am
         return current
     _check_fraction(amount_key, fraction)
     if current < multiple:
-        raise RecipeError(f"{KEY}.{amount_key}: the model's {size_key} {current} is below {multiple} "
-                          f"({_why(size_key)}); set a smaller {KEY}.multiple_of")
+        raise RecipeError(
+            f"{KEY}.{amount_key}: the model's {size_key} {current} is below {multiple} "
+            f"({_why(size_key)}); set a smaller {KEY}.multiple_of"
+        )
     kept = max(multiple, round(current * (1.0 - fraction) / multiple) * multiple)
     kept = min(kept, current // multiple * multiple)  # a non-multiple current size never rounds up
     if kept >= current:
         need = multiple / current
-        raise RecipeError(f"{KEY}.{amount_key}={fraction} removes no channel of {current} once rounded to "
-                          f"a multiple of {multiple} ({_why(size_key)}); use {amount_key} >= {need / 2:.3f} "
-                          f"or a smaller multiple_of")
+        raise RecipeError(
+            f"{KEY}.{amount_key}={fraction} removes no channel of {current} once rounded to "
+            f"a multiple of {multiple} ({_why(size_key)}); use {amount_key} >= {need / 2:.3f} "
+            f"or a smaller multiple_of"
+        )
     return kept
 
 
@@ -149,11 +179,15 @@ def _resolve_heads(dims: Dims, t: Targets) -> tuple[int, int]:
     """(query heads, KV heads) kept, with the same number of query heads in every KV group."""
     n_q, n_kv, group = dims.num_attention_heads, dims.num_key_value_heads, dims.heads_per_group
     if t.heads_mode not in ("query", "kv_groups"):
-        raise RecipeError(f"{KEY}.heads_mode={t.heads_mode!r}; use 'query' (query heads evenly per KV "
-                          f"group) or 'kv_groups' (whole KV groups with their query heads)")
+        raise RecipeError(
+            f"{KEY}.heads_mode={t.heads_mode!r}; use 'query' (query heads evenly per KV "
+            f"group) or 'kv_groups' (whole KV groups with their query heads)"
+        )
     absolute = t.num_attention_heads is not None or t.num_key_value_heads is not None
     if t.heads is not None and absolute:
-        which = "num_attention_heads" if t.num_attention_heads is not None else "num_key_value_heads"
+        which = (
+            "num_attention_heads" if t.num_attention_heads is not None else "num_key_value_heads"
+        )
         raise _both("heads", which)
     if absolute:
         return _absolute_heads(dims, t.num_attention_heads, t.num_key_value_heads)
@@ -165,14 +199,18 @@ def _resolve_heads(dims: Dims, t: Targets) -> tuple[int, int]:
     if t.heads_mode == "query" and group > 1:  # keep every KV head, fewer query heads per group
         per_group = max(1, round(group * (1.0 - t.heads)))
         if per_group == group:
-            raise RecipeError(f"{KEY}.heads={t.heads} removes no head: {n_q} query heads in {n_kv} KV "
-                              f"groups of {group} lose heads evenly per group; use heads >= "
-                              f"{0.5 / group:.3f} or heads_mode: kv_groups")
+            raise RecipeError(
+                f"{KEY}.heads={t.heads} removes no head: {n_q} query heads in {n_kv} KV "
+                f"groups of {group} lose heads evenly per group; use heads >= "
+                f"{0.5 / group:.3f} or heads_mode: kv_groups"
+            )
         return per_group * n_kv, n_kv
     kv = max(1, round(n_kv * (1.0 - t.heads)))  # whole groups (also plain multi-head attention)
     if kv == n_kv:
-        raise RecipeError(f"{KEY}.heads={t.heads} removes no KV group of {n_kv} (heads_mode: kv_groups "
-                          f"removes whole groups); use heads >= {0.5 / n_kv:.3f}")
+        raise RecipeError(
+            f"{KEY}.heads={t.heads} removes no KV group of {n_kv} (heads_mode: kv_groups "
+            f"removes whole groups); use heads >= {0.5 / n_kv:.3f}"
+        )
     return kv * group, kv
 
 
@@ -185,7 +223,8 @@ def _absolute_heads(dims: Dims, heads: int | None, kv: int | None) -> tuple[int,
     if heads < 1 or heads % kv or heads // kv > group:
         raise RecipeError(
             f"{KEY}.num_attention_heads={heads} cannot keep grouped-query attention with {kv} KV heads "
-            f"(the model has {group} query heads per group); use a multiple of {kv} up to {kv * group}")
+            f"(the model has {group} query heads per group); use a multiple of {kv} up to {kv * group}"
+        )
     return heads, kv
 
 
@@ -202,11 +241,15 @@ def _resolve_layers(current: int, layers: float | int | None, size: int | None) 
         _check_fraction("layers", layers)
         removed = round(current * layers)
         if removed == 0:
-            raise RecipeError(f"{KEY}.layers={layers} removes no layer of {current}; use a count "
-                              f"(layers: 1) or a larger fraction")
+            raise RecipeError(
+                f"{KEY}.layers={layers} removes no layer of {current}; use a count "
+                f"(layers: 1) or a larger fraction"
+            )
     else:
         removed = int(layers)
     if not 0 <= removed < current:
-        raise RecipeError(f"{KEY}.layers={layers} would leave {current - removed} of {current} layers; "
-                          f"remove at most {current - 1}")
+        raise RecipeError(
+            f"{KEY}.layers={layers} would leave {current - removed} of {current} layers; "
+            f"remove at most {current - 1}"
+        )
     return current - removed

@@ -37,16 +37,24 @@ class PruneOptions(BaseModel):
     heads: float | None = Field(None, ge=0, lt=1)  # fraction of attention heads removed
     mlp: float | None = Field(None, ge=0, lt=1)  # fraction of MLP channels removed
     hidden: float | None = Field(None, ge=0, lt=1)  # fraction of hidden channels removed
-    layers: int | float | None = Field(None, ge=0)  # decoder layers removed: a count, or a fraction < 1
+    layers: int | float | None = Field(
+        None, ge=0
+    )  # decoder layers removed: a count, or a fraction < 1
     num_attention_heads: int | None = Field(None, gt=0)  # query heads kept per layer
     num_key_value_heads: int | None = Field(None, gt=0)  # KV heads kept per layer
     intermediate_size: int | None = Field(None, gt=0)  # MLP channels kept per layer
     hidden_size: int | None = Field(None, gt=0)  # hidden channels kept
     num_layers: int | None = Field(None, gt=0)  # decoder layers kept
-    heads_mode: Literal["query", "kv_groups"] = "query"  # query heads evenly per group | whole KV groups
+    heads_mode: Literal["query", "kv_groups"] = (
+        "query"  # query heads evenly per group | whole KV groups
+    )
     multiple_of: int = Field(64, gt=0)  # channel sizes stay multiples of this
-    method: Literal["activation", "magnitude"] = "activation"  # width importance: calibration or weights
-    layer_method: Literal["cosine", "perplexity"] = "cosine"  # layer importance: 1 - cos(in, out) or ppl
+    method: Literal["activation", "magnitude"] = (
+        "activation"  # width importance: calibration or weights
+    )
+    layer_method: Literal["cosine", "perplexity"] = (
+        "cosine"  # layer importance: 1 - cos(in, out) or ppl
+    )
 
     @model_validator(mode="after")
     def _some_target(self):
@@ -55,7 +63,9 @@ class PruneOptions(BaseModel):
         return self
 
     def targets(self) -> Targets:
-        return Targets(**{k: getattr(self, k) for k in (*_TARGET_KEYS, "heads_mode", "multiple_of")})
+        return Targets(
+            **{k: getattr(self, k) for k in (*_TARGET_KEYS, "heads_mode", "multiple_of")}
+        )
 
     @property
     def removes_layers(self) -> bool:
@@ -67,8 +77,17 @@ class PruneOptions(BaseModel):
         return self.method == "activation" or self.removes_layers
 
 
-_TARGET_KEYS = ("heads", "mlp", "hidden", "layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "hidden_size", "num_layers")
+_TARGET_KEYS = (
+    "heads",
+    "mlp",
+    "hidden",
+    "layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "hidden_size",
+    "num_layers",
+)
 
 
 class PruneStage(Stage):
@@ -81,9 +100,15 @@ class PruneStage(Stage):
     def __init__(self, options: PruneOptions):
         self.options = options
         self.needs_calibration = options.needs_calibration  # activation or layer scores
-        self.report = StageReport(self.name, details={
-            "method": options.method, "layer_method": options.layer_method,
-            "heads_mode": options.heads_mode, "multiple_of": options.multiple_of})
+        self.report = StageReport(
+            self.name,
+            details={
+                "method": options.method,
+                "layer_method": options.layer_method,
+                "heads_mode": options.heads_mode,
+                "multiple_of": options.multiple_of,
+            },
+        )
         self._after: Dims | None = None
 
     def preflight(self, config):
@@ -93,7 +118,9 @@ class PruneStage(Stage):
 
     def prepare(self, state: CompressionState) -> None:
         if state.quantized:
-            raise RecipeError("stages: prune comes after a quantization stage; prune first, then quantize")
+            raise RecipeError(
+                "stages: prune comes after a quantization stage; prune first, then quantize"
+            )
         self._after = resolve_dims(Dims.from_config(state.model.config), self.options.targets())
         if self.needs_calibration and state.calibration is None:
             raise RuntimeError("prune needs calibration data; the pipeline builds it first")
@@ -103,25 +130,38 @@ class PruneStage(Stage):
         model = state.model
         before = Dims.from_config(model.config)
         scores = self._scores(state, before)
-        plan = make_plan(before, self._after, scores.heads, scores.channels, scores.hidden, scores.layers)
+        plan = make_plan(
+            before, self._after, scores.heads, scores.channels, scores.hidden, scores.layers
+        )
         params_before = count_parameters(model)
         state.model = apply_plan(model, plan)
         state.teacher_map = compose_teacher_map(state.teacher_map, plan)
         self.report.details.update(describe_plan(plan, scores))
-        self.report.details.update(params_before=params_before, params_after=count_parameters(state.model))
+        self.report.details.update(
+            params_before=params_before, params_after=count_parameters(state.model)
+        )
         self.report.seconds = time.perf_counter() - t0
 
     def _scores(self, state: CompressionState, before: Dims) -> Importance:
         """Width scores by `method`; layer scores (only when layers go) by `layer_method`."""
         opts = self.options
-        batches = list(state.calibration.split(CALIBRATION_BATCH)) if state.calibration is not None else []
+        batches = (
+            list(state.calibration.split(CALIBRATION_BATCH))
+            if state.calibration is not None
+            else []
+        )
         removes_layers = self._after.num_layers < before.num_layers
         cosine_layers = removes_layers and opts.layer_method == "cosine"
-        measured = activation_importance(state.model, batches) if opts.method == "activation" or cosine_layers \
+        measured = (
+            activation_importance(state.model, batches)
+            if opts.method == "activation" or cosine_layers
             else None
+        )
         scores = measured if opts.method == "activation" else magnitude_importance(state.model)
         if removes_layers:
-            scores.layers = measured.layers if cosine_layers else layer_perplexity_scores(state.model, batches)
+            scores.layers = (
+                measured.layers if cosine_layers else layer_perplexity_scores(state.model, batches)
+            )
         return scores
 
 
@@ -153,23 +193,43 @@ def describe_plan(plan: PrunePlan, scores: Importance) -> dict:
     kept_layers = [lp.source for lp in plan.layers]
     heads, mlp = [], []
     for lp in plan.layers:
-        heads.append({"layer": lp.source, "kept": list(lp.q_heads),
-                      "removed": _removed(b.num_attention_heads, lp.q_heads), "kv_kept": list(lp.kv_heads),
-                      "scores": [round(float(x), 6) for x in scores.heads[lp.source]]})
+        heads.append(
+            {
+                "layer": lp.source,
+                "kept": list(lp.q_heads),
+                "removed": _removed(b.num_attention_heads, lp.q_heads),
+                "kv_kept": list(lp.kv_heads),
+                "scores": [round(float(x), 6) for x in scores.heads[lp.source]],
+            }
+        )
         removed = _removed(b.intermediate_size, lp.channels)
-        mlp.append({"layer": lp.source, "removed": removed if len(removed) <= MAX_LISTED else None,
-                    "sorted_scores": _curve(scores.channels[lp.source])})
+        mlp.append(
+            {
+                "layer": lp.source,
+                "removed": removed if len(removed) <= MAX_LISTED else None,
+                "sorted_scores": _curve(scores.channels[lp.source]),
+            }
+        )
     hidden_removed = _removed(b.hidden_size, plan.hidden)
     return {
         "dims_before": b.to_dict(),
         "dims_after": a.to_dict(),
         "importance": {
             "method": scores.method,
-            "layers": {"kept": kept_layers, "removed": _removed(b.num_layers, tuple(kept_layers)),
-                       "scores": None if scores.layers is None else [round(float(x), 6) for x in scores.layers]},
+            "layers": {
+                "kept": kept_layers,
+                "removed": _removed(b.num_layers, tuple(kept_layers)),
+                "scores": None
+                if scores.layers is None
+                else [round(float(x), 6) for x in scores.layers],
+            },
             "heads": heads,
             "mlp": {"kept": a.intermediate_size, "of": b.intermediate_size, "per_layer": mlp},
-            "hidden": {"kept": a.hidden_size, "of": b.hidden_size, "sorted_scores": _curve(scores.hidden),
-                       "removed": hidden_removed if len(hidden_removed) <= MAX_LISTED else None},
+            "hidden": {
+                "kept": a.hidden_size,
+                "of": b.hidden_size,
+                "sorted_scores": _curve(scores.hidden),
+                "removed": hidden_removed if len(hidden_removed) <= MAX_LISTED else None,
+            },
         },
     }

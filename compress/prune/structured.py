@@ -27,19 +27,30 @@ from slimserve.compress.prune.sizes import Dims
 # Llama-family tensor names relative to a decoder layer -> (pruned row index, pruned column index).
 # 'q' = query-head rows/cols, 'kv' = KV-head rows, 'mlp' = MLP channels, 'h' = hidden channels.
 LAYER_TENSORS: dict[str, tuple[str | None, str | None]] = {
-    "self_attn.q_proj.weight": ("q", "h"), "self_attn.q_proj.bias": ("q", None),
-    "self_attn.k_proj.weight": ("kv", "h"), "self_attn.k_proj.bias": ("kv", None),
-    "self_attn.v_proj.weight": ("kv", "h"), "self_attn.v_proj.bias": ("kv", None),
-    "self_attn.o_proj.weight": ("h", "q"), "self_attn.o_proj.bias": ("h", None),
-    "self_attn.q_norm.weight": (None, None), "self_attn.k_norm.weight": (None, None),  # [head_dim]
-    "mlp.gate_proj.weight": ("mlp", "h"), "mlp.up_proj.weight": ("mlp", "h"),
+    "self_attn.q_proj.weight": ("q", "h"),
+    "self_attn.q_proj.bias": ("q", None),
+    "self_attn.k_proj.weight": ("kv", "h"),
+    "self_attn.k_proj.bias": ("kv", None),
+    "self_attn.v_proj.weight": ("kv", "h"),
+    "self_attn.v_proj.bias": ("kv", None),
+    "self_attn.o_proj.weight": ("h", "q"),
+    "self_attn.o_proj.bias": ("h", None),
+    "self_attn.q_norm.weight": (None, None),
+    "self_attn.k_norm.weight": (None, None),  # [head_dim]
+    "mlp.gate_proj.weight": ("mlp", "h"),
+    "mlp.up_proj.weight": ("mlp", "h"),
     "mlp.down_proj.weight": ("h", "mlp"),
-    "mlp.gate_proj.bias": ("mlp", None), "mlp.up_proj.bias": ("mlp", None), "mlp.down_proj.bias": ("h", None),
-    "input_layernorm.weight": ("h", None), "post_attention_layernorm.weight": ("h", None),
+    "mlp.gate_proj.bias": ("mlp", None),
+    "mlp.up_proj.bias": ("mlp", None),
+    "mlp.down_proj.bias": ("h", None),
+    "input_layernorm.weight": ("h", None),
+    "post_attention_layernorm.weight": ("h", None),
 }
 # Tensors outside the decoder layers.
 OUTER_TENSORS: dict[str, tuple[str | None, str | None]] = {
-    "model.embed_tokens.weight": (None, "h"), "model.norm.weight": ("h", None), "lm_head.weight": (None, "h"),
+    "model.embed_tokens.weight": (None, "h"),
+    "model.norm.weight": ("h", None),
+    "lm_head.weight": (None, "h"),
 }
 
 
@@ -65,7 +76,9 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[int, ...]:
     return tuple(sorted(order.tolist()))
 
 
-def choose_heads(scores: torch.Tensor, before: Dims, after: Dims) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def choose_heads(
+    scores: torch.Tensor, before: Dims, after: Dims
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(query heads, KV heads) a layer keeps, from per-query-head scores [n_q].
 
     A KV group scores the sum of its query heads; the best `after.num_key_value_heads` groups
@@ -79,8 +92,14 @@ def choose_heads(scores: torch.Tensor, before: Dims, after: Dims) -> tuple[tuple
     return q, kv
 
 
-def make_plan(before: Dims, after: Dims, head_scores: torch.Tensor, channel_scores: torch.Tensor,
-              hidden_scores: torch.Tensor, layer_scores: torch.Tensor | None) -> PrunePlan:
+def make_plan(
+    before: Dims,
+    after: Dims,
+    head_scores: torch.Tensor,
+    channel_scores: torch.Tensor,
+    hidden_scores: torch.Tensor,
+    layer_scores: torch.Tensor | None,
+) -> PrunePlan:
     """Keep the highest-scoring parts. Scores: heads [L, n_q], channels [L, F], hidden [H], layers [L].
 
     `layer_scores` may be None only when no layer is removed.
@@ -99,10 +118,14 @@ def make_plan(before: Dims, after: Dims, head_scores: torch.Tensor, channel_scor
 
 def _rows_of_heads(heads: tuple[int, ...], head_dim: int) -> torch.Tensor:
     """Row indices [len(heads) * head_dim] of the given heads in a [n * head_dim, ...] projection."""
-    return torch.tensor([h * head_dim + j for h in heads for j in range(head_dim)], dtype=torch.long)
+    return torch.tensor(
+        [h * head_dim + j for h in heads for j in range(head_dim)], dtype=torch.long
+    )
 
 
-def _slice(t: torch.Tensor, rule: tuple[str | None, str | None], index: dict[str, torch.Tensor]) -> torch.Tensor:
+def _slice(
+    t: torch.Tensor, rule: tuple[str | None, str | None], index: dict[str, torch.Tensor]
+) -> torch.Tensor:
     out = t
     for dim, kind in enumerate(rule):
         if kind is not None:
@@ -110,7 +133,9 @@ def _slice(t: torch.Tensor, rule: tuple[str | None, str | None], index: dict[str
     return out.contiguous()
 
 
-def slice_state_dict(state: dict[str, torch.Tensor], plan: PrunePlan, layers_path: str) -> dict[str, torch.Tensor]:
+def slice_state_dict(
+    state: dict[str, torch.Tensor], plan: PrunePlan, layers_path: str
+) -> dict[str, torch.Tensor]:
     """The state dict of the pruned model: kept slices, layers renumbered 0..L'-1.
 
     Raises UnsupportedModelError for a tensor whose layout is unknown (rather than guess).
@@ -123,19 +148,27 @@ def slice_state_dict(state: dict[str, torch.Tensor], plan: PrunePlan, layers_pat
     for key, t in state.items():
         if not key.startswith(prefix):
             if key not in OUTER_TENSORS:
-                raise UnsupportedModelError(f"{key}: pruning does not know this tensor's layout; "
-                                            "structured pruning supports Llama-family decoders only")
+                raise UnsupportedModelError(
+                    f"{key}: pruning does not know this tensor's layout; "
+                    "structured pruning supports Llama-family decoders only"
+                )
             out[key] = _slice(t, OUTER_TENSORS[key], {"h": hidden})
             continue
-        old, _, rel = key[len(prefix):].partition(".")
+        old, _, rel = key[len(prefix) :].partition(".")
         if rel not in LAYER_TENSORS:
-            raise UnsupportedModelError(f"{key}: pruning does not know this tensor's layout; "
-                                        "structured pruning supports Llama-family decoders only")
+            raise UnsupportedModelError(
+                f"{key}: pruning does not know this tensor's layout; "
+                "structured pruning supports Llama-family decoders only"
+            )
         if int(old) not in by_source:
             continue  # a removed layer
         new, lp = by_source[int(old)]
-        index = {"h": hidden, "q": _rows_of_heads(lp.q_heads, d), "kv": _rows_of_heads(lp.kv_heads, d),
-                 "mlp": torch.tensor(lp.channels, dtype=torch.long)}
+        index = {
+            "h": hidden,
+            "q": _rows_of_heads(lp.q_heads, d),
+            "kv": _rows_of_heads(lp.kv_heads, d),
+            "mlp": torch.tensor(lp.channels, dtype=torch.long),
+        }
         out[f"{prefix}{new}.{rel}"] = _slice(t, LAYER_TENSORS[rel], index)
     return out
 
@@ -145,7 +178,10 @@ def resize_config(config, dims: Dims, kept_layers: Sequence[int]):
     fields such as layer_types); head_dim is always written explicitly."""
     cfg = copy.deepcopy(config)
     cfg.hidden_size, cfg.intermediate_size = dims.hidden_size, dims.intermediate_size
-    cfg.num_attention_heads, cfg.num_key_value_heads = dims.num_attention_heads, dims.num_key_value_heads
+    cfg.num_attention_heads, cfg.num_key_value_heads = (
+        dims.num_attention_heads,
+        dims.num_key_value_heads,
+    )
     cfg.head_dim, cfg.num_hidden_layers = dims.head_dim, dims.num_layers
     types = getattr(cfg, "layer_types", None)
     if types is not None:  # per-layer attention types (sliding/full) follow their layers
@@ -175,7 +211,9 @@ def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
     missing, unexpected = new.load_state_dict(state, strict=False)
     tied = set(getattr(new, "all_tied_weights_keys", None) or {})
     missing = [k for k in missing if k not in tied]
-    assert not missing and not unexpected, f"pruned state dict mismatch: {missing[:3]} {unexpected[:3]}"
+    assert not missing and not unexpected, (
+        f"pruned state dict mismatch: {missing[:3]} {unexpected[:3]}"
+    )
     if getattr(model, "generation_config", None) is not None:
         new.generation_config = copy.deepcopy(model.generation_config)
     return new.to(param.device).eval()

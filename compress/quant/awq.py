@@ -11,7 +11,7 @@ what `rtn` (or the grid of `gptq`) will do next.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -24,7 +24,9 @@ _MIN_SCALE = 1e-4
 _CLIP_CHUNK_ELEMS = 2**24
 
 
-def fake_quantize(w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fake_quantize(
+    w: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """fp32 [..., N, K]: `w` quantized with the scheme's min/max round-to-nearest and dequantized.
 
     Whole groups (every search here: the stage refuses partial ones) take a batched path over
@@ -60,14 +62,18 @@ def weight_group_absmean(w: torch.Tensor, group_size: int | None) -> torch.Tenso
     n, k = w.shape
     g = group_size or k
     if k % g:
-        raise ValueError(f"input size {k} is not a multiple of group_size={g}; "
-                         "choose a group_size that divides every Linear's input size")
+        raise ValueError(
+            f"input size {k} is not a multiple of group_size={g}; "
+            "choose a group_size that divides every Linear's input size"
+        )
     wa = w.float().abs().reshape(n, k // g, g)
     wa = wa / wa.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     return wa.reshape(n, k).mean(dim=0)
 
 
-def candidate_scale(x_absmean: torch.Tensor, w_absmean: torch.Tensor | None, ratio: float) -> torch.Tensor:
+def candidate_scale(
+    x_absmean: torch.Tensor, w_absmean: torch.Tensor | None, ratio: float
+) -> torch.Tensor:
     """[K] s = x^a / (w^(1-a) + 1e-4) (duo) or x^a (w_absmean None), floored and centred on 1."""
     s = x_absmean.float().pow(ratio)
     if w_absmean is not None:
@@ -94,10 +100,14 @@ def awq_search_scale(
     smallest ratio.
     """
     if n_grid < 2:
-        raise ValueError(f"n_grid={n_grid} is too small; use at least 2 grid points (20 is the default)")
+        raise ValueError(
+            f"n_grid={n_grid} is too small; use at least 2 grid points (20 is the default)"
+        )
     if x_absmean.dim() != 1 or w.dim() != 2 or w.shape[1] != x_absmean.numel():
-        raise ValueError(f"x_absmean {tuple(x_absmean.shape)} and w {tuple(w.shape)} disagree; "
-                         "pass x_absmean [K] and the concatenated weights [N, K]")
+        raise ValueError(
+            f"x_absmean {tuple(x_absmean.shape)} and w {tuple(w.shape)} disagree; "
+            "pass x_absmean [K] and the concatenated weights [N, K]"
+        )
     w_absmean = weight_group_absmean(w, group_size) if duo_scaling else None
     best, best_ratio, best_loss, losses = None, 0.0, math.inf, []
     for i in range(n_grid):
@@ -108,8 +118,10 @@ def awq_search_scale(
         if loss < best_loss:
             best, best_ratio, best_loss = s, ratio, loss
     if best is None:
-        raise RuntimeError(f"AWQ scale search found no finite loss (losses {losses}); "
-                           "the calibration activations contain inf/nan")
+        raise RuntimeError(
+            f"AWQ scale search found no finite loss (losses {losses}); "
+            "the calibration activations contain inf/nan"
+        )
     return best, best_ratio, losses
 
 
@@ -137,16 +149,22 @@ def awq_clip_search(
     n, k = w.shape
     g = args.group_size if args.strategy == "group" else k
     if k % g:
-        raise ValueError(f"input size {k} is not a multiple of group_size={g}; "
-                         "choose a group_size that divides every Linear's input size")
+        raise ValueError(
+            f"input size {k} is not a multiple of group_size={g}; "
+            "choose a group_size that divides every Linear's input size"
+        )
     if not 0.0 <= max_shrink < 1.0:
         raise ValueError(f"max_shrink={max_shrink} must be in [0, 1); 0.5 is the reference value")
     if x_sample.dim() != 2 or x_sample.shape[1] != k or x_sample.shape[0] == 0:
-        raise ValueError(f"x_sample {tuple(x_sample.shape)} does not match w {tuple(w.shape)}; pass [T, K] tokens")
+        raise ValueError(
+            f"x_sample {tuple(x_sample.shape)} does not match w {tuple(w.shape)}; pass [T, K] tokens"
+        )
     groups = k // g
     factor = group_input_factor(x_sample, g)  # [G, r, g]
     steps = max(1, int(max_shrink * n_grid))
-    shrink = torch.tensor([1.0 - i / n_grid for i in range(steps)], dtype=torch.float32, device=w.device)
+    shrink = torch.tensor(
+        [1.0 - i / n_grid for i in range(steps)], dtype=torch.float32, device=w.device
+    )
     wg = w.float().reshape(n, groups, g)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, G]
     org_max = torch.maximum(lo.abs(), hi.abs())
@@ -154,7 +172,9 @@ def awq_clip_search(
     rows = max(1, _CLIP_CHUNK_ELEMS // (steps * max(k, groups * factor.shape[1])))
     for r0 in range(0, n, rows):
         sl = slice(r0, min(n, r0 + rows))
-        best_max[sl] = _clip_rows(wg[sl], factor, lo[sl], hi[sl], org_max[sl], shrink, args, scale_dtype)
+        best_max[sl] = _clip_rows(
+            wg[sl], factor, lo[sl], hi[sl], org_max[sl], shrink, args, scale_dtype
+        )
     return best_max
 
 
@@ -171,8 +191,16 @@ def group_input_factor(x: torch.Tensor, g: int) -> torch.Tensor:
     return torch.linalg.qr(xg, mode="r").R
 
 
-def _clip_rows(wg: torch.Tensor, factor: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, org_max: torch.Tensor,
-               shrink: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None) -> torch.Tensor:
+def _clip_rows(
+    wg: torch.Tensor,
+    factor: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    org_max: torch.Tensor,
+    shrink: torch.Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype | None,
+) -> torch.Tensor:
     """Clip search for a block of rows: wg [n, G, g], factor [G, r, g], lo/hi/org_max [n, G] -> max_val [n, G].
 
     Every step at once, laid out [G, S, n, g] so the error is one batched matmul per group. The
@@ -183,11 +211,17 @@ def _clip_rows(wg: torch.Tensor, factor: torch.Tensor, lo: torch.Tensor, hi: tor
     sdt = scale_dtype or torch.float32
     w_t = wg.transpose(0, 1).contiguous().unsqueeze(1)  # [G, 1, n, g]
     max_val = org_max.t().unsqueeze(1) * shrink.view(1, -1, 1)  # [G, S, n]
-    scale, zp = qparams_from_range(torch.clamp(lo.t().unsqueeze(1), -max_val, max_val),
-                                   torch.clamp(hi.t().unsqueeze(1), -max_val, max_val), args, sdt)
+    scale, zp = qparams_from_range(
+        torch.clamp(lo.t().unsqueeze(1), -max_val, max_val),
+        torch.clamp(hi.t().unsqueeze(1), -max_val, max_val),
+        args,
+        sdt,
+    )
     s = scale.float().unsqueeze(-1)  # [G, S, n, 1]
     lim = max_val.unsqueeze(-1)
-    d = torch.empty(groups, max_val.shape[1], n, g, dtype=torch.float32, device=wg.device)  # [G, S, n, g]
+    d = torch.empty(
+        groups, max_val.shape[1], n, g, dtype=torch.float32, device=wg.device
+    )  # [G, S, n, g]
     torch.clamp(w_t, -lim, lim, out=d).div_(s)
     if zp is not None:
         z = zp.float().unsqueeze(-1)
@@ -198,7 +232,9 @@ def _clip_rows(wg: torch.Tensor, factor: torch.Tensor, lo: torch.Tensor, hi: tor
     d.mul_(s).sub_(w_t)  # dequantized minus original: the error of each weight
     steps = max_val.shape[1]
     out = torch.bmm(d.view(groups, steps * n, g), factor.transpose(1, 2))  # [G, S * n, r]
-    err = out.square_().sum(dim=-1).view(groups, steps, n)  # |F_g d|^2 = tokens * mean squared error
+    err = (
+        out.square_().sum(dim=-1).view(groups, steps, n)
+    )  # |F_g d|^2 = tokens * mean squared error
     err = torch.nan_to_num(err, nan=math.inf)
     best = err.argmin(dim=1, keepdim=True)  # the first (least clipping) of equal errors
     return max_val.gather(1, best).squeeze(1).t()

@@ -30,19 +30,23 @@ loops choose (tests/compress/test_awq_vectorised.py).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
-from slimserve.compress.stage import LayerContext
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.mappings import SmoothMapping, decoder_layers, mapping_for
 from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, fake_quantize
-from slimserve.compress.quant.smoothing import apply_smooth_scale, refuse_after_quantizer, round_sig, skip_reason
+from slimserve.compress.quant.smoothing import (
+    apply_smooth_scale,
+    refuse_after_quantizer,
+    round_sig,
+    skip_reason,
+)
 from slimserve.compress.quant.stages import WeightQuantOptions, describe_scheme
-from slimserve.compress.stage import CompressionState, Stage, StageReport
+from slimserve.compress.stage import CompressionState, LayerContext, Stage, StageReport
 from slimserve.compress.targets import check_patterns
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.runtime.artifact.targets import matches
@@ -64,7 +68,9 @@ class AwqOptions(BaseModel):
     n_grid: int = Field(20, ge=2)  # scale-search grid points over [0, 1], both ends included
     duo_scaling: bool = True  # s = x^a / w^(1-a) (True) or s = x^a (False)
     clip: bool = True  # also search per-(row, group) clipping thresholds
-    clip_tokens: int = Field(512, ge=1)  # input tokens the clip search sees per Linear (AutoAWQ: 512)
+    clip_tokens: int = Field(
+        512, ge=1
+    )  # input tokens the clip search sees per Linear (AutoAWQ: 512)
     quantized_inputs: bool = True  # next layer searched on this layer's fake-quantized outputs
     clip_in_search: bool = True  # score each scale candidate with its clip search applied first
     ignore: list[str] = []  # modules never rescaled or clipped (a mapping touching one is skipped)
@@ -92,20 +98,32 @@ class AwqStage(Stage):
     def __init__(self, options: AwqOptions):
         self.options = options
         self.scheme = options.resolve_scheme()
-        self.report = StageReport(self.name, details={
-            "scheme": describe_scheme(self.scheme),
-            "n_grid": options.n_grid, "duo_scaling": options.duo_scaling, "clip": options.clip,
-            "clip_tokens": options.clip_tokens, "quantized_inputs": options.quantized_inputs,
-            "clip_in_search": options.clip_in_search,
-            "mappings": [], "skipped": {}, "clipped": [],
-        })
+        self.report = StageReport(
+            self.name,
+            details={
+                "scheme": describe_scheme(self.scheme),
+                "n_grid": options.n_grid,
+                "duo_scaling": options.duo_scaling,
+                "clip": options.clip,
+                "clip_tokens": options.clip_tokens,
+                "quantized_inputs": options.quantized_inputs,
+                "clip_in_search": options.clip_in_search,
+                "mappings": [],
+                "skipped": {},
+                "clipped": [],
+            },
+        )
         self._t0 = 0.0
         self._restore: list[tuple[nn.Linear, torch.Tensor]] = []  # (Linear, its unquantized weight)
 
     def grouped_linears(self, model: nn.Module) -> dict[str, nn.Linear]:
         """Every Linear of the decoder layers: the searches quantize them all with the scheme."""
         prefix = mapping_for(model).layers + "."
-        return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(prefix)}
+        return {
+            n: m
+            for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.startswith(prefix)
+        }
 
     def prepare(self, state: CompressionState) -> None:
         self._t0 = time.perf_counter()
@@ -138,17 +156,23 @@ class AwqStage(Stage):
         layers = decoder_layers(model, mapping_for(model))
         for name, lin in layers.named_modules():
             if isinstance(lin, nn.Linear) and lin.in_features % w.group_size:
-                raise RecipeError(f"stages.{self.name}.group_size: {w.group_size} does not divide the "
-                                  f"{lin.in_features} inputs of {name}; use a group_size that divides it")
+                raise RecipeError(
+                    f"stages.{self.name}.group_size: {w.group_size} does not divide the "
+                    f"{lin.in_features} inputs of {name}; use a group_size that divides it"
+                )
 
     @torch.no_grad()
     def _scale_mapping(self, ctx: LayerContext, m: SmoothMapping) -> None:
         prev, lins = ctx.module(m.prev), [ctx.module(r) for r in m.linears]
         absmean, samples = _AbsMean(), []
         handles = [lins[0].register_forward_pre_hook(absmean)]
-        clipped = [self.options.clip and self.options.clip_in_search and not _no_clip(r) for r in m.linears]
+        clipped = [
+            self.options.clip and self.options.clip_in_search and not _no_clip(r) for r in m.linears
+        ]
         if any(clipped):
-            handles.append(lins[0].register_forward_pre_hook(_sampler(samples, self._clip_step(ctx))))
+            handles.append(
+                lins[0].register_forward_pre_hook(_sampler(samples, self._clip_step(ctx)))
+            )
         try:
             calls = ctx.capture_calls(m.inspect, ctx.device)
         finally:
@@ -156,42 +180,63 @@ class AwqStage(Stage):
                 h.remove()
         orig = [lin.weight.detach().clone() for lin in lins]
         args, sdt = self.scheme.weights, ctx.state.storage_dtype
-        x_clip = torch.cat(samples)[:self.options.clip_tokens] if samples else None  # [T, K]
+        x_clip = torch.cat(samples)[: self.options.clip_tokens] if samples else None  # [T, K]
 
         def quantized(w: torch.Tensor, clip: bool, s: torch.Tensor) -> torch.Tensor:
             """Q(W * s) / s, with the clip search of W * s (on inputs x / s) applied first if `clip`."""
             ws = w.float() * s
             if clip:
-                ws = _clamp(ws, awq_clip_search(ws, x_clip / s, args, _CLIP_GRID, _CLIP_MAX_SHRINK, sdt))
+                ws = _clamp(
+                    ws, awq_clip_search(ws, x_clip / s, args, _CLIP_GRID, _CLIP_MAX_SHRINK, sdt)
+                )
             return fake_quantize(ws, args, sdt) / s
 
-        if m.linears == (m.inspect,) and all(c[0] and isinstance(c[0][0], torch.Tensor) for c in calls):
+        if m.linears == (m.inspect,) and all(
+            c[0] and isinstance(c[0][0], torch.Tensor) for c in calls
+        ):
             loss = _linear_output_loss(calls, orig[0], lambda s: quantized(orig[0], clipped[0], s))
         else:
-            loss = _module_output_loss(ctx, m.inspect, calls, lins, orig,
-                                       lambda s: [quantized(w, c, s) for w, c in zip(orig, clipped)])
+            loss = _module_output_loss(
+                ctx,
+                m.inspect,
+                calls,
+                lins,
+                orig,
+                lambda s: [quantized(w, c, s) for w, c in zip(orig, clipped)],
+            )
 
         x_mean = absmean.value()
         loss_before = loss(torch.ones_like(x_mean))
         group = args.group_size if args.strategy == "group" else None
-        s, ratio, losses = awq_search_scale(x_mean, torch.cat(orig), loss, self.options.n_grid,
-                                            self.options.duo_scaling, group)
+        s, ratio, losses = awq_search_scale(
+            x_mean, torch.cat(orig), loss, self.options.n_grid, self.options.duo_scaling, group
+        )
         # Duo scaling has no identity point on its grid; when no candidate beats plain RTN, keep s = 1.
         applied = min(losses) < loss_before
         if applied:
             apply_smooth_scale(prev, lins, s)
-        self.report.details["mappings"].append({
-            "layer": ctx.index, "prev": m.prev, "linears": list(m.linears), "ratio": round_sig(ratio, 4),
-            "applied": applied, "scale_min": round_sig(s.min().item()), "scale_max": round_sig(s.max().item()),
-            "loss_before": round_sig(loss_before), "loss_after": round_sig(min(min(losses), loss_before)),
-        })
+        self.report.details["mappings"].append(
+            {
+                "layer": ctx.index,
+                "prev": m.prev,
+                "linears": list(m.linears),
+                "ratio": round_sig(ratio, 4),
+                "applied": applied,
+                "scale_min": round_sig(s.min().item()),
+                "scale_max": round_sig(s.max().item()),
+                "loss_before": round_sig(loss_before),
+                "loss_after": round_sig(min(min(losses), loss_before)),
+            }
+        )
 
     @torch.no_grad()
     def _fake_quantize_layer(self, ctx: LayerContext) -> None:
         """Quantize this layer's Linears in place until the next compress_layer/finalize restores them."""
         args, sdt = self.scheme.weights, ctx.state.storage_dtype
         for rel, lin in ctx.layer.named_modules():
-            if isinstance(lin, nn.Linear) and not matches(f"{ctx.prefix}.{rel}", lin, self.options.ignore):
+            if isinstance(lin, nn.Linear) and not matches(
+                f"{ctx.prefix}.{rel}", lin, self.options.ignore
+            ):
                 self._restore.append((lin, lin.weight.detach().to("cpu", copy=True)))
                 lin.weight.copy_(fake_quantize(lin.weight, args, sdt).to(lin.weight.dtype))
 
@@ -203,12 +248,19 @@ class AwqStage(Stage):
 
     @torch.no_grad()
     def _clip_layer(self, ctx: LayerContext) -> None:
-        targets = {rel: lin for rel, lin in ctx.layer.named_modules()
-                   if isinstance(lin, nn.Linear) and not _no_clip(rel)
-                   and not matches(f"{ctx.prefix}.{rel}", lin, self.options.ignore)}
+        targets = {
+            rel: lin
+            for rel, lin in ctx.layer.named_modules()
+            if isinstance(lin, nn.Linear)
+            and not _no_clip(rel)
+            and not matches(f"{ctx.prefix}.{rel}", lin, self.options.ignore)
+        }
         n_tok, step = self.options.clip_tokens, self._clip_step(ctx)
         samples: dict[str, list[torch.Tensor]] = {rel: [] for rel in targets}
-        handles = [lin.register_forward_pre_hook(_sampler(samples[rel], step)) for rel, lin in targets.items()]
+        handles = [
+            lin.register_forward_pre_hook(_sampler(samples[rel], step))
+            for rel, lin in targets.items()
+        ]
         try:
             ctx.forward()  # inputs as the already-scaled layer sees them
         finally:
@@ -218,15 +270,20 @@ class AwqStage(Stage):
         for rel, lin in targets.items():
             x = torch.cat(samples[rel])[:n_tok]
             w = lin.weight
-            max_val = awq_clip_search(w, x, args, _CLIP_GRID, _CLIP_MAX_SHRINK, ctx.state.storage_dtype)
+            max_val = awq_clip_search(
+                w, x, args, _CLIP_GRID, _CLIP_MAX_SHRINK, ctx.state.storage_dtype
+            )
             org_max = w.float().abs().reshape(max_val.shape[0], max_val.shape[1], -1).amax(-1)
             w.copy_(_clamp(w.float(), max_val).to(w.dtype))
-            self.report.details["clipped"].append({
-                "module": f"{ctx.prefix}.{rel}",
-                "clipped_groups": round_sig((max_val < org_max).float().mean().item(), 4),
-                "mean_shrink": round_sig((1 - max_val / org_max.clamp(min=1e-30)).mean().item(), 4),
-            })
-
+            self.report.details["clipped"].append(
+                {
+                    "module": f"{ctx.prefix}.{rel}",
+                    "clipped_groups": round_sig((max_val < org_max).float().mean().item(), 4),
+                    "mean_shrink": round_sig(
+                        (1 - max_val / org_max.clamp(min=1e-30)).mean().item(), 4
+                    ),
+                }
+            )
 
     def _clip_step(self, ctx: LayerContext) -> int:
         """Token stride that leaves about `clip_tokens` of the layer's calibration tokens."""
@@ -234,8 +291,14 @@ class AwqStage(Stage):
         return max(1, total // self.options.clip_tokens)
 
 
-def _module_output_loss(ctx: LayerContext, inspect: str, calls: list, lins: list[nn.Linear],
-                        orig: list[torch.Tensor], weights: Callable[[torch.Tensor], list[torch.Tensor]]):
+def _module_output_loss(
+    ctx: LayerContext,
+    inspect: str,
+    calls: list,
+    lins: list[nn.Linear],
+    orig: list[torch.Tensor],
+    weights: Callable[[torch.Tensor], list[torch.Tensor]],
+):
     """loss(s): mean squared error of submodule `inspect`'s output on the captured calls when
     the Linears hold weights(s) instead of `orig` (restored afterwards)."""
     ref = [ctx.run_call(inspect, c) for c in calls]  # outputs of the unquantized submodule, once
@@ -245,7 +308,10 @@ def _module_output_loss(ctx: LayerContext, inspect: str, calls: list, lins: list
         try:
             for lin, w, q in zip(lins, orig, weights(s)):
                 lin.weight.copy_(q.to(w.dtype))
-            err = sum((ctx.run_call(inspect, c).float() - r.float()).pow(2).sum().item() for c, r in zip(calls, ref))
+            err = sum(
+                (ctx.run_call(inspect, c).float() - r.float()).pow(2).sum().item()
+                for c, r in zip(calls, ref)
+            )
         finally:
             for lin, w in zip(lins, orig):
                 lin.weight.copy_(w)
@@ -254,7 +320,9 @@ def _module_output_loss(ctx: LayerContext, inspect: str, calls: list, lins: list
     return loss
 
 
-def _linear_output_loss(calls: list, w: torch.Tensor, weight: Callable[[torch.Tensor], torch.Tensor]):
+def _linear_output_loss(
+    calls: list, w: torch.Tensor, weight: Callable[[torch.Tensor], torch.Tensor]
+):
     """loss(s) of a mapping whose inspected module is its one Linear (v_proj -> o_proj, up -> down).
 
     The output error of x W^T when W becomes W_q = weight(s) is |X (W_q - W)^T|^2 over the

@@ -70,7 +70,9 @@ def accumulate_hessian(h: torch.Tensor, x: torch.Tensor, count: int) -> int:
     return total
 
 
-def output_loss(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, max_rows: int | None = None) -> float:
+def output_loss(
+    w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, max_rows: int | None = None
+) -> float:
     """tr((W - W_hat) H (W - W_hat)^T) / N: the product in fp32, the sum in float64.
 
     With H from accumulate_hessian this is 2 x the mean squared error of the Linear's outputs on
@@ -82,7 +84,7 @@ def output_loss(w: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor, max_rows:
     """
     d = w.float() - w_hat.float()  # [N, K]
     if max_rows is not None and d.shape[0] > max_rows:
-        d = d[::-(-d.shape[0] // max_rows)]
+        d = d[:: -(-d.shape[0] // max_rows)]
     dh = d @ h.float().to(d.device)
     return max(float((dh.double() * d.double()).sum() / d.shape[0]), 0.0)
 
@@ -129,8 +131,11 @@ def _invert_lower_(lower: torch.Tensor) -> None:
     """
     n = lower.shape[0]
     if n <= _TRIANGULAR_LEAF:
-        lower.copy_(torch.linalg.solve_triangular(
-            lower, torch.eye(n, dtype=lower.dtype, device=lower.device), upper=False))
+        lower.copy_(
+            torch.linalg.solve_triangular(
+                lower, torch.eye(n, dtype=lower.dtype, device=lower.device), upper=False
+            )
+        )
         return
     half = n // 2
     a, b, c = lower[:half, :half], lower[half:, :half], lower[half:, half:]
@@ -139,18 +144,26 @@ def _invert_lower_(lower: torch.Tensor) -> None:
     b.copy_(torch.mm(c, torch.mm(b, a)).neg_())
 
 
-def _check_inputs(w: torch.Tensor, h: torch.Tensor, args: QuantArgs, block_size: int, damp: float) -> None:
+def _check_inputs(
+    w: torch.Tensor, h: torch.Tensor, args: QuantArgs, block_size: int, damp: float
+) -> None:
     if w.ndim != 2:
         raise ValueError(f"gptq: weight must be 2-D [N, K], got shape {tuple(w.shape)}")
     k = w.shape[1]
     if tuple(h.shape) != (k, k):
-        raise ValueError(f"gptq: H must be [K, K] = [{k}, {k}] for a weight of shape "
-                         f"{tuple(w.shape)}, got {tuple(h.shape)}; collect H from this Linear's inputs")
+        raise ValueError(
+            f"gptq: H must be [K, K] = [{k}, {k}] for a weight of shape "
+            f"{tuple(w.shape)}, got {tuple(h.shape)}; collect H from this Linear's inputs"
+        )
     if args.type != "int" or args.strategy not in ("group", "channel") or args.dynamic:
-        raise ValueError(f"gptq quantizes static int weights per group or channel; got type={args.type!r}, "
-                         f"strategy={args.strategy!r}, dynamic={args.dynamic}; use an int scheme such as W4A16")
+        raise ValueError(
+            f"gptq quantizes static int weights per group or channel; got type={args.type!r}, "
+            f"strategy={args.strategy!r}, dynamic={args.dynamic}; use an int scheme such as W4A16"
+        )
     if block_size <= 0:
-        raise ValueError(f"gptq: block_size={block_size} must be a positive number of columns, e.g. 128")
+        raise ValueError(
+            f"gptq: block_size={block_size} must be a positive number of columns, e.g. 128"
+        )
     if damp < 0:
         raise ValueError(f"gptq: damp={damp} must be >= 0 (a fraction of mean(diag H), e.g. 0.01)")
 
@@ -210,8 +223,10 @@ def factor_hessian(h: torch.Tensor, args: QuantArgs, damp: float = 0.01) -> Hess
     hp = _prepare_hessian(h)[perm][:, perm]  # [K, K] fp32, in processing order
     u, used = inverse_hessian_factor(hp, damp)
     if u is None:
-        fallback = (f"Cholesky of H failed even with dampening {used:g} (H not finite or not PSD); "
-                    "quantized with round-to-nearest (H = I)")
+        fallback = (
+            f"Cholesky of H failed even with dampening {used:g} (H not finite or not PSD); "
+            "quantized with round-to-nearest (H = I)"
+        )
         return HessianFactor(perm, torch.eye(hp.shape[0], device=hp.device), used, fallback)
     diag = torch.diagonal(hp).double()
     added = diag - torch.diagonal(h)[perm].double() + used * diag.mean()
@@ -219,16 +234,24 @@ def factor_hessian(h: torch.Tensor, args: QuantArgs, damp: float = 0.01) -> Hess
 
 
 def gptq(
-    w: torch.Tensor, h: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
-    block_size: int = 128, damp: float = 0.01,
+    w: torch.Tensor,
+    h: torch.Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype,
+    block_size: int = 128,
+    damp: float = 0.01,
 ) -> GptqResult:
     """GPTQ of w [N, K] against H [K, K]; see the module docstring for the exact variant."""
     return gptq_shared([w], h, args, scale_dtype, block_size, damp)[0]
 
 
 def gptq_shared(
-    ws: list[torch.Tensor], h: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
-    block_size: int = 128, damp: float = 0.01,
+    ws: list[torch.Tensor],
+    h: torch.Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype,
+    block_size: int = 128,
+    damp: float = 0.01,
 ) -> list[GptqResult]:
     """GPTQ of several weights [N_i, K] that read the same input, so share H [K, K] (q/k/v, gate/up).
 
@@ -247,26 +270,36 @@ def gptq_shared(
     gid = group_of_position(f.perm, args)
     rows = [w.shape[0] for w in ws]
     stacked = torch.cat([w.float() for w in ws]) if len(ws) > 1 else ws[0].float()
-    codes, scale, zp, err_sq = _quantize_columns(stacked[:, f.perm], f.u, gid, args, scale_dtype, block_size)
+    codes, scale, zp, err_sq = _quantize_columns(
+        stacked[:, f.perm], f.u, gid, args, scale_dtype, block_size
+    )
     inv = torch.argsort(f.perm)
     g_idx = gid[inv].to(torch.int32) if args.actorder == "group" else None
     zps = zp.split(rows) if zp is not None else [None] * len(ws)
     out = []
     added = None if f.added_diag is None else f.added_diag[inv]  # original column order
     for w, c, s, z, e in zip(ws, codes.split(rows), scale.split(rows), zps, err_sq.split(rows)):
-        qw = QuantizedWeight(codes=c[:, inv].contiguous(), scale=s.contiguous(),
-                             zero_point=None if z is None else z.contiguous(),
-                             g_idx=None if g_idx is None else g_idx.clone(), args=args)
+        qw = QuantizedWeight(
+            codes=c[:, inv].contiguous(),
+            scale=s.contiguous(),
+            zero_point=None if z is None else z.contiguous(),
+            g_idx=None if g_idx is None else g_idx.clone(),
+            args=args,
+        )
         loop_loss = float(e.sum()) / w.shape[0]
         if added is None:
             loss = output_loss(w, qw.dequantize(torch.float32), h)
         else:
             loss = _undamped_loss(loop_loss, w, qw, added)
-        out.append(GptqResult(qweight=qw, loss=loss, loop_loss=loop_loss, damp=f.damp, fallback=f.fallback))
+        out.append(
+            GptqResult(qweight=qw, loss=loss, loop_loss=loop_loss, damp=f.damp, fallback=f.fallback)
+        )
     return out
 
 
-def _undamped_loss(loop_loss: float, w: torch.Tensor, qw: QuantizedWeight, added: torch.Tensor) -> float:
+def _undamped_loss(
+    loop_loss: float, w: torch.Tensor, qw: QuantizedWeight, added: torch.Tensor
+) -> float:
     """output_loss(W, Q, H) from the loop's own sum, without an [N, K] x [K, K] product.
 
     The loop's sum is tr(D H' D^T) / N with D = W - Q and H' = H + diag(added) (the matrix it
@@ -275,12 +308,18 @@ def _undamped_loss(loop_loss: float, w: torch.Tensor, qw: QuantizedWeight, added
     dampening term is ~1% of the loop's sum, so the subtraction keeps ~1e-7 relative accuracy.
     """
     d = w.double() - qw.dequantize(torch.float32).double()
-    return max(loop_loss - float((d.square().sum(dim=0) * added.to(d.device)).sum()) / w.shape[0], 0.0)
+    return max(
+        loop_loss - float((d.square().sum(dim=0) * added.to(d.device)).sum()) / w.shape[0], 0.0
+    )
 
 
 def gptq_quantize(
-    w: torch.Tensor, h: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
-    block_size: int = 128, damp: float = 0.01,
+    w: torch.Tensor,
+    h: torch.Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype,
+    block_size: int = 128,
+    damp: float = 0.01,
 ) -> tuple[QuantizedWeight, float]:
     """(quantized weight, output_loss) of GPTQ; warns (RuntimeWarning) when it fell back to RTN."""
     res = gptq(w, h, args, scale_dtype, block_size, damp)
@@ -290,8 +329,12 @@ def gptq_quantize(
 
 
 def _quantize_columns(
-    w: torch.Tensor, u: torch.Tensor, gid: torch.Tensor, args: QuantArgs,
-    scale_dtype: torch.dtype, block_size: int,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    gid: torch.Tensor,
+    args: QuantArgs,
+    scale_dtype: torch.dtype,
+    block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The GPTQ loop in processing order on w [N, K] (updated in place) with factor u [K, K].
 
@@ -341,7 +384,7 @@ def _quantize_columns(
                 torch.sub(q, z, out=e).mul_(s)
             torch.sub(x, e, out=e)  # e = x - dequantized q
             if c + 1 < i2 - i1:
-                w1t[c + 1:].addr_(us[p, p + 1:i2], e, alpha=-1.0)
+                w1t[c + 1 :].addr_(us[p, p + 1 : i2], e, alpha=-1.0)
         codes[:, i1:i2] = qt.t()
         err = errt.t().contiguous()  # [N, B]
         # Lazy batch update of the columns after the block, in place (no [N, K - i2] temporary:
@@ -359,8 +402,14 @@ def _members(gid: torch.Tensor, g: int) -> list[torch.Tensor]:
 
 
 def _current_columns(
-    w: torch.Tensor, w1t: torch.Tensor, errt: torch.Tensor, us: torch.Tensor,
-    i1: int, p: int, i2: int, pos: torch.Tensor,
+    w: torch.Tensor,
+    w1t: torch.Tensor,
+    errt: torch.Tensor,
+    us: torch.Tensor,
+    i1: int,
+    p: int,
+    i2: int,
+    pos: torch.Tensor,
 ) -> torch.Tensor:
     """[N, len(pos)] current values of the not-yet-quantized positions pos (all >= p).
 

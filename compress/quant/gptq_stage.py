@@ -22,12 +22,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from slimserve.compress.stage import LayerContext
 from slimserve.compress.mappings import mapping_for
 from slimserve.compress.quant.gptq import accumulate_hessian, gptq_shared, output_loss
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.compress.quant.stages import WeightQuantOptions, write_quantized
-from slimserve.compress.stage import CompressionState, Stage, StageReport
+from slimserve.compress.stage import CompressionState, LayerContext, Stage, StageReport
 from slimserve.compress.targets import check_patterns, select_linears
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.runtime.loading.lazy_weights import available_memory
@@ -55,7 +54,8 @@ class GptqOptions(WeightQuantOptions):
                 raise SchemeError(
                     f"actorder={self.actorder!r} needs strategy 'group', but scheme {self.scheme} "
                     f"(group_size={self.group_size}) is per {w.strategy}; remove actorder or set "
-                    "a group_size such as 128")
+                    "a group_size such as 128"
+                )
             return s
         return QuantScheme(w.with_(actorder=self.actorder), s.input_activations)
 
@@ -72,13 +72,21 @@ class GptqStage(Stage):
         self.options = options
         self.scheme = options.resolve_scheme()
         w = self.scheme.weights
-        self.report = StageReport(self.name, details={
-            "scheme": {"num_bits": w.num_bits, "symmetric": w.symmetric, "strategy": w.strategy,
-                       "group_size": w.group_size, "actorder": w.actorder,
-                       "input_activations": self.scheme.input_activations is not None},
-            "block_size": options.block_size,
-            "dampening_frac": options.dampening_frac,
-        })
+        self.report = StageReport(
+            self.name,
+            details={
+                "scheme": {
+                    "num_bits": w.num_bits,
+                    "symmetric": w.symmetric,
+                    "strategy": w.strategy,
+                    "group_size": w.group_size,
+                    "actorder": w.actorder,
+                    "input_activations": self.scheme.input_activations is not None,
+                },
+                "block_size": options.block_size,
+                "dampening_frac": options.dampening_frac,
+            },
+        )
         self._targets: dict[str, nn.Linear] = {}  # targeted Linears, model order
         self._outside: list[str] = []  # targeted Linears outside the decoder layers (RTN)
         self._losses: dict[str, dict[str, float]] = {}  # module -> gptq_loss, rtn_loss, damp
@@ -106,7 +114,10 @@ class GptqStage(Stage):
             for readers, h, count in _collect_hessians(ctx, group, keep):
                 names = [f"{ctx.prefix}.{rel}" for rel in readers]
                 if count == 0:
-                    self._notes += [f"{n} received no calibration tokens; its H is 0, so GPTQ = RTN" for n in names]
+                    self._notes += [
+                        f"{n} received no calibration tokens; its H is 0, so GPTQ = RTN"
+                        for n in names
+                    ]
                 self._quantize(ctx.state, names, [ctx.module(rel) for rel in readers], h)
             if keep:
                 ctx.outputs = _finish_outputs(ctx, keep)
@@ -114,19 +125,27 @@ class GptqStage(Stage):
     def _groups(self, ctx: LayerContext) -> list[list[str]]:
         """This layer's targeted Linears (relative names) in true-sequential groups."""
         head = ctx.prefix + "."
-        targeted = [n[len(head):] for n in self._targets if n.startswith(head)]
+        targeted = [n[len(head) :] for n in self._targets if n.startswith(head)]
         groups = [[r for r in grp if r in targeted] for grp in ctx.mapping.sequential]
         covered = {r for grp in ctx.mapping.sequential for r in grp}
         rest = [r for r in targeted if r not in covered]  # Linears the mapping does not list
         return [g for g in groups + [rest] if g]
 
-    def _quantize(self, state: CompressionState, names: list[str], lins: list[nn.Linear], h: torch.Tensor) -> None:
+    def _quantize(
+        self, state: CompressionState, names: list[str], lins: list[nn.Linear], h: torch.Tensor
+    ) -> None:
         """GPTQ of Linears that read one input (one H, one factorization: gptq_shared), written back."""
         args, opts = self.scheme.weights, self.options
-        ws = [lin.weight.data.float() for lin in lins]  # the layer may replay in bf16 (calibration.dtype)
-        results = gptq_shared(ws, h, args, state.storage_dtype, opts.block_size, opts.dampening_frac)
+        ws = [
+            lin.weight.data.float() for lin in lins
+        ]  # the layer may replay in bf16 (calibration.dtype)
+        results = gptq_shared(
+            ws, h, args, state.storage_dtype, opts.block_size, opts.dampening_frac
+        )
         for name, lin, w, res in zip(names, lins, ws, results):
-            rtn = quantize_weight(w.cpu(), args, state.storage_dtype)  # RTN's min/max runs on CPU only
+            rtn = quantize_weight(
+                w.cpu(), args, state.storage_dtype
+            )  # RTN's min/max runs on CPU only
             rtn_loss = output_loss(w, rtn.dequantize(torch.float32).to(w.device), h, RTN_LOSS_ROWS)
             self._losses[name] = {"gptq_loss": res.loss, "rtn_loss": rtn_loss, "damp": res.damp}
             if res.fallback:
@@ -139,13 +158,17 @@ class GptqStage(Stage):
             lin = self._targets[name]
             qw = quantize_weight(lin.weight.data.cpu(), self.scheme.weights, state.storage_dtype)
             self.report.modules.append(write_quantized(state, name, lin, qw, self.scheme))
-            self._notes.append(f"{name} is outside the decoder layers (no calibrated inputs): quantized with RTN")
+            self._notes.append(
+                f"{name} is outside the decoder layers (no calibrated inputs): quantized with RTN"
+            )
         d = self.report.details
         d["modules_quantized"] = len(self.report.modules)
         d["losses"] = self._losses
         d["loss_ratio"] = _ratio_summary(self._losses)
-        d["rtn_loss_rows"] = (f"rtn_loss of a Linear with more than {RTN_LOSS_ROWS} output rows is the mean "
-                              f"over every ceil(rows / {RTN_LOSS_ROWS})-th row")
+        d["rtn_loss_rows"] = (
+            f"rtn_loss of a Linear with more than {RTN_LOSS_ROWS} output rows is the mean "
+            f"over every ceil(rows / {RTN_LOSS_ROWS})-th row"
+        )
         d["fallbacks"] = self._fallbacks
         d["notes"] = self._notes
         self.report.seconds = time.perf_counter() - self._t0
@@ -169,8 +192,9 @@ class _Collected(Exception):
     """Raised by the last Hessian pre-hook of a replay: nothing after those inputs is needed."""
 
 
-def _collect_hessians(ctx: LayerContext, rels: list[str],
-                      keep: _KeptInputs | None = None) -> list[tuple[list[str], torch.Tensor, int]]:
+def _collect_hessians(
+    ctx: LayerContext, rels: list[str], keep: _KeptInputs | None = None
+) -> list[tuple[list[str], torch.Tensor, int]]:
     """Replay the layer up to the inputs of `rels`: (readers, H [K, K] fp32, tokens) per input.
 
     Linears that read one tensor (q/k/v after the input norm, gate/up: the mapping's smooth
@@ -192,12 +216,16 @@ def _collect_hessians(ctx: LayerContext, rels: list[str],
     pending: set[str] = set()
     handles = []
     if keep:
-        handles.append(ctx.module(ctx.mapping.mlp_residual).register_forward_pre_hook(
-            lambda _mod, args: keep.residual.append(args[0].detach().to("cpu", copy=True))))
+        handles.append(
+            ctx.module(ctx.mapping.mlp_residual).register_forward_pre_hook(
+                lambda _mod, args: keep.residual.append(args[0].detach().to("cpu", copy=True))
+            )
+        )
     for rel in dict.fromkeys(owner.values()):
         lin = ctx.module(rel)
-        hessians[rel] = torch.zeros(lin.in_features, lin.in_features, dtype=torch.float32,
-                                    device=lin.weight.device)
+        hessians[rel] = torch.zeros(
+            lin.in_features, lin.in_features, dtype=torch.float32, device=lin.weight.device
+        )
         counts[rel] = 0
 
         def hook(_mod, args, rel=rel):
@@ -220,7 +248,10 @@ def _collect_hessians(ctx: LayerContext, rels: list[str],
     finally:
         for handle in handles:
             handle.remove()
-    return [([r for r in rels if owner[r] == first], hessians[first], counts[first]) for first in hessians]
+    return [
+        ([r for r in rels if owner[r] == first], hessians[first], counts[first])
+        for first in hessians
+    ]
 
 
 def _finishing_linear(ctx: LayerContext, groups: list[list[str]]) -> str | None:
@@ -233,16 +264,28 @@ def _finishing_linear(ctx: LayerContext, groups: list[list[str]]) -> str | None:
     whole layer forward (the calibration engine's replay for the next layer's inputs).
     """
     m = ctx.mapping
-    if m.mlp_residual is None or not groups or len(groups[-1]) != 1 or tuple(groups[-1]) != m.sequential[-1]:
+    if (
+        m.mlp_residual is None
+        or not groups
+        or len(groups[-1]) != 1
+        or tuple(groups[-1]) != m.sequential[-1]
+    ):
         return None
     rel, hidden = groups[-1][0], ctx.inputs.hidden
     if not hidden:
         return None
     # The residual is as wide as the layer's input, and both are kept in the replay's dtype.
-    need = sum(h.shape[:-1].numel() for h in hidden) * hidden[0].element_size() * (
-        ctx.module(rel).in_features + hidden[0].shape[-1])
+    need = (
+        sum(h.shape[:-1].numel() for h in hidden)
+        * hidden[0].element_size()
+        * (ctx.module(rel).in_features + hidden[0].shape[-1])
+    )
     free = available_memory()
-    return rel if need <= (free if free is not None else _KEEP_DEFAULT_BYTES) * _KEEP_FRACTION else None
+    return (
+        rel
+        if need <= (free if free is not None else _KEEP_DEFAULT_BYTES) * _KEEP_FRACTION
+        else None
+    )
 
 
 def _finish_outputs(ctx: LayerContext, kept: _KeptInputs) -> list[torch.Tensor]:
@@ -269,8 +312,12 @@ def _ratio_summary(losses: dict[str, dict[str, float]]) -> dict:
     ratios = [v["gptq_loss"] / v["rtn_loss"] for v in losses.values() if v["rtn_loss"] > 0]
     total_rtn = sum(v["rtn_loss"] for v in losses.values())
     return {
-        "geomean": math.exp(sum(math.log(max(r, 1e-12)) for r in ratios) / len(ratios)) if ratios else None,
-        "total": sum(v["gptq_loss"] for v in losses.values()) / total_rtn if total_rtn > 0 else None,
+        "geomean": math.exp(sum(math.log(max(r, 1e-12)) for r in ratios) / len(ratios))
+        if ratios
+        else None,
+        "total": sum(v["gptq_loss"] for v in losses.values()) / total_rtn
+        if total_rtn > 0
+        else None,
         "not_worse": sum(v["gptq_loss"] <= v["rtn_loss"] for v in losses.values()),
         "modules": len(losses),
     }

@@ -46,8 +46,10 @@ def shape_model(config) -> nn.Module:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as e:
-        raise UnsupportedModelError(f"model type {getattr(config, 'model_type', None)!r}: transformers "
-                                    f"cannot build it from its config ({e})") from None
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', None)!r}: transformers "
+            f"cannot build it from its config ({e})"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +87,17 @@ class PartialGroups:
         sizes = self.dividing_sizes()
         widths = _and(self.widths)
         if not sizes:
-            return (f"no power-of-two group_size of {_MIN_SUGGESTED} or more divides {widths}; use "
-                    "group_size -1 (one scale per output channel)")
+            return (
+                f"no power-of-two group_size of {_MIN_SUGGESTED} or more divides {widths}; use "
+                "group_size -1 (one scale per output channel)"
+            )
         alt = f" (or {sizes[1]})" if len(sizes) > 1 else ""
         return f"use group_size {sizes[0]}{alt}; {sizes[0]} divides {widths}"
 
 
-def partial_groups(linears: dict[str, nn.Linear], scheme: QuantScheme | None) -> PartialGroups | None:
+def partial_groups(
+    linears: dict[str, nn.Linear], scheme: QuantScheme | None
+) -> PartialGroups | None:
     """The Linears of `linears` whose in_features `scheme`'s group size leaves a partial group, or None."""
     w = scheme.weights if scheme is not None else None
     if w is None or w.strategy != "group" or not linears:
@@ -99,13 +105,18 @@ def partial_groups(linears: dict[str, nn.Linear], scheme: QuantScheme | None) ->
     partial = {n: m.in_features for n, m in linears.items() if m.in_features % w.group_size}
     if not partial:
         return None
-    return PartialGroups(w.group_size, partial, tuple(sorted({m.in_features for m in linears.values()})))
+    return PartialGroups(
+        w.group_size, partial, tuple(sorted({m.in_features for m in linears.values()}))
+    )
 
 
 def partial_group_modules(quantized: dict[str, QuantizedWeight]) -> list[str]:
     """Names of the quantized Linears whose last input group is partial, in model order."""
-    return [name for name, qw in quantized.items()
-            if qw.args.strategy == "group" and qw.shape[1] % qw.args.group_size]
+    return [
+        name
+        for name, qw in quantized.items()
+        if qw.args.strategy == "group" and qw.shape[1] % qw.args.group_size
+    ]
 
 
 def _brace(names: list[str]) -> str:
@@ -115,8 +126,8 @@ def _brace(names: list[str]) -> str:
     prefix = names[0]
     for n in names[1:]:
         while not n.startswith(prefix):
-            prefix = prefix[:prefix.rfind(".", 0, len(prefix) - 1) + 1]
-    return f"{prefix}{{{','.join(n[len(prefix):] for n in names)}}}"
+            prefix = prefix[: prefix.rfind(".", 0, len(prefix) - 1) + 1]
+    return f"{prefix}{{{','.join(n[len(prefix) :] for n in names)}}}"
 
 
 def _and(items) -> str:

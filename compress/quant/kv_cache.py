@@ -38,11 +38,14 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from torch import nn
 
 from slimserve.compress.calibration import capture_first_layer_inputs, layer_on_device
-from slimserve.compress.stage import LayerInputs, replay
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.mappings import mapping_for
-from slimserve.compress.stage import CompressionState, Stage, StageReport
-from slimserve.runtime.artifact.kv_scales import SUPPORTED_KV_DTYPES, fp8_e4m3_roundtrip, kv_scale_from_absmax
+from slimserve.compress.stage import CompressionState, LayerInputs, Stage, StageReport, replay
+from slimserve.runtime.artifact.kv_scales import (
+    SUPPORTED_KV_DTYPES,
+    fp8_e4m3_roundtrip,
+    kv_scale_from_absmax,
+)
 from slimserve.runtime.artifact.weights import decoder_layer_index
 from slimserve.runtime.loading.hf_fp8kv import (
     clear_kv_scale_buffers,
@@ -61,10 +64,14 @@ class KvCacheOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     dtype: str = "fp8_e4m3"  # KV-cache storage dtype; only fp8_e4m3 (float8_e4m3fn) for now
-    headroom: float = 2.0  # the smallest scale tried is headroom x absmax / 448 (1: absmax maps to 448)
+    headroom: float = (
+        2.0  # the smallest scale tried is headroom x absmax / 448 (1: absmax maps to 448)
+    )
     scale_search: int = 8  # scales tried per layer for K and for V in [1, 2) x that; 1: no search
     skip_layers: list[int] = []  # decoder layers whose KV cache stays in the model dtype
-    skip_sensitive: int = 0  # also keep the N layers most sensitive to fp8 KV (end-to-end KL) unquantized
+    skip_sensitive: int = (
+        0  # also keep the N layers most sensitive to fp8 KV (end-to-end KL) unquantized
+    )
     sensitivity_samples: int = 4  # calibration windows skip_sensitive scores the layers on
 
     @field_validator("skip_layers")
@@ -93,22 +100,28 @@ class KvCacheOptions(BaseModel):
     @classmethod
     def _check_dtype(cls, v: str) -> str:
         if v not in SUPPORTED_KV_DTYPES:
-            raise ValueError(f"dtype {v!r} is not supported; supported: {', '.join(SUPPORTED_KV_DTYPES)}")
+            raise ValueError(
+                f"dtype {v!r} is not supported; supported: {', '.join(SUPPORTED_KV_DTYPES)}"
+            )
         return v
 
     @field_validator("headroom")
     @classmethod
     def _check_headroom(cls, v: float) -> float:
         if not (1.0 <= v <= MAX_HEADROOM):
-            raise ValueError(f"headroom {v} is out of range; use 1 to {MAX_HEADROOM:g} (below 1 clips "
-                             "calibration values; 2 is the default)")
+            raise ValueError(
+                f"headroom {v} is out of range; use 1 to {MAX_HEADROOM:g} (below 1 clips "
+                "calibration values; 2 is the default)"
+            )
         return v
 
     @field_validator("scale_search")
     @classmethod
     def _check_search(cls, v: int) -> int:
         if not (1 <= v <= MAX_SCALE_SEARCH):
-            raise ValueError(f"scale_search {v} is out of range; use 1 (no search) to {MAX_SCALE_SEARCH}")
+            raise ValueError(
+                f"scale_search {v} is out of range; use 1 (no search) to {MAX_SCALE_SEARCH}"
+            )
         return v
 
 
@@ -121,10 +134,18 @@ class KvCacheStage(Stage):
 
     def __init__(self, options: KvCacheOptions):
         self.options = options
-        self._sensitivity: LayerSensitivity | None = None  # built layer by layer with skip_sensitive
-        self.report = StageReport(self.name, details={
-            "dtype": options.dtype, "headroom": options.headroom, "scale_search": options.scale_search,
-            "layers": {}})
+        self._sensitivity: LayerSensitivity | None = (
+            None  # built layer by layer with skip_sensitive
+        )
+        self.report = StageReport(
+            self.name,
+            details={
+                "dtype": options.dtype,
+                "headroom": options.headroom,
+                "scale_search": options.scale_search,
+                "layers": {},
+            },
+        )
 
     def preflight(self, config):
         layers = getattr(config, "num_hidden_layers", None)
@@ -132,12 +153,16 @@ class KvCacheStage(Stage):
             return None
         bad = [i for i in self.options.skip_layers if i >= layers]
         if bad:
-            raise RecipeError(f"stages.kv_cache.skip_layers: {bad} are not layers of this {layers}-layer "
-                              f"model; use 0 to {layers - 1}")
+            raise RecipeError(
+                f"stages.kv_cache.skip_layers: {bad} are not layers of this {layers}-layer "
+                f"model; use 0 to {layers - 1}"
+            )
         if len(self.options.skip_layers) + self.options.skip_sensitive >= layers:
-            raise RecipeError(f"stages.kv_cache: skip_layers ({len(self.options.skip_layers)}) and "
-                              f"skip_sensitive ({self.options.skip_sensitive}) leave none of the {layers} "
-                              "layers in fp8; skip fewer")
+            raise RecipeError(
+                f"stages.kv_cache: skip_layers ({len(self.options.skip_layers)}) and "
+                f"skip_sensitive ({self.options.skip_sensitive}) leave none of the {layers} "
+                "layers in fp8; skip fewer"
+            )
         return None
 
     def prepare(self, state: CompressionState) -> None:
@@ -145,14 +170,19 @@ class KvCacheStage(Stage):
         # next layer is calibrated on the outputs of an fp8-KV layer (or an exact one where skipped).
         use_fp8kv_attention(state.model)
         if self.options.skip_sensitive:
-            self._sensitivity = LayerSensitivity(state.calibration[: self.options.sensitivity_samples])
+            self._sensitivity = LayerSensitivity(
+                state.calibration[: self.options.sensitivity_samples]
+            )
 
     def compress_layer(self, ctx) -> None:
         t0 = time.perf_counter()
         attn = ctx.module(ctx.mapping.attention)
         k_absmax, v_absmax = observe_kv_absmax(ctx, attn)
         storage, opts = ctx.state.storage_dtype, self.options
-        k_grid, v_grid = (candidate_scales(a, opts.headroom, opts.scale_search, storage) for a in (k_absmax, v_absmax))
+        k_grid, v_grid = (
+            candidate_scales(a, opts.headroom, opts.scale_search, storage)
+            for a in (k_absmax, v_absmax)
+        )
         if opts.scale_search > 1:
             k_err, v_err = search_kv_scales(ctx, attn, k_grid, v_grid)
             k_scale, v_scale = k_grid[_argmin(k_err)], v_grid[_argmin(v_err)]
@@ -165,7 +195,9 @@ class KvCacheStage(Stage):
         name = f"{ctx.prefix}.{ctx.mapping.attention}"
         ctx.state.kv_scales[name] = (k_scale, v_scale)
         entry = {"k_absmax": k_absmax, "v_absmax": v_absmax, "k_scale": k_scale, "v_scale": v_scale}
-        if k_err:  # the chosen scale's attention error against the first (headroom x absmax / 448) one
+        if (
+            k_err
+        ):  # the chosen scale's attention error against the first (headroom x absmax / 448) one
             entry["k_error_vs_first"] = min(k_err) / k_err[0] if k_err[0] > 0 else 1.0
             entry["v_error_vs_first"] = min(v_err) / v_err[0] if v_err[0] > 0 else 1.0
         self.report.details["layers"][name] = entry
@@ -188,12 +220,15 @@ class KvCacheStage(Stage):
             self.report.details["sensitivity"] = {
                 "kl_per_layer": {str(i): kl[i] for i in sorted(kl)},
                 "windows": windows,
-                "chosen": sorted(chosen)}
+                "chosen": sorted(chosen),
+            }
         state.kv_skip_layers = sorted(skip)
         self.report.details["skip_layers"] = state.kv_skip_layers
         if skip:
-            self.report.details["vllm"] = ("--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers "
-                                           + " ".join(map(str, state.kv_skip_layers)))
+            self.report.details["vllm"] = (
+                "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers "
+                + " ".join(map(str, state.kv_skip_layers))
+            )
         self.report.seconds += time.perf_counter() - t0
         return self.report
 
@@ -223,8 +258,9 @@ class LayerSensitivity:
         when `scales` is given (None: the layer is not scored, and attends exactly); afterwards
         `attn` has those scales, as the stage left it."""
         if self.exact is None:  # layer 0: the windows' inputs, made like the calibration's
-            first = capture_first_layer_inputs(ctx.state.model, ctx.mapping, [self.windows], ctx.device,
-                                               ctx.inputs.hidden[0].dtype)
+            first = capture_first_layer_inputs(
+                ctx.state.model, ctx.mapping, [self.windows], ctx.device, ctx.inputs.hidden[0].dtype
+            )
             self.exact, self.kwargs = first.hidden[0], first.kwargs[0]
         clear_kv_scale_buffers(attn)
         try:
@@ -235,17 +271,24 @@ class LayerSensitivity:
             if scales is not None:
                 set_kv_scale_buffers(attn, *scales)
         if scales is not None:
-            self.branches[ctx.index] = replay(ctx.layer, LayerInputs([self.exact], [self.kwargs]), ctx.device)[0]
+            self.branches[ctx.index] = replay(
+                ctx.layer, LayerInputs([self.exact], [self.kwargs]), ctx.device
+            )[0]
         self.exact = outs[0]
         for i, h in zip(order, outs[1:]):
             self.branches[i] = h
 
     def kl(self, model: nn.Module, mapping, device: torch.device) -> dict[int, float]:
         """Scored layer -> mean KL per token (nats), through the model's final norm and lm_head."""
-        head = nn.ModuleList([model.get_submodule(mapping.final_norm), model.get_output_embeddings()])
+        head = nn.ModuleList(
+            [model.get_submodule(mapping.final_norm), model.get_output_embeddings()]
+        )
         held = next(head.parameters()).dtype
         out: dict[int, float] = {}
-        with torch.no_grad(), layer_on_device(head, device, torch.float32 if held != torch.float32 else None):
+        with (
+            torch.no_grad(),
+            layer_on_device(head, device, torch.float32 if held != torch.float32 else None),
+        ):
             exact = head[1](head[0](self.exact.to(device))).float().log_softmax(-1)
             p = exact.exp()
             for i, h in sorted(self.branches.items()):
@@ -254,7 +297,9 @@ class LayerSensitivity:
         return out
 
 
-def candidate_scales(absmax: float, headroom: float, steps: int, storage: torch.dtype) -> list[float]:
+def candidate_scales(
+    absmax: float, headroom: float, steps: int, storage: torch.dtype
+) -> list[float]:
     """headroom x absmax / 448 x 2^(j / steps) for j < steps, each rounded to the storage dtype
     (the value the artifact stores, so the one searched is the one served); duplicates dropped."""
     first = kv_scale_from_absmax(absmax) * headroom
@@ -266,7 +311,9 @@ def candidate_scales(absmax: float, headroom: float, steps: int, storage: torch.
     return out
 
 
-def search_kv_scales(ctx, attn: nn.Module, k_grid: list[float], v_grid: list[float]) -> tuple[list[float], list[float]]:
+def search_kv_scales(
+    ctx, attn: nn.Module, k_grid: list[float], v_grid: list[float]
+) -> tuple[list[float], list[float]]:
     """Summed squared error of the attention output (before o_proj) over the calibration windows,
     for every K scale in `k_grid` (V exact) and every V scale in `v_grid` (K exact), against
     attention over exact K and V. One replay of the layer up to its attention module."""
@@ -281,9 +328,19 @@ def search_kv_scales(ctx, attn: nn.Module, k_grid: list[float], v_grid: list[flo
         with torch.no_grad():
             ref = attend(query, key, value, mask, kwargs)
             for j, s in enumerate(k_grid):
-                k_err[j] += (attend(query, fp8_e4m3_roundtrip(key, s), value, mask, kwargs) - ref).square().sum().item()
+                k_err[j] += (
+                    (attend(query, fp8_e4m3_roundtrip(key, s), value, mask, kwargs) - ref)
+                    .square()
+                    .sum()
+                    .item()
+                )
             for j, s in enumerate(v_grid):
-                v_err[j] += (attend(query, key, fp8_e4m3_roundtrip(value, s), mask, kwargs) - ref).square().sum().item()
+                v_err[j] += (
+                    (attend(query, key, fp8_e4m3_roundtrip(value, s), mask, kwargs) - ref)
+                    .square()
+                    .sum()
+                    .item()
+                )
 
     with observing_attention(attn, observe):
         ctx.forward(stop_after=[attn])

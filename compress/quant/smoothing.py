@@ -28,20 +28,28 @@ def apply_smooth_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tenso
     """
     k = s.numel()
     if s.dim() != 1 or not bool((s > 0).all()) or not bool(torch.isfinite(s).all()):
-        raise ValueError(f"smoothing scale must be a finite positive 1-D tensor, got shape {tuple(s.shape)}")
+        raise ValueError(
+            f"smoothing scale must be a finite positive 1-D tensor, got shape {tuple(s.shape)}"
+        )
     for lin in linears:
         if lin.in_features != k:
-            raise ValueError(f"{lin} reads {lin.in_features} input channels but the scale has {k}; "
-                             "a mapping's Linears must read the output of its prev module")
+            raise ValueError(
+                f"{lin} reads {lin.in_features} input channels but the scale has {k}; "
+                "a mapping's Linears must read the output of its prev module"
+            )
     sf = s.float()
     if isinstance(prev, nn.Linear):
         if prev.out_features < k:
-            raise ValueError(f"prev Linear has {prev.out_features} output rows, fewer than the {k} channels "
-                             "to scale (grouped-query attention?); skip this mapping")
+            raise ValueError(
+                f"prev Linear has {prev.out_features} output rows, fewer than the {k} channels "
+                "to scale (grouped-query attention?); skip this mapping"
+            )
         _div_rows(prev.weight, sf)
     else:
         if getattr(prev, "weight", None) is None or prev.weight.shape != (k,):
-            raise ValueError(f"prev module {type(prev).__name__} needs a weight of shape ({k},) to absorb the scale")
+            raise ValueError(
+                f"prev module {type(prev).__name__} needs a weight of shape ({k},) to absorb the scale"
+            )
         prev.weight.copy_((prev.weight.float() / sf).to(prev.weight.dtype))
     bias = getattr(prev, "bias", None)
     if bias is not None:
@@ -60,7 +68,9 @@ def _div_rows(weight: torch.Tensor, s: torch.Tensor) -> None:
 # ---- stage-side helpers shared by the `awq` and `smoothquant` stages ----------------------------
 
 
-def skip_reason(ctx: "LayerContext", m: SmoothMapping, ignore: list[str], norm_only: bool = False) -> str | None:
+def skip_reason(
+    ctx: LayerContext, m: SmoothMapping, ignore: list[str], norm_only: bool = False
+) -> str | None:
     """Why mapping `m` of this layer cannot or must not be scaled, or None to scale it."""
     for rel in (m.prev, *m.linears):
         if matches(f"{ctx.prefix}.{rel}", ctx.module(rel), ignore):
@@ -70,12 +80,14 @@ def skip_reason(ctx: "LayerContext", m: SmoothMapping, ignore: list[str], norm_o
         if norm_only:
             return "prev is a Linear; SmoothQuant smooths norm outputs only"
         if prev.out_features < first.in_features:
-            return (f"{m.prev} has {prev.out_features} output rows but {m.linears[0]} reads "
-                    f"{first.in_features} channels (grouped-query attention)")
+            return (
+                f"{m.prev} has {prev.out_features} output rows but {m.linears[0]} reads "
+                f"{first.in_features} channels (grouped-query attention)"
+            )
     return None
 
 
-def refuse_after_quantizer(state: "CompressionState", stage: str) -> None:
+def refuse_after_quantizer(state: CompressionState, stage: str) -> None:
     """An equivalence transform on already-quantized weights would undo the quantization."""
     mapping = mapping_for(state.model)
     for i in range(len(decoder_layers(state.model, mapping))):
@@ -83,8 +95,10 @@ def refuse_after_quantizer(state: "CompressionState", stage: str) -> None:
             for rel in m.linears:
                 name = f"{mapping.layers}.{i}.{rel}"
                 if name in state.quantized:
-                    raise RecipeError(f"stages.{stage}: {name} is already quantized; {stage} rescales weights "
-                                      f"and must run before the quantizer, so move '- {stage}' above rtn/gptq")
+                    raise RecipeError(
+                        f"stages.{stage}: {name} is already quantized; {stage} rescales weights "
+                        f"and must run before the quantizer, so move '- {stage}' above rtn/gptq"
+                    )
 
 
 def round_sig(x: float, digits: int = 6) -> float:

@@ -19,10 +19,14 @@ import time
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from slimserve.compress.stage import LayerContext
-from slimserve.compress.quant.smoothing import apply_smooth_scale, refuse_after_quantizer, round_sig, skip_reason
+from slimserve.compress.quant.smoothing import (
+    apply_smooth_scale,
+    refuse_after_quantizer,
+    round_sig,
+    skip_reason,
+)
 from slimserve.compress.quant.smoothquant import smoothquant_scales
-from slimserve.compress.stage import CompressionState, Stage, StageReport
+from slimserve.compress.stage import CompressionState, LayerContext, Stage, StageReport
 from slimserve.compress.targets import check_patterns
 
 
@@ -31,7 +35,9 @@ class SmoothQuantOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    alpha: float = Field(0.8, ge=0.0, le=1.0)  # migration strength: 0 keeps activations, 1 flattens them
+    alpha: float = Field(
+        0.8, ge=0.0, le=1.0
+    )  # migration strength: 0 keeps activations, 1 flattens them
     ignore: list[str] = []  # modules never rescaled (a mapping touching one is skipped)
 
 
@@ -44,7 +50,9 @@ class SmoothQuantStage(Stage):
 
     def __init__(self, options: SmoothQuantOptions):
         self.options = options
-        self.report = StageReport(self.name, details={"alpha": options.alpha, "mappings": [], "skipped": {}})
+        self.report = StageReport(
+            self.name, details={"alpha": options.alpha, "mappings": [], "skipped": {}}
+        )
         self._t0 = 0.0
 
     def prepare(self, state: CompressionState) -> None:
@@ -76,14 +84,21 @@ class SmoothQuantStage(Stage):
             w_before = max(lin.weight.abs().max().item() for lin in lins)
             s = smoothquant_scales(act, [lin.weight for lin in lins], self.options.alpha)
             apply_smooth_scale(ctx.module(m.prev), lins, s)
-            self.report.details["mappings"].append({
-                "layer": ctx.index, "prev": m.prev, "linears": list(m.linears),
-                "scale_min": round_sig(s.min().item()), "scale_max": round_sig(s.max().item()),
-                "act_absmax_before": round_sig(act.max().item()),
-                "act_absmax_after": round_sig((act / s).max().item()),
-                "weight_absmax_before": round_sig(w_before),
-                "weight_absmax_after": round_sig(max(lin.weight.abs().max().item() for lin in lins)),
-            })
+            self.report.details["mappings"].append(
+                {
+                    "layer": ctx.index,
+                    "prev": m.prev,
+                    "linears": list(m.linears),
+                    "scale_min": round_sig(s.min().item()),
+                    "scale_max": round_sig(s.max().item()),
+                    "act_absmax_before": round_sig(act.max().item()),
+                    "act_absmax_after": round_sig((act / s).max().item()),
+                    "weight_absmax_before": round_sig(w_before),
+                    "weight_absmax_after": round_sig(
+                        max(lin.weight.abs().max().item() for lin in lins)
+                    ),
+                }
+            )
 
     def finalize(self, state: CompressionState) -> StageReport:
         self.report.seconds = time.perf_counter() - self._t0

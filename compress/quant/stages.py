@@ -74,7 +74,9 @@ class RtnStage(Stage):
     def apply(self, state: CompressionState) -> None:
         t0 = time.perf_counter()
         args = self.scheme.weights
-        for name, lin in select_linears(state.model, self.options.targets, self.options.ignore).items():
+        for name, lin in select_linears(
+            state.model, self.options.targets, self.options.ignore
+        ).items():
             qw = quantize_weight(lin.weight.data, args, state.storage_dtype)
             self.report.modules.append(write_quantized(state, name, lin, qw, self.scheme))
         self.report.seconds = time.perf_counter() - t0
@@ -85,8 +87,9 @@ class RtnStage(Stage):
 
 
 @torch.no_grad()
-def write_quantized(state: CompressionState, name: str, lin: nn.Linear, qw: QuantizedWeight,
-                    scheme: QuantScheme) -> ModuleReport:
+def write_quantized(
+    state: CompressionState, name: str, lin: nn.Linear, qw: QuantizedWeight, scheme: QuantScheme
+) -> ModuleReport:
     """Write a quantized weight back (rtn, gptq): the Linear keeps what a loader dequantizes (the
     storage-dtype values, upcast to its own dtype, on its device), `state` records the weight (on
     the CPU) and its scheme, and W8A8 schemes attach the input fake-quant. Returns the module's
@@ -104,11 +107,21 @@ def write_quantized(state: CompressionState, name: str, lin: nn.Linear, qw: Quan
 
 def _to_cpu(qw: QuantizedWeight) -> QuantizedWeight:
     move = lambda t: None if t is None else t.cpu()  # noqa: E731
-    return dataclasses.replace(qw, codes=move(qw.codes), scale=move(qw.scale),
-                               zero_point=move(qw.zero_point), g_idx=move(qw.g_idx))
+    return dataclasses.replace(
+        qw,
+        codes=move(qw.codes),
+        scale=move(qw.scale),
+        zero_point=move(qw.zero_point),
+        g_idx=move(qw.g_idx),
+    )
 
 
 def describe_scheme(s: QuantScheme) -> dict:
     """The weight scheme as a report-friendly dict."""
     w = s.weights
-    return {"num_bits": w.num_bits, "symmetric": w.symmetric, "strategy": w.strategy, "group_size": w.group_size}
+    return {
+        "num_bits": w.num_bits,
+        "symmetric": w.symmetric,
+        "strategy": w.strategy,
+        "group_size": w.group_size,
+    }

@@ -9,7 +9,19 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from slimserve.eval.kernels.common import BF16, DT, F16, FP8, Ctx, fmt, gen, print_table, randn, run_check, twin
+from slimserve.eval.kernels.common import (
+    BF16,
+    DT,
+    F16,
+    FP8,
+    Ctx,
+    fmt,
+    gen,
+    print_table,
+    randn,
+    run_check,
+    twin,
+)
 from slimserve.kernels import reference_attention as RA
 
 
@@ -23,8 +35,12 @@ def make_paged_kv(ctxs, hkv, d, bs, kv_dtype, dev, seed):
     spread = 4.0 if kv_dtype == FP8 else 1.0
     k = (torch.randn(nblk, bs, hkv, d, generator=g, device=dev) * spread).to(kv_dtype)
     v = (torch.randn(nblk, bs, hkv, d, generator=g, device=dev) * spread).to(kv_dtype)
-    return (k, v, tables.view(len(ctxs), per_seq).int(),
-            torch.tensor(ctxs, dtype=torch.int32, device=dev))
+    return (
+        k,
+        v,
+        tables.view(len(ctxs), per_seq).int(),
+        torch.tensor(ctxs, dtype=torch.int32, device=dev),
+    )
 
 
 def _attn_close(out, ref, vc, v_scale):
@@ -42,7 +58,7 @@ def checks_attn(ctx: Ctx) -> None:
     p, dev = ctx.plan, ctx.dev
     h, hkv, d, bs = p.attn
     ks, vs = torch.tensor([0.25], device=dev), 0.5
-    scale = d ** -0.5
+    scale = d**-0.5
     dec = PA.default_config("decode", d)
     pre = PA.default_config("prefill", d)
     if p.cpu_tiles:
@@ -50,28 +66,39 @@ def checks_attn(ctx: Ctx) -> None:
     for qdt, kvdt in ((F16, F16), (BF16, BF16), (F16, FP8), (BF16, FP8)):
         tag = f"q {DT[qdt]} kv {DT[kvdt]}"
         for split in (False, True):
+
             def decode(split=split, qdt=qdt, kvdt=kvdt):
                 kc, vc, bt, cl = make_paged_kv(p.dec_ctx, hkv, d, bs, kvdt, dev, seed=3)
                 q = randn((len(p.dec_ctx), h, d), dev, qdt, seed=4)
-                out = PA.paged_attention_decode(q, kc, vc, bt, cl, scale, ks, vs,
-                                                config=replace(dec, split=split))
+                out = PA.paged_attention_decode(
+                    q, kc, vc, bt, cl, scale, ks, vs, config=replace(dec, split=split)
+                )
                 ref = twin(RA.paged_attention_decode, q, kc, vc, bt, cl, scale, ks, vs)
                 return _attn_close(out, ref, vc, vs)
-            run_check(ctx, "paged_attention_decode", f"{tag} {'split' if split else 'one pass'} "
-                      f"ctx {min(p.dec_ctx)}..{max(p.dec_ctx)}", decode)
+
+            run_check(
+                ctx,
+                "paged_attention_decode",
+                f"{tag} {'split' if split else 'one pass'} ctx {min(p.dec_ctx)}..{max(p.dec_ctx)}",
+                decode,
+            )
 
         def prefill(qdt=qdt, kvdt=kvdt):
             q_lens, ctxs = p.prefill
             kc, vc, bt, cl = make_paged_kv(ctxs, hkv, d, bs, kvdt, dev, seed=5)
-            cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
-                              device=dev)
+            cu = torch.tensor(
+                [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev
+            )
             q = randn((sum(q_lens), h, d), dev, qdt, seed=6)
-            out = PA.paged_attention_prefill(q, kc, vc, bt, cu, cl, scale, ks, vs, config=pre,
-                                             max_q_len=max(q_lens))
+            out = PA.paged_attention_prefill(
+                q, kc, vc, bt, cu, cl, scale, ks, vs, config=pre, max_q_len=max(q_lens)
+            )
             ref = twin(RA.paged_attention_prefill, q, kc, vc, bt, cu, cl, scale, ks, vs)
             return _attn_close(out, ref, vc, vs)
-        run_check(ctx, "paged_attention_prefill", f"{tag} q {p.prefill[0]} ctx {p.prefill[1]}",
-                  prefill)
+
+        run_check(
+            ctx, "paged_attention_prefill", f"{tag} q {p.prefill[0]} ctx {p.prefill[1]}", prefill
+        )
         ctx.save()
 
 
@@ -94,8 +121,11 @@ def time_attn(ctx: Ctx) -> None:
         for b, c in cases:
             row = {"batch": b, "ctx": c, "kv": DT[kv_dtype]}
             try:
-                row.update(_decode_row(ctx, PA, kc, vc, tables[:b, : c // bs].contiguous(), b, c,
-                                       h, ks, vs))
+                row.update(
+                    _decode_row(
+                        ctx, PA, kc, vc, tables[:b, : c // bs].contiguous(), b, c, h, ks, vs
+                    )
+                )
                 if kv_dtype == F16:
                     base[(b, c)] = row["us"]
                 elif (b, c) in base:
@@ -104,21 +134,33 @@ def time_attn(ctx: Ctx) -> None:
                         row["target"] = ctx.target(
                             f"fp8 decode B={b} ctx={c} >= 1.6x fp16 and >= 70% copy",
                             row["vs_fp16"] >= 1.6 and (row["pct_copy"] or 0) >= 70,
-                            f"{row['vs_fp16']:.2f}x, {row['pct_copy'] or 0:.0f}% copy")
+                            f"{row['vs_fp16']:.2f}x, {row['pct_copy'] or 0:.0f}% copy",
+                        )
             except Exception:
                 ctx.error(f"decode B={b} ctx={c} {DT[kv_dtype]}")
             rows.append(row)
         del kc, vc
     ctx.res["tables"]["decode"] = rows
     ctx.save()
-    print_table(f"Paged decode attention ({h} q heads, {hkv} KV heads, D {d}, block {bs}, "
-                f"scattered blocks, fp16 q) | GB/s of KV read vs copy {fmt(ctx.copy_gbps, '.0f')} GB/s | "
-                "target fp8 >= 1.6x fp16 and >= 70% copy at long context", [
-                    ("batch", "batch", 6, ""), ("ctx", "ctx", 6, ""), ("kv", "kv", 6, ""),
-                    ("path", "path", 7, ""), ("us", "us", 10, ".1f"), ("GBps", "GB/s", 8, ".0f"),
-                    ("pct_copy", "%copy", 7, ".0f"), ("other_path", "other", 8, ""),
-                    ("other_us", "other us", 10, ".1f"), ("vs_fp16", "fp8 x", 7, ".2f"),
-                    ("target", "target", 8, "")], rows)
+    print_table(
+        f"Paged decode attention ({h} q heads, {hkv} KV heads, D {d}, block {bs}, "
+        f"scattered blocks, fp16 q) | GB/s of KV read vs copy {fmt(ctx.copy_gbps, '.0f')} GB/s | "
+        "target fp8 >= 1.6x fp16 and >= 70% copy at long context",
+        [
+            ("batch", "batch", 6, ""),
+            ("ctx", "ctx", 6, ""),
+            ("kv", "kv", 6, ""),
+            ("path", "path", 7, ""),
+            ("us", "us", 10, ".1f"),
+            ("GBps", "GB/s", 8, ".0f"),
+            ("pct_copy", "%copy", 7, ".0f"),
+            ("other_path", "other", 8, ""),
+            ("other_us", "other us", 10, ".1f"),
+            ("vs_fp16", "fp8 x", 7, ".2f"),
+            ("target", "target", 8, ""),
+        ],
+        rows,
+    )
     _time_prefill(ctx, PA)
 
 
@@ -130,12 +172,19 @@ def _decode_row(ctx: Ctx, PA, kc, vc, bt, b, c, h, ks, vs) -> dict:
     dflt = PA.default_config("decode", d)
     split = PA.use_split(b, hkv, c, dflt, ctx.dev)
     other = replace(dflt, split=not split)
-    t = ctx.bench(lambda: PA.paged_attention_decode(q, kc, vc, bt, cl, d ** -0.5, ks, vs))
-    t_other = ctx.bench(lambda: PA.paged_attention_decode(q, kc, vc, bt, cl, d ** -0.5, ks, vs,
-                                                          config=other))
+    t = ctx.bench(lambda: PA.paged_attention_decode(q, kc, vc, bt, cl, d**-0.5, ks, vs))
+    t_other = ctx.bench(
+        lambda: PA.paged_attention_decode(q, kc, vc, bt, cl, d**-0.5, ks, vs, config=other)
+    )
     gb = 2 * b * c * hkv * d * kc.element_size() / t / 1e3  # K and V bytes read
-    return {"path": "split" if split else "1pass", "us": t, "GBps": gb, "pct_copy": ctx.pct(gb),
-            "other_path": "1pass" if split else "split", "other_us": t_other}
+    return {
+        "path": "split" if split else "1pass",
+        "us": t,
+        "GBps": gb,
+        "pct_copy": ctx.pct(gb),
+        "other_path": "1pass" if split else "split",
+        "other_us": t_other,
+    }
 
 
 def _time_prefill(ctx: Ctx, PA) -> None:
@@ -153,7 +202,9 @@ def _time_prefill(ctx: Ctx, PA) -> None:
         v = randn((total, hkv, d), dev, F16, seed=12)
         q = randn((n_new, h, d), dev, F16, seed=13)
         qs = q.transpose(0, 1)[None].contiguous()  # [1, H, n_new, D]
-        kr, vr = (t.repeat_interleave(h // hkv, 1).transpose(0, 1)[None].contiguous() for t in (k, v))
+        kr, vr = (
+            t.repeat_interleave(h // hkv, 1).transpose(0, 1)[None].contiguous() for t in (k, v)
+        )
         sdpa, t_base = _sdpa_rows(ctx, qs, kr, vr, rows, flops, 4 * h * d * n_new * total / 1e6)
         cu = torch.tensor([0, n_new], dtype=torch.int32, device=dev)
         cl = torch.tensor([total], dtype=torch.int32, device=dev)
@@ -166,25 +217,45 @@ def _time_prefill(ctx: Ctx, PA) -> None:
             kc[:total], vc[:total] = k / scf, v / scf
             kc, vc = (t.view(nblk, bs, hkv, d)[bt[0].argsort()] for t in (kc, vc))
             kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
-            out = PA.paged_attention_prefill(q, kc, vc, bt, cu, cl, d ** -0.5, sc, sc,
-                                             max_q_len=n_new)
-            diff = None if sdpa is None else \
-                (out.transpose(0, 1)[None].float() - sdpa.float()).abs().max().item()
-            t = ctx.bench(lambda: PA.paged_attention_prefill(q, kc, vc, bt, cu, cl, d ** -0.5,
-                                                             sc, sc, max_q_len=n_new))
-            rows.append({"impl": f"paged prefill {DT[kv_dtype]} KV", "us": t,
-                         "TFLOPs": flops / t, "vs_sdpa": t_base / t if t_base else None,
-                         "max_diff_vs_sdpa": diff})
+            out = PA.paged_attention_prefill(
+                q, kc, vc, bt, cu, cl, d**-0.5, sc, sc, max_q_len=n_new
+            )
+            diff = (
+                None
+                if sdpa is None
+                else (out.transpose(0, 1)[None].float() - sdpa.float()).abs().max().item()
+            )
+            t = ctx.bench(
+                lambda: PA.paged_attention_prefill(
+                    q, kc, vc, bt, cu, cl, d**-0.5, sc, sc, max_q_len=n_new
+                )
+            )
+            rows.append(
+                {
+                    "impl": f"paged prefill {DT[kv_dtype]} KV",
+                    "us": t,
+                    "TFLOPs": flops / t,
+                    "vs_sdpa": t_base / t if t_base else None,
+                    "max_diff_vs_sdpa": diff,
+                }
+            )
     except Exception:
         ctx.error("prefill timing")
     ctx.res["tables"]["prefill"] = rows
     ctx.save()
-    print_table(f"Chunked prefill: {n_new} new queries after {cached} cached tokens, {h}/{hkv} "
-                f"heads, D {d}, fp16 q (TF/s of each row's own work; 'vs SDPA' against the "
-                "exact causal SDPA row)", [
-                    ("impl", "impl", 46, ""), ("us", "us", 10, ".1f"),
-                    ("TFLOPs", "TF/s", 8, ".1f"), ("vs_sdpa", "vs SDPA", 9, ".2f"),
-                    ("max_diff_vs_sdpa", "max |diff|", 12, ".3g")], rows)
+    print_table(
+        f"Chunked prefill: {n_new} new queries after {cached} cached tokens, {h}/{hkv} "
+        f"heads, D {d}, fp16 q (TF/s of each row's own work; 'vs SDPA' against the "
+        "exact causal SDPA row)",
+        [
+            ("impl", "impl", 46, ""),
+            ("us", "us", 10, ".1f"),
+            ("TFLOPs", "TF/s", 8, ".1f"),
+            ("vs_sdpa", "vs SDPA", 9, ".2f"),
+            ("max_diff_vs_sdpa", "max |diff|", 12, ".3g"),
+        ],
+        rows,
+    )
 
 
 def _sdpa_rows(ctx: Ctx, qs, kr, vr, rows, flops_causal, flops_full):
@@ -197,17 +268,25 @@ def _sdpa_rows(ctx: Ctx, qs, kr, vr, rows, flops_causal, flops_full):
         mask = causal_lower_right(qs.shape[2], kr.shape[2])
         sdpa = F.scaled_dot_product_attention(qs, kr, vr, attn_mask=mask)
         t_causal = ctx.bench(lambda: F.scaled_dot_product_attention(qs, kr, vr, attn_mask=mask))
-        rows.append({"impl": "torch SDPA lower-right causal (contiguous)", "us": t_causal,
-                     "TFLOPs": flops_causal / t_causal})
+        rows.append(
+            {
+                "impl": "torch SDPA lower-right causal (contiguous)",
+                "us": t_causal,
+                "TFLOPs": flops_causal / t_causal,
+            }
+        )
     except Exception:
         ctx.error("SDPA lower-right causal baseline")
     try:
+
         def flash():
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(qs, kr, vr)
+
         t = ctx.bench(flash)
-        rows.append({"impl": "torch SDPA flash, no mask (+6% work)", "us": t,
-                     "TFLOPs": flops_full / t})
+        rows.append(
+            {"impl": "torch SDPA flash, no mask (+6% work)", "us": t, "TFLOPs": flops_full / t}
+        )
     except Exception:
         ctx.error("SDPA flash baseline")
     return sdpa, t_causal

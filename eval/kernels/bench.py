@@ -69,8 +69,11 @@ def run_section(section: str, ctx: Ctx) -> None:
         ctx.save()
         return
     mm = torch.backends.cuda.matmul
-    saved = (torch.get_float32_matmul_precision(), mm.allow_fp16_reduced_precision_reduction,
-             mm.allow_bf16_reduced_precision_reduction)
+    saved = (
+        torch.get_float32_matmul_precision(),
+        mm.allow_fp16_reduced_precision_reduction,
+        mm.allow_bf16_reduced_precision_reduction,
+    )
     torch.set_float32_matmul_precision("highest")
     mm.allow_fp16_reduced_precision_reduction = mm.allow_bf16_reduced_precision_reduction = False
     print(f"\n== {section}: correctness vs torch twins ==", flush=True)
@@ -95,13 +98,20 @@ def run_section(section: str, ctx: Ctx) -> None:
 def hardware() -> dict:
     import triton
 
-    info = {"torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "cuda": torch.version.cuda}
+    info = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.version.cuda,
+    }
     if CUDA:
         prop = torch.cuda.get_device_properties(0)
-        info.update(device=torch.cuda.get_device_name(0), sms=prop.multi_processor_count,
-                    memory_GiB=round(prop.total_memory / 2**30, 1),
-                    capability=f"{prop.major}.{prop.minor}")
+        info.update(
+            device=torch.cuda.get_device_name(0),
+            sms=prop.multi_processor_count,
+            memory_GiB=round(prop.total_memory / 2**30, 1),
+            capability=f"{prop.major}.{prop.minor}",
+        )
     else:
         info.update(device="CPU (no CUDA: Triton interpreter)", sms=None)
     return info
@@ -142,8 +152,19 @@ def _spawn(section: str, plan: Plan, copy_gbps: float | None, timeout: float) ->
     fd, path = tempfile.mkstemp(prefix=f"kb-{section}-", suffix=".json")
     os.close(fd)
     os.unlink(path)
-    cmd = [sys.executable, "-m", "slimserve.eval.kernels.bench", "--child", section, "--plan",
-           plan.name, "--result", path, "--limit", str(timeout)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimserve.eval.kernels.bench",
+        "--child",
+        section,
+        "--plan",
+        plan.name,
+        "--result",
+        path,
+        "--limit",
+        str(timeout),
+    ]
     if copy_gbps:
         cmd += ["--copy-gbps", str(copy_gbps)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -160,8 +181,10 @@ def _spawn(section: str, plan: Plan, copy_gbps: float | None, timeout: float) ->
             res = json.load(f)
         os.unlink(path)
     if status != "ok" or not res.get("done"):
-        print(f"\n!! section {section}: {status}; {'partial' if res else 'no'} results kept",
-              flush=True)
+        print(
+            f"\n!! section {section}: {status}; {'partial' if res else 'no'} results kept",
+            flush=True,
+        )
         res.setdefault("errors", []).append({"where": section, "traceback": status})
     return res
 
@@ -177,8 +200,10 @@ def summarize(results: dict) -> bool:
             if c.get("max_err") is not None:
                 k[2] = max(k[2], c["max_err"])
     for name, (ok, bad, err) in kernels.items():
-        print(f"{'PASS' if not bad else 'FAIL'}  {name:<24} {ok} passed, {bad} failed, "
-              f"worst max err {err:.3g}")
+        print(
+            f"{'PASS' if not bad else 'FAIL'}  {name:<24} {ok} passed, {bad} failed, "
+            f"worst max err {err:.3g}"
+        )
     missed = [t for sec in results.values() for t in sec.get("targets", []) if not t["ok"]]
     hit = sum(1 for sec in results.values() for t in sec.get("targets", []) if t["ok"])
     if hit or missed:
@@ -187,8 +212,9 @@ def summarize(results: dict) -> bool:
         print(f"  MISS {t['target']}: {t['detail']}")
     e2e = results.get("e2e", {}).get("tables", {}).get("e2e") or []
     if e2e:
-        print("e2e: " + ", ".join(f"{r['config']} {r['output_tok_per_s']:.0f} out tok/s"
-                                  for r in e2e))
+        print(
+            "e2e: " + ", ".join(f"{r['config']} {r['output_tok_per_s']:.0f} out tok/s" for r in e2e)
+        )
     errors = [e for sec in results.values() for e in sec.get("errors", [])]
     for e in errors:
         print(f"  ERROR {e['where']}: {e['traceback'].splitlines()[-1] if e['traceback'] else ''}")
@@ -198,11 +224,18 @@ def summarize(results: dict) -> bool:
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="shrink every size and sweep")
-    ap.add_argument("--sections", default=",".join(SECTIONS),
-                    help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
     ap.add_argument("--json-out", default=None, help="default: $OUT/kernel_bench.json if $OUT")
-    ap.add_argument("--time-scale", type=float, default=1.0,
-                    help="multiply every section's time limit (the full plan's sum to 430 s)")
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply every section's time limit (the full plan's sum to 430 s)",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -214,26 +247,34 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _start_report(plan: Plan, sections: list[str]) -> dict:
     """Print the hardware line (and the no-CUDA note), measure the copy bandwidth on CUDA."""
     hw = hardware()
-    print(f"slimserve kernel bench | {hw['device']} | SMs {hw.get('sms')} | sm_{hw.get('capability')}"
-          f" | {hw.get('memory_GiB')} GiB | torch {hw['torch']} | triton {hw['triton']} | "
-          f"CUDA {hw['cuda']} | python {hw['python']} | plan {plan.name}", flush=True)
+    print(
+        f"slimserve kernel bench | {hw['device']} | SMs {hw.get('sms')} | sm_{hw.get('capability')}"
+        f" | {hw.get('memory_GiB')} GiB | torch {hw['torch']} | triton {hw['triton']} | "
+        f"CUDA {hw['cuda']} | python {hw['python']} | plan {plan.name}",
+        flush=True,
+    )
     if not CUDA:
-        print("No CUDA device: correctness checks at tiny shapes through the Triton interpreter "
-              "(TRITON_INTERPRET=1); timings and e2e skipped.")
+        print(
+            "No CUDA device: correctness checks at tiny shapes through the Triton interpreter "
+            "(TRITON_INTERPRET=1); timings and e2e skipped."
+        )
     report = {"hardware": hw, "plan": plan.name, "sections": sections, "results": {}}
     if CUDA:
         report["copy_GBps"] = None
         try:
             report["copy_GBps"] = copy_bandwidth(plan)
-            print(f"device-to-device copy: {report['copy_GBps']:.0f} GB/s (read + write bytes)",
-                  flush=True)
+            print(
+                f"device-to-device copy: {report['copy_GBps']:.0f} GB/s (read + write bytes)",
+                flush=True,
+            )
         except Exception:
             print(f"copy bandwidth failed:\n{tail(traceback.format_exc())}", flush=True)
     return report
 
 
-def _run_sections(plan: Plan, sections: list[str], report: dict, out_path: str | None,
-                  t0: float) -> None:
+def _run_sections(
+    plan: Plan, sections: list[str], report: dict, out_path: str | None, t0: float
+) -> None:
     """Each section in a child process on CUDA (in process without), the JSON rewritten after
     every one."""
     total = sum(plan.limits.get(s, 0) for s in sections)
@@ -241,10 +282,11 @@ def _run_sections(plan: Plan, sections: list[str], report: dict, out_path: str |
         s0 = time.monotonic()
         if CUDA:
             # the section's own limit plus whatever earlier sections left unused
-            later = sum(plan.limits.get(s, 0) for s in sections[i + 1:])
+            later = sum(plan.limits.get(s, 0) for s in sections[i + 1 :])
             limit = max(30.0, total - (time.monotonic() - t0) - later)
-            res = _spawn(sec, replace(plan, limits={**plan.limits, sec: limit}),
-                         report["copy_GBps"], limit)
+            res = _spawn(
+                sec, replace(plan, limits={**plan.limits, sec: limit}), report["copy_GBps"], limit
+            )
         else:
             ctx = Ctx(plan, torch.device("cpu"), None, None)
             run_section(sec, ctx)
@@ -267,16 +309,19 @@ def main(argv: list[str] | None = None) -> int:
     _use_kernels_on_cpu()
     plan = PLANS["cpu" if not CUDA else "quick" if args.quick else "full"]
     plan = replace(plan, limits={k: v * args.time_scale for k, v in plan.limits.items()})
-    out_path = args.json_out or (os.path.join(os.environ["OUT"], "kernel_bench.json")
-                                 if os.environ.get("OUT") else None)
+    out_path = args.json_out or (
+        os.path.join(os.environ["OUT"], "kernel_bench.json") if os.environ.get("OUT") else None
+    )
     t0 = time.monotonic()
     report = _start_report(plan, sections)
     _run_sections(plan, sections, report, out_path, t0)
     ok = summarize(report["results"])
     report["seconds"] = time.monotonic() - t0
-    print("time per section: " + ", ".join(f"{s} {r['seconds']:.0f} s"
-                                            for s, r in report["results"].items())
-          + f"; total {report['seconds']:.0f} s")
+    print(
+        "time per section: "
+        + ", ".join(f"{s} {r['seconds']:.0f} s" for s, r in report["results"].items())
+        + f"; total {report['seconds']:.0f} s"
+    )
     if out_path:
         _write_json(out_path, report)
         print(f"results: {out_path}")

@@ -42,7 +42,11 @@ def ulp_ok(out, ref, max_ulp: float, max_frac: float = 1.0):
     """(ok, max ulp error, note): shapes and dtypes equal, every element within max_ulp and at
     most max_frac of them differing at all."""
     if out.shape != ref.shape or out.dtype != ref.dtype:
-        return False, math.inf, f"got {out.dtype}{tuple(out.shape)}, want {ref.dtype}{tuple(ref.shape)}"
+        return (
+            False,
+            math.inf,
+            f"got {out.dtype}{tuple(out.shape)}, want {ref.dtype}{tuple(ref.shape)}",
+        )
     err = ulp_err(out, ref)
     frac = (out != ref).float().mean().item()
     return err.max().item() <= max_ulp and frac <= max_frac, err.max().item(), f"{frac:.2%} differ"
@@ -83,11 +87,18 @@ def print_table(title: str, cols: list[tuple[str, str, int, str]], rows: list[di
 class Ctx:
     """One section's run: device, plan, copy bandwidth, results (saved after every table)."""
 
-    def __init__(self, plan: Plan, dev: torch.device, copy_gbps: float | None,
-                 result_path: str | None):
+    def __init__(
+        self, plan: Plan, dev: torch.device, copy_gbps: float | None, result_path: str | None
+    ):
         self.plan, self.dev, self.copy_gbps, self.path = plan, dev, copy_gbps, result_path
-        self.res: dict = {"correctness": [], "tables": {}, "sweeps": {}, "suggestions": {},
-                          "errors": [], "targets": []}
+        self.res: dict = {
+            "correctness": [],
+            "tables": {},
+            "sweeps": {},
+            "suggestions": {},
+            "errors": [],
+            "targets": [],
+        }
         self.t0 = time.monotonic()
 
     def save(self) -> None:
@@ -135,9 +146,16 @@ def run_check(ctx: Ctx, kernel: str, case: str, fn) -> None:
         print(tail(traceback.format_exc()), flush=True)
     status = "PASS" if ok else "FAIL"
     print(f"{status}  {kernel:<24} {case:<46} max err {err:<10.3g} {note}", flush=True)
-    ctx.res["correctness"].append({"kernel": kernel, "case": case, "ok": bool(ok),
-                                   "max_err": float(err), "note": note,
-                                   "seconds": time.perf_counter() - t0})
+    ctx.res["correctness"].append(
+        {
+            "kernel": kernel,
+            "case": case,
+            "ok": bool(ok),
+            "max_err": float(err),
+            "note": note,
+            "seconds": time.perf_counter() - t0,
+        }
+    )
     ctx.save()  # a child killed at its time limit still reports the checks it finished
 
 
@@ -159,4 +177,5 @@ def memo(fn):
         if not box:
             box.append(fn())
         return box[0]
+
     return get

@@ -13,10 +13,14 @@ def cfg_repr(c) -> str:
     """A paste-able constructor call of a W4A16Config / W8A8Config."""
     name = type(c).__name__
     if name == "W4A16Config":
-        return (f'W4A16Config("{c.path}", {c.block_m}, {c.block_n}, {c.block_k}, '
-                f"split_k={c.split_k}, num_warps={c.num_warps}, num_stages={c.num_stages})")
-    return (f"W8A8Config({c.block_m}, {c.block_n}, {c.block_k}, group_m={c.group_m}, "
-            f"num_warps={c.num_warps}, num_stages={c.num_stages}, split_k={c.split_k})")
+        return (
+            f'W4A16Config("{c.path}", {c.block_m}, {c.block_n}, {c.block_k}, '
+            f"split_k={c.split_k}, num_warps={c.num_warps}, num_stages={c.num_stages})"
+        )
+    return (
+        f"W8A8Config({c.block_m}, {c.block_n}, {c.block_k}, group_m={c.group_m}, "
+        f"num_warps={c.num_warps}, num_stages={c.num_stages}, split_k={c.split_k})"
+    )
 
 
 def suggest(times: dict, buckets: list) -> list[dict]:
@@ -41,8 +45,11 @@ def suggest(times: dict, buckets: list) -> list[dict]:
     merged = []
     for pk in picks:
         if merged and pk["config"] is not None and merged[-1]["config"] == pk["config"]:
-            merged[-1] = {**pk, "geo_slowdown": max(pk["geo_slowdown"], merged[-1]["geo_slowdown"]),
-                          "worst_slowdown": max(pk["worst_slowdown"], merged[-1]["worst_slowdown"])}
+            merged[-1] = {
+                **pk,
+                "geo_slowdown": max(pk["geo_slowdown"], merged[-1]["geo_slowdown"]),
+                "worst_slowdown": max(pk["worst_slowdown"], merged[-1]["worst_slowdown"]),
+            }
         else:
             merged.append(pk)
     return merged
@@ -58,39 +65,70 @@ def _sweep_points(records: list[dict]) -> tuple[dict, list[dict]]:
         dflt = next((r for r in records if (r["M"], r["N"], r["K"]) == pt and r["default"]), None)
         best = min(cands, key=cands.get)
         d_us = dflt.get("us") if dflt else None
-        best_rows.append({"M": pt[0], "N": pt[1], "K": pt[2], "best_us": cands[best],
-                          "default_us": d_us, "ratio": d_us / cands[best] if d_us else None,
-                          "within_10pct": bool(d_us and d_us <= 1.1 * cands[best]),
-                          "best": best})
+        best_rows.append(
+            {
+                "M": pt[0],
+                "N": pt[1],
+                "K": pt[2],
+                "best_us": cands[best],
+                "default_us": d_us,
+                "ratio": d_us / cands[best] if d_us else None,
+                "within_10pct": bool(d_us and d_us <= 1.1 * cands[best]),
+                "best": best,
+            }
+        )
     return times, sorted(best_rows, key=lambda r: (r["N"], r["K"], r["M"]))
 
 
-def report_sweep(ctx: Ctx, name: str, records: list[dict], buckets: list, head: str,
-                  opener: str, fmt_bound, current: dict | None = None) -> list:
+def report_sweep(
+    ctx: Ctx,
+    name: str,
+    records: list[dict],
+    buckets: list,
+    head: str,
+    opener: str,
+    fmt_bound,
+    current: dict | None = None,
+) -> list:
     """Print the per-point table, the failed candidates and a paste-able suggested table
     (a bucket without measurements keeps its `current` row)."""
     times, best_rows = _sweep_points(records)
     bad = [r for r in records if r.get("error") or r.get("valid") is False]
     skipped = sum(1 for r in records if r.get("skipped"))
-    print_table(f"{name} tuning sweep: best config per (M, N, K); is the default within 10%?", [
-        ("M", "M", 6, ""), ("N", "N", 6, ""), ("K", "K", 6, ""),
-        ("default_us", "default us", 11, ".1f"), ("best_us", "best us", 9, ".1f"),
-        ("ratio", "dflt/best", 9, ".2f"), ("within_10pct", "<=10%", 6, ""),
-        ("best", "best config", 0, "")], best_rows)
+    print_table(
+        f"{name} tuning sweep: best config per (M, N, K); is the default within 10%?",
+        [
+            ("M", "M", 6, ""),
+            ("N", "N", 6, ""),
+            ("K", "K", 6, ""),
+            ("default_us", "default us", 11, ".1f"),
+            ("best_us", "best us", 9, ".1f"),
+            ("ratio", "dflt/best", 9, ".2f"),
+            ("within_10pct", "<=10%", 6, ""),
+            ("best", "best config", 0, ""),
+        ],
+        best_rows,
+    )
     for r in bad:
-        print(f"  {'WRONG OUTPUT' if r.get('valid') is False else 'FAILED'}: M={r['M']} "
-              f"N={r['N']} K={r['K']} {r['config']} {r.get('error', '')}")
+        print(
+            f"  {'WRONG OUTPUT' if r.get('valid') is False else 'FAILED'}: M={r['M']} "
+            f"N={r['N']} K={r['K']} {r['config']} {r.get('error', '')}"
+        )
     if skipped:
         print(f"  {skipped} candidates skipped at the section's time limit")
     picks = suggest(times, [(b, [pt for pt in times if pt[0] in ms]) for b, ms in buckets])
     print(f"\n{head}\n{opener}")
     for pk in picks:
         if pk["config"] is not None:
-            print(f"    ({fmt_bound(pk['bound'])}, {pk['config']}),  # geo-mean "
-                  f"{pk['geo_slowdown']:.2f}x of best, worst {pk['worst_slowdown']:.2f}x")
+            print(
+                f"    ({fmt_bound(pk['bound'])}, {pk['config']}),  # geo-mean "
+                f"{pk['geo_slowdown']:.2f}x of best, worst {pk['worst_slowdown']:.2f}x"
+            )
         elif (current or {}).get(pk["bound"]):
-            print(f"    ({fmt_bound(pk['bound'])}, {current[pk['bound']]}),  # not measured: "
-                  "current row")
+            print(
+                f"    ({fmt_bound(pk['bound'])}, {current[pk['bound']]}),  # not measured: "
+                "current row"
+            )
     print(")" if opener.endswith("(") else "", flush=True)
     ctx.res["suggestions"][name] = {"best": best_rows, "table": picks}
     ctx.save()

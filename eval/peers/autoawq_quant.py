@@ -49,8 +49,12 @@ MODES = ("awq", "scaled", "fake", "rtn")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="local HF checkpoint folder")
-    p.add_argument("--calib-ids", type=Path, help="[num_samples, seq_len] token ids (.json list of lists "
-                   "or .safetensors tensor 'input_ids'); not needed for --mode rtn")
+    p.add_argument(
+        "--calib-ids",
+        type=Path,
+        help="[num_samples, seq_len] token ids (.json list of lists "
+        "or .safetensors tensor 'input_ids'); not needed for --mode rtn",
+    )
     p.add_argument("--out", required=True, type=Path, help="folder for the checkpoint")
     p.add_argument("--mode", choices=MODES, default="awq")
     p.add_argument("--w-bit", type=int, default=4)
@@ -58,12 +62,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-zero-point", action="store_true", help="symmetric (AutoAWQ: absmax / 7)")
     p.add_argument("--no-clip", action="store_true", help="skip AutoAWQ's clip search")
     p.add_argument("--no-duo-scaling", action="store_true", help="s = x^a instead of x^a / w^(1-a)")
-    p.add_argument("--modules-to-not-convert", nargs="*", default=None,
-                   help="name fragments AutoAWQ leaves unquantized (e.g. down_proj)")
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
-                   help="compute dtype of the search (AutoAWQ's default float16; transformers 5 ignores "
-                        "the torch_dtype AutoAWQ passes, so the script casts the loaded model)")
-    p.add_argument("--dequant-out", type=Path, help="awq mode: AutoAWQ's own dequantized weights + logits")
+    p.add_argument(
+        "--modules-to-not-convert",
+        nargs="*",
+        default=None,
+        help="name fragments AutoAWQ leaves unquantized (e.g. down_proj)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32"),
+        default="float16",
+        help="compute dtype of the search (AutoAWQ's default float16; transformers 5 ignores "
+        "the torch_dtype AutoAWQ passes, so the script casts the loaded model)",
+    )
+    p.add_argument(
+        "--dequant-out", type=Path, help="awq mode: AutoAWQ's own dequantized weights + logits"
+    )
     return p.parse_args(argv)
 
 
@@ -71,7 +85,9 @@ def pseudo_quantizer(args: argparse.Namespace):
     """AutoAWQ's own fake quantizer (AwqQuantizer.pseudo_quantize_tensor) for these options."""
     from awq.quantize.quantizer import AwqQuantizer
 
-    cfg = SimpleNamespace(w_bit=args.w_bit, group_size=args.group_size, zero_point=not args.no_zero_point)
+    cfg = SimpleNamespace(
+        w_bit=args.w_bit, group_size=args.group_size, zero_point=not args.no_zero_point
+    )
     return lambda w: AwqQuantizer.pseudo_quantize_tensor(cfg, w)[0]
 
 
@@ -104,11 +120,20 @@ def dump_dequant(out: Path, path: Path, args: argparse.Namespace, probe: list[in
     deq = {}
     for key in [k for k in tensors if k.endswith(".qweight")]:
         prefix = key.removesuffix(".qweight")
-        w = dequantize_gemm(tensors[key], tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"],
-                            args.w_bit, args.group_size)  # [K, N]
+        w = dequantize_gemm(
+            tensors[key],
+            tensors[f"{prefix}.qzeros"],
+            tensors[f"{prefix}.scales"],
+            args.w_bit,
+            args.group_size,
+        )  # [K, N]
         deq[f"{prefix}.weight"] = w.t().contiguous().half()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float16)
-    state = {k: v for k, v in tensors.items() if not k.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales")}
+    state = {
+        k: v
+        for k, v in tensors.items()
+        if k.rsplit(".", 1)[-1] not in ("qweight", "qzeros", "scales")
+    }
     model.load_state_dict({**state, **deq}, strict=False)
     with torch.no_grad():
         logits = model.float()(torch.tensor([probe])).logits
@@ -119,8 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     args = parse_args(argv)
     if args.mode == "awq" and args.no_zero_point:
-        raise SystemExit("--mode awq needs zero points (AutoAWQ's GEMM packer asserts them); "
-                         "use --mode fake or scaled for the symmetric search")
+        raise SystemExit(
+            "--mode awq needs zero points (AutoAWQ's GEMM packer asserts them); "
+            "use --mode fake or scaled for the symmetric search"
+        )
     from importlib.metadata import version
 
     import torch
@@ -130,8 +157,12 @@ def main(argv: list[str] | None = None) -> None:
     awq_model = AutoAWQForCausalLM.from_pretrained(args.model, device_map="cpu")
     awq_model.model.to(getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    quant_config = {"zero_point": not args.no_zero_point, "q_group_size": args.group_size,
-                    "w_bit": args.w_bit, "version": "GEMM"}
+    quant_config = {
+        "zero_point": not args.no_zero_point,
+        "q_group_size": args.group_size,
+        "w_bit": args.w_bit,
+        "version": "GEMM",
+    }
     if args.modules_to_not_convert:
         quant_config["modules_to_not_convert"] = args.modules_to_not_convert
     ids = load_ids(args.calib_ids) if args.calib_ids else None
@@ -139,10 +170,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode != "rtn":
         if ids is None:
             raise SystemExit(f"--mode {args.mode} needs --calib-ids")
-        awq_model.quantize(tokenizer, quant_config=quant_config, calib_data=ids,
-                           max_calib_samples=len(ids), max_calib_seq_len=len(ids[0]),
-                           duo_scaling=not args.no_duo_scaling, apply_clip=not args.no_clip,
-                           export_compatible=args.mode != "awq")
+        awq_model.quantize(
+            tokenizer,
+            quant_config=quant_config,
+            calib_data=ids,
+            max_calib_samples=len(ids),
+            max_calib_seq_len=len(ids[0]),
+            duo_scaling=not args.no_duo_scaling,
+            apply_clip=not args.no_clip,
+            export_compatible=args.mode != "awq",
+        )
     if args.mode in ("fake", "rtn"):
         fake_quantize_layers(awq_model, args)
     seconds_quant = time.perf_counter() - t0
@@ -158,10 +195,14 @@ def main(argv: list[str] | None = None) -> None:
         probe = ids[0][:64] if ids else list(range(64))
         dump_dequant(args.out, args.dequant_out, args, probe)
     result = {
-        "mode": args.mode, "seconds_quant": round(seconds_quant, 3),
+        "mode": args.mode,
+        "seconds_quant": round(seconds_quant, 3),
         "seconds_total": round(time.perf_counter() - t_start, 3),
-        "num_samples": len(ids) if ids else 0, "seq_len": len(ids[0]) if ids else 0,
-        "quant_config": quant_config, "clip": not args.no_clip, "dtype": args.dtype,
+        "num_samples": len(ids) if ids else 0,
+        "seq_len": len(ids[0]) if ids else 0,
+        "quant_config": quant_config,
+        "clip": not args.no_clip,
+        "dtype": args.dtype,
         "versions": {p: version(p) for p in ("autoawq", "torch", "transformers")},
     }
     print(json.dumps(result), flush=True)

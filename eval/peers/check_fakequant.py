@@ -24,15 +24,19 @@ import torch
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def compare(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], storage: torch.dtype) -> dict:
+def compare(
+    ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], storage: torch.dtype
+) -> dict:
     """Element-wise comparison of two {name: weight} dicts over the names of `theirs`."""
     eps = torch.finfo(storage).eps
     worst, over, mismatched = 0.0, 0, []
     for name, ref in sorted(theirs.items()):
         got = ours.get(name)
         if got is None or tuple(got.shape) != tuple(ref.shape):
-            mismatched.append(f"{name}: {'missing' if got is None else f'shape {tuple(got.shape)}'} "
-                              f"in ours, {tuple(ref.shape)} in the peer's")
+            mismatched.append(
+                f"{name}: {'missing' if got is None else f'shape {tuple(got.shape)}'} "
+                f"in ours, {tuple(ref.shape)} in the peer's"
+            )
             continue
         diff = (got.double() - ref.double()).abs()
         worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
@@ -41,9 +45,15 @@ def compare(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], stor
             over += bad
             mismatched.append(f"{name}: {bad} elements differ by more than {eps:g} x |w|")
     layers = sorted({int(m.group(1)) for n in theirs if (m := _LAYER.search(n))})
-    return {"match": not mismatched, "modules": len(theirs), "layers": layers, "max_abs_diff": worst,
-            "elements_over": over, "tolerance_note": f"tolerance {eps:g} x |w|, the {str(storage)[6:]} epsilon",
-            "mismatched": mismatched[:10]}
+    return {
+        "match": not mismatched,
+        "modules": len(theirs),
+        "layers": layers,
+        "max_abs_diff": worst,
+        "elements_over": over,
+        "tolerance_note": f"tolerance {eps:g} x |w|, the {str(storage)[6:]} epsilon",
+        "mismatched": mismatched[:10],
+    }
 
 
 def dequantized_weights(model: torch.nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
@@ -76,11 +86,17 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: python -m slimserve.eval.peers.check_fakequant ARTIFACT FAKEQUANT.safetensors", file=sys.stderr)
+        print(
+            "usage: python -m slimserve.eval.peers.check_fakequant ARTIFACT FAKEQUANT.safetensors",
+            file=sys.stderr,
+        )
         return 2
     artifact, dump = Path(argv[0]), Path(argv[1])
     if not dump.is_file():
-        print(f"error: {dump} does not exist; write it with the peer script's --dump-fakequant", file=sys.stderr)
+        print(
+            f"error: {dump} does not exist; write it with the peer script's --dump-fakequant",
+            file=sys.stderr,
+        )
         return 2
     try:
         loaded = load_model(artifact, dtype=torch.float32)

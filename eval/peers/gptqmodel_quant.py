@@ -38,15 +38,25 @@ else:  # run as a script by a peer venv's python, which has no slimserve
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="local HF checkpoint folder")
-    p.add_argument("--calib-ids", required=True, type=Path,
-                   help="[num_samples, seq_len] token ids (.json list of lists or .safetensors 'input_ids')")
+    p.add_argument(
+        "--calib-ids",
+        required=True,
+        type=Path,
+        help="[num_samples, seq_len] token ids (.json list of lists or .safetensors 'input_ids')",
+    )
     p.add_argument("--out", required=True, type=Path, help="folder for the checkpoint")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asym", action="store_true", help="asymmetric (sym=False)")
-    p.add_argument("--desc-act", action="store_true", help="activation order (writes a permuting g_idx)")
-    p.add_argument("--dynamic", type=json.loads, default=None,
-                   help='GPTQModel per-module overrides as JSON, e.g. \'{"+:.*down_proj": {"bits": 8}}\'')
+    p.add_argument(
+        "--desc-act", action="store_true", help="activation order (writes a permuting g_idx)"
+    )
+    p.add_argument(
+        "--dynamic",
+        type=json.loads,
+        default=None,
+        help='GPTQModel per-module overrides as JSON, e.g. \'{"+:.*down_proj": {"bits": 8}}\'',
+    )
     p.add_argument("--format", default=None, help="GPTQModel `format` (default: its own, gptq)")
     p.add_argument("--dequant-out", type=Path, help="GPTQModel's own dequantized weights + logits")
     return p.parse_args(argv)
@@ -63,7 +73,9 @@ def dump_dequant(out: Path, path: Path, probe: list[int]) -> None:
     deq = {}
     for name, mod in model.model.named_modules():
         if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight"):
-            deq[f"{name}.weight"] = mod.dequantize_weight().t().contiguous().to(torch.float16)  # [N, K]
+            deq[f"{name}.weight"] = (
+                mod.dequantize_weight().t().contiguous().to(torch.float16)
+            )  # [N, K]
     with torch.no_grad():
         logits = model.model(torch.tensor([probe])).logits.float()
     save_file({**deq, "logits": logits.contiguous(), "probe_ids": torch.tensor([probe])}, str(path))
@@ -78,7 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     from gptqmodel import GPTQModel, QuantizeConfig
 
     ids = load_ids(args.calib_ids)
-    kw = {"bits": args.bits, "group_size": args.group_size, "sym": not args.asym, "desc_act": args.desc_act}
+    kw = {
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "sym": not args.asym,
+        "desc_act": args.desc_act,
+    }
     if args.desc_act:
         kw["act_group_aware"] = False  # GPTQModel refuses desc_act together with its default GAR
     if args.format:
@@ -96,8 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.dequant_out:
         dump_dequant(args.out, args.dequant_out, ids[0][:64])
     result = {
-        "seconds_quant": round(seconds_quant, 3), "seconds_total": round(time.perf_counter() - t_start, 3),
-        "num_samples": len(ids), "seq_len": len(ids[0]), "config": kw,
+        "seconds_quant": round(seconds_quant, 3),
+        "seconds_total": round(time.perf_counter() - t_start, 3),
+        "num_samples": len(ids),
+        "seq_len": len(ids[0]),
+        "config": kw,
         "versions": {p: version(p) for p in ("gptqmodel", "torch", "transformers")},
     }
     print(json.dumps(result), flush=True)

@@ -32,28 +32,61 @@ else:  # run as a script by a peer venv's python, which has no slimserve
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="local HF checkpoint folder (or hub id)")
-    p.add_argument("--calib-ids", required=True, type=Path,
-                   help="[num_samples, seq_len] token ids: .safetensors (tensor 'input_ids') "
-                        "or .json (a list of lists)")
+    p.add_argument(
+        "--calib-ids",
+        required=True,
+        type=Path,
+        help="[num_samples, seq_len] token ids: .safetensors (tensor 'input_ids') "
+        "or .json (a list of lists)",
+    )
     p.add_argument("--out", required=True, type=Path, help="folder for the compressed checkpoint")
     p.add_argument("--bits", type=int, default=4, help="weight bits (4, 3, ...)")
     p.add_argument("--group-size", type=int, default=128, help="input columns per weight scale")
-    p.add_argument("--actorder", choices=["static", "group", "none"], default="static",
-                   help="GPTQ column order (llm-compressor 0.14's default: static)")
-    p.add_argument("--dampening-frac", type=float, default=0.01, help="Hessian dampening (llm-compressor's default)")
-    p.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block (llm-compressor's default)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="dtype the model is loaded and calibrated in (auto: the checkpoint's)")
-    p.add_argument("--dump-fakequant", type=Path,
-                   help="also write the fake-quantized Linear weights of three decoder layers here (safetensors)")
+    p.add_argument(
+        "--actorder",
+        choices=["static", "group", "none"],
+        default="static",
+        help="GPTQ column order (llm-compressor 0.14's default: static)",
+    )
+    p.add_argument(
+        "--dampening-frac",
+        type=float,
+        default=0.01,
+        help="Hessian dampening (llm-compressor's default)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=128,
+        help="GPTQ lazy-update block (llm-compressor's default)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="dtype the model is loaded and calibrated in (auto: the checkpoint's)",
+    )
+    p.add_argument(
+        "--dump-fakequant",
+        type=Path,
+        help="also write the fake-quantized Linear weights of three decoder layers here (safetensors)",
+    )
     return p.parse_args(argv)
 
 
-def gptq_modifier(bits: int, group_size: int, actorder: str, dampening_frac: float, block_size: int = 128):
+def gptq_modifier(
+    bits: int, group_size: int, actorder: str, dampening_frac: float, block_size: int = 128
+):
     from llmcompressor.modifiers.quantization import GPTQModifier
 
-    weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group",
-               "group_size": group_size, "dynamic": False}
+    weights = {
+        "num_bits": bits,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": group_size,
+        "dynamic": False,
+    }
     return GPTQModifier(
         config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
         ignore=["lm_head"],
@@ -72,9 +105,11 @@ def dump_fakequant(model, path: Path) -> list[int]:
     n = model.config.num_hidden_layers
     layers = sorted({0, n // 2, n - 1})
     prefixes = tuple(f"model.layers.{i}." for i in layers)
-    tensors = {f"{name}.weight": mod.weight.detach().to(torch.float32).contiguous()
-               for name, mod in model.named_modules()
-               if isinstance(mod, torch.nn.Linear) and name.startswith(prefixes)}
+    tensors = {
+        f"{name}.weight": mod.weight.detach().to(torch.float32).contiguous()
+        for name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Linear) and name.startswith(prefixes)
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path))
     return layers
@@ -99,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     oneshot(
         model=model,
         dataset=dataset,
-        recipe=gptq_modifier(args.bits, args.group_size, args.actorder, args.dampening_frac, args.block_size),
+        recipe=gptq_modifier(
+            args.bits, args.group_size, args.actorder, args.dampening_frac, args.block_size
+        ),
         max_seq_length=seq_len,
         num_calibration_samples=num_samples,
         shuffle_calibration_samples=False,
@@ -121,7 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         "block_size": args.block_size,
         "dtype": dtype,
         "fakequant_layers": dumped,
-        "versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "torch", "transformers")},
+        "versions": {
+            p: version(p) for p in ("llmcompressor", "compressed-tensors", "torch", "transformers")
+        },
     }
     print(json.dumps(result), flush=True)
 

@@ -27,8 +27,13 @@ DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
 # The demo model's tokenizer files, copied beside the tiny model (and by tests beside fixtures).
 # Not runtime.loader.TOKENIZER_FILES: this script runs in peer venvs without slimserve.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-CONFIG_FILES = ("config.json", "quantize_config.json", "quant_config.json", "generation_config.json",
-                "model.safetensors.index.json")
+CONFIG_FILES = (
+    "config.json",
+    "quantize_config.json",
+    "quant_config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+)
 VOCAB, LAYERS, PROBE = 512, 2, 16
 
 
@@ -37,9 +42,20 @@ def make_model(out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -32,19 +32,23 @@ def check_awq_scheme(scheme: QuantScheme) -> None:
         raise SchemeError(
             f"scheme with {acts.num_bits}-bit {acts.type} {acts.strategy} input activations "
             "(e.g. W8A8) cannot be exported as awq, which stores weight-only 4-bit schemes; "
-            "export format 'compressed-tensors', or use W4A16_ASYM")
+            "export format 'compressed-tensors', or use W4A16_ASYM"
+        )
     if w.type != "int" or w.num_bits != BITS:
         raise SchemeError(
             f"{w.num_bits}-bit {w.type} weights cannot be exported as awq (AutoAWQ GEMM is 4-bit "
-            "int only); use scheme W4A16_ASYM, or export format 'compressed-tensors'")
+            "int only); use scheme W4A16_ASYM, or export format 'compressed-tensors'"
+        )
     if w.strategy != "group":
         raise SchemeError(
             f"weight strategy {w.strategy!r} cannot be exported as awq, which has one scale per "
-            "group of input columns; use group_size 128 (W4A16_ASYM)")
+            "group of input columns; use group_size 128 (W4A16_ASYM)"
+        )
     if w.actorder == "group":
         raise SchemeError(
             "actorder 'group' (shuffled g_idx) cannot be exported as awq, which has no g_idx; "
-            "use actorder 'static' or none, or export format 'gptq' or 'compressed-tensors'")
+            "use actorder 'static' or none, or export format 'gptq' or 'compressed-tensors'"
+        )
 
 
 def _check_weight(prefix: str, qw: QuantizedWeight) -> None:
@@ -55,11 +59,13 @@ def _check_weight(prefix: str, qw: QuantizedWeight) -> None:
         raise SchemeError(
             f"{prefix}: shape [{n}, {k}] cannot be exported as awq, which needs out_features % 8 "
             f"== 0 and in_features % group_size ({g}) == 0; ignore this module or export "
-            "format 'compressed-tensors'")
+            "format 'compressed-tensors'"
+        )
     if not torch.equal(qw.group_index(), torch.arange(k) // g):
         raise SchemeError(
             f"{prefix}: its g_idx is not k // group_size (act-order), which awq cannot store; "
-            "quantize without actorder or export format 'gptq' or 'compressed-tensors'")
+            "quantize without actorder or export format 'gptq' or 'compressed-tensors'"
+        )
 
 
 def pack_awq(unsigned: torch.Tensor) -> torch.Tensor:
@@ -74,7 +80,9 @@ def pack_awq(unsigned: torch.Tensor) -> torch.Tensor:
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, 8W] unsigned codes from AWQ-interleaved int32 [R, W]; the inverse of pack_awq."""
     r, words = packed.shape
-    shifts = torch.tensor(REVERSE, dtype=torch.int32, device=packed.device) * BITS  # column j: nibble REVERSE[j]
+    shifts = (
+        torch.tensor(REVERSE, dtype=torch.int32, device=packed.device) * BITS
+    )  # column j: nibble REVERSE[j]
     fields = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then masked
     return fields.reshape(r, words * 8)
 

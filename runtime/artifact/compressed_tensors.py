@@ -22,8 +22,15 @@ MIXED = "mixed-precision"  # CT's global format when groups use different format
 DENSE = "dense"  # CT's global format when no Linear is quantized (KV-cache scales only)
 SUPPORTED_FORMATS = (PACKED, "naive-quantized", "int-quantized")
 _CT_FALLBACK_VERSION = "0.12.2"
-_ACTORDER_FROM_CT = {None: None, "weight": "static", "static": "static", "group": "group",
-                     "dynamic": "group", True: "group", False: None}
+_ACTORDER_FROM_CT = {
+    None: None,
+    "weight": "static",
+    "static": "static",
+    "group": "group",
+    "dynamic": "group",
+    True: "group",
+    False: None,
+}
 
 
 def ct_version() -> str:
@@ -89,12 +96,23 @@ def kv_cache_scheme() -> dict:
 
     Only CT-0.12 `QuantizationArgs` keys, like the weight args.
     """
-    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False,
-            "group_size": None, "actorder": None, "block_structure": None, "observer": "minmax",
-            "observer_kwargs": {}}
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "strategy": "tensor",
+        "dynamic": False,
+        "group_size": None,
+        "actorder": None,
+        "block_structure": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+    }
 
 
-def kv_tensors(kv_scales: dict[str, tuple[float, float]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def kv_tensors(
+    kv_scales: dict[str, tuple[float, float]], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """`<attn>.k_scale` and `<attn>.v_scale`, shape [1] in the model dtype, per attention module.
 
     kv_scales: attention module name (e.g. model.layers.0.self_attn) -> (k_scale, v_scale).
@@ -106,7 +124,9 @@ def kv_tensors(kv_scales: dict[str, tuple[float, float]], dtype: torch.dtype) ->
     return out
 
 
-def linear_tensors(prefix: str, qw: QuantizedWeight, scheme: QuantScheme) -> dict[str, torch.Tensor]:
+def linear_tensors(
+    prefix: str, qw: QuantizedWeight, scheme: QuantScheme
+) -> dict[str, torch.Tensor]:
     """The tensors that replace `<prefix>.weight` on disk (bias is written separately).
 
     pack-quantized: weight_packed int32 [N, ceil(K*b/32)], weight_scale [N, G], weight_shape
@@ -116,12 +136,16 @@ def linear_tensors(prefix: str, qw: QuantizedWeight, scheme: QuantScheme) -> dic
     """
     args = qw.args
     if args != scheme.weights:
-        raise ValueError(f"{prefix}: the quantized weight's args {args} differ from its scheme's "
-                         f"weights {scheme.weights}; quantize with the scheme you export")
+        raise ValueError(
+            f"{prefix}: the quantized weight's args {args} differ from its scheme's "
+            f"weights {scheme.weights}; quantize with the scheme you export"
+        )
     fmt = scheme.ct_format()
     if fmt not in SUPPORTED_FORMATS:
-        raise ValueError(f"{prefix}: format {fmt!r} is not exported yet; "
-                         f"supported: {', '.join(SUPPORTED_FORMATS)}")
+        raise ValueError(
+            f"{prefix}: format {fmt!r} is not exported yet; "
+            f"supported: {', '.join(SUPPORTED_FORMATS)}"
+        )
     n, k = qw.shape
     out = {f"{prefix}.weight_scale": qw.scale.contiguous()}
     if fmt == PACKED:
@@ -144,7 +168,8 @@ def args_from_ct_dict(d: dict) -> QuantArgs:
     """Our QuantArgs from a CT `QuantizationArgs` dict (missing keys take CT's defaults)."""
     group_size = d.get("group_size")
     strategy = d.get("strategy") or (
-        "tensor" if group_size is None else "channel" if group_size == -1 else "group")
+        "tensor" if group_size is None else "channel" if group_size == -1 else "group"
+    )
     return QuantArgs(
         num_bits=int(d.get("num_bits", 8)),
         type=d.get("type", "int"),

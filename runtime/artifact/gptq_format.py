@@ -34,21 +34,26 @@ def check_gptq_scheme(scheme: QuantScheme) -> None:
         raise SchemeError(
             f"scheme with {acts.num_bits}-bit {acts.type} {acts.strategy} input activations "
             "(e.g. W8A8) cannot be exported as gptq, which stores weight-only schemes; export "
-            "format 'compressed-tensors', or use a weight-only scheme such as W4A16 or W8A16")
+            "format 'compressed-tensors', or use a weight-only scheme such as W4A16 or W8A16"
+        )
     if w.type != "int":
-        raise SchemeError(f"{w.type} weights cannot be exported as gptq (integer codes only); "
-                          "export format 'compressed-tensors'")
+        raise SchemeError(
+            f"{w.type} weights cannot be exported as gptq (integer codes only); "
+            "export format 'compressed-tensors'"
+        )
     if w.num_bits == 3:
         raise SchemeError(
             "3-bit weights cannot be exported as gptq: AutoGPTQ packs 3-bit codes across int32 "
             "word boundaries, which slimserve does not write; use bits 4 (W4A16) or export "
-            "format 'compressed-tensors' (3-bit is stored unpacked there)")
+            "format 'compressed-tensors' (3-bit is stored unpacked there)"
+        )
     if w.num_bits not in BITS:
         raise SchemeError(f"num_bits={w.num_bits} cannot be exported as gptq; use 2, 4 or 8")
     if w.strategy not in ("group", "channel"):
         raise SchemeError(
             f"weight strategy {w.strategy!r} cannot be exported as gptq, which has one scale per "
-            "group or per output channel; use group_size 128 (or -1 for per channel)")
+            "group or per output channel; use group_size 128 (or -1 for per channel)"
+        )
 
 
 def is_monotonic(g_idx: torch.Tensor) -> bool:
@@ -87,15 +92,19 @@ def _check_shape(prefix: str, qw: QuantizedWeight) -> None:
         raise SchemeError(
             f"{prefix}: shape [{n}, {k}] cannot be exported as gptq, whose loaders need both "
             f"dims to be multiples of {per_word} for {qw.args.num_bits}-bit codes; ignore this "
-            "module or export format 'compressed-tensors'")
+            "module or export format 'compressed-tensors'"
+        )
     g = qw.args.group_size if qw.args.strategy == "group" else k
     if k % g:
         raise SchemeError(
             f"{prefix}: in_features={k} is not a multiple of group_size={g}, which gptq loaders "
-            "(vLLM) require; use a group_size that divides it or export 'compressed-tensors'")
+            "(vLLM) require; use a group_size that divides it or export 'compressed-tensors'"
+        )
 
 
-def gptq_tensors(prefix: str, qw: QuantizedWeight, *, checkpoint_format: str = V1) -> dict[str, torch.Tensor]:
+def gptq_tensors(
+    prefix: str, qw: QuantizedWeight, *, checkpoint_format: str = V1
+) -> dict[str, torch.Tensor]:
     """The tensors that replace `<prefix>.weight` on disk (bias is written separately).
 
     checkpoint_format: V1 (zeros stored minus 1) or V2 (as is). Raises SchemeError for a scheme
@@ -107,8 +116,10 @@ def gptq_tensors(prefix: str, qw: QuantizedWeight, *, checkpoint_format: str = V
     zeros = unsigned_zeros(qw)  # [N, G]
     if checkpoint_format == V1:
         if bool((zeros == 0).any()):
-            raise SchemeError(f"{prefix}: a zero point of 0 cannot be stored in gptq v1 (it "
-                              f"underflows to -1); write checkpoint_format {V2!r}")
+            raise SchemeError(
+                f"{prefix}: a zero point of 0 cannot be stored in gptq v1 (it "
+                f"underflows to -1); write checkpoint_format {V2!r}"
+            )
         zeros = zeros - 1
     elif checkpoint_format != V2:
         raise ValueError(f"checkpoint_format={checkpoint_format!r}; use {V1!r} or {V2!r}")

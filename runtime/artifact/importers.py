@@ -63,8 +63,10 @@ def import_checkpoint(qc: dict, tensors: dict[str, torch.Tensor], path: Path) ->
     if method == CT_METHOD:
         return qc, tensors
     if method not in IMPORTERS:
-        raise ArtifactError(f"{path}: quant_method {method!r} is not supported; supported: "
-                            f"{', '.join((CT_METHOD, *IMPORTERS))}")
+        raise ArtifactError(
+            f"{path}: quant_method {method!r} is not supported; supported: "
+            f"{', '.join((CT_METHOD, *IMPORTERS))}"
+        )
     convert = IMPORTERS[method](qc, path)
     out = {k: v for k, v in tensors.items()}
     groups: dict[tuple[QuantScheme, str], list[str]] = {}
@@ -76,14 +78,23 @@ def import_checkpoint(qc: dict, tensors: dict[str, torch.Tensor], path: Path) ->
         out.update(ct)
         groups.setdefault((scheme, fmt), []).append(prefix)
     if not groups:
-        raise ArtifactError(f"{path}: config.json says quant_method {method!r} but no tensor ends in "
-                            "'.qweight'; the weight files do not match the config")
-    config_groups = {f"group_{i}": {**scheme_dict(s, names), "format": fmt}
-                     for i, ((s, fmt), names) in enumerate(groups.items())}
+        raise ArtifactError(
+            f"{path}: config.json says quant_method {method!r} but no tensor ends in "
+            "'.qweight'; the weight files do not match the config"
+        )
+    config_groups = {
+        f"group_{i}": {**scheme_dict(s, names), "format": fmt}
+        for i, ((s, fmt), names) in enumerate(groups.items())
+    }
     formats = {fmt for _, fmt in groups}
-    ct_qc = {"quant_method": CT_METHOD, "config_groups": config_groups, "ignore": [],
-             "format": formats.pop() if len(formats) == 1 else "mixed-precision",
-             "kv_cache_scheme": None, "quantization_status": "compressed"}
+    ct_qc = {
+        "quant_method": CT_METHOD,
+        "config_groups": config_groups,
+        "ignore": [],
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "kv_cache_scheme": None,
+        "quantization_status": "compressed",
+    }
     return ct_qc, out
 
 
@@ -96,7 +107,9 @@ def _take(tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
 def _args(bits: int, group_size: int | None, symmetric: bool, actorder: str | None) -> QuantArgs:
     if group_size in (None, -1):
         return QuantArgs(bits, symmetric=symmetric, strategy="channel", group_size=None)
-    return QuantArgs(bits, symmetric=symmetric, strategy="group", group_size=group_size, actorder=actorder)
+    return QuantArgs(
+        bits, symmetric=symmetric, strategy="group", group_size=group_size, actorder=actorder
+    )
 
 
 def linear_to_ct(
@@ -120,7 +133,11 @@ def linear_to_ct(
     half = 1 << (bits - 1)
     if symmetric and not bool((unsigned_zeros == half).all()):
         symmetric = False  # the stored zeros are what non-Marlin kernels use: keep them
-    default = torch.arange(k) // group_size if group_size not in (None, -1) else torch.zeros(k, dtype=torch.long)
+    default = (
+        torch.arange(k) // group_size
+        if group_size not in (None, -1)
+        else torch.zeros(k, dtype=torch.long)
+    )
     if g_idx is not None and torch.equal(g_idx.long(), default):
         g_idx = None
     args = _args(bits, group_size, symmetric, "group" if g_idx is not None else None)
@@ -135,7 +152,9 @@ def linear_to_ct(
         return QuantScheme(args), PACKED, out
     zp = unsigned_zeros - half  # naive-quantized: signed int8 codes and zero points
     if int(zp.max()) > 127:
-        raise ValueError(f"a zero point of {int(unsigned_zeros.max())} (v1 underflow) does not fit int8")
+        raise ValueError(
+            f"a zero point of {int(unsigned_zeros.max())} (v1 underflow) does not fit int8"
+        )
     codes = unpack_int32(weight_packed, bits, k, dim=1)
     out[f"{prefix}.weight"] = (codes - half).to(torch.int8)
     if not symmetric:
@@ -146,16 +165,24 @@ def linear_to_ct(
 def _gptq_converter(qc: dict, path: Path):
     fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
     if fmt not in ("gptq", "gptq_v2"):
-        raise ArtifactError(f"{path}: GPTQ checkpoint_format {fmt!r} is not supported; supported: "
-                            "gptq (v1), gptq_v2")
+        raise ArtifactError(
+            f"{path}: GPTQ checkpoint_format {fmt!r} is not supported; supported: "
+            "gptq (v1), gptq_v2"
+        )
     v1 = fmt == "gptq"
-    base = {"bits": int(qc.get("bits", 4)), "group_size": qc.get("group_size", 128), "sym": bool(qc.get("sym", True))}
+    base = {
+        "bits": int(qc.get("bits", 4)),
+        "group_size": qc.get("group_size", 128),
+        "sym": bool(qc.get("sym", True)),
+    }
     dynamic = qc.get("dynamic") or {}
     for params in [base, *(o for o in dynamic.values() if isinstance(o, dict))]:
         bits = int(params.get("bits", base["bits"]))
         if bits not in (2, 4, 8):
-            raise ArtifactError(f"{path}: GPTQ bits={bits} is not supported (3-bit uses AutoGPTQ's "
-                                "word-straddling packing); supported: 2, 4, 8")
+            raise ArtifactError(
+                f"{path}: GPTQ bits={bits} is not supported (3-bit uses AutoGPTQ's "
+                "word-straddling packing); supported: 2, 4, 8"
+            )
 
     def convert(prefix: str, t: dict[str, torch.Tensor]) -> ConvertedLinear:
         p = {**base, **gptq_dynamic_override(dynamic, prefix)}
@@ -183,8 +210,11 @@ def gptq_dynamic_override(dynamic: dict, module: str) -> dict:
         negative = pattern.startswith("-:")
         raw = pattern[2:] if pattern.startswith(("-:", "+:")) else pattern
         if re.match(raw, module):
-            return {} if negative or not isinstance(override, dict) else {
-                k: override[k] for k in ("bits", "group_size", "sym") if k in override}
+            return (
+                {}
+                if negative or not isinstance(override, dict)
+                else {k: override[k] for k in ("bits", "group_size", "sym") if k in override}
+            )
     return {}
 
 
@@ -193,16 +223,20 @@ def _awq_converter(qc: dict, path: Path):
     group_size = qc.get("group_size", qc.get("q_group_size", 128))
     version = str(qc.get("version", "gemm")).lower()
     if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
-        raise ArtifactError(f"{path}: AWQ bits={bits}, version={version!r}, zero_point="
-                            f"{qc.get('zero_point', True)} is not supported; supported: 4-bit GEMM "
-                            "with zero points (AutoAWQ's default)")
+        raise ArtifactError(
+            f"{path}: AWQ bits={bits}, version={version!r}, zero_point="
+            f"{qc.get('zero_point', True)} is not supported; supported: 4-bit GEMM "
+            "with zero points (AutoAWQ's default)"
+        )
 
     def convert(prefix: str, t: dict[str, torch.Tensor]) -> ConvertedLinear:
         codes = unpack_awq(_take(t, f"{prefix}.qweight")).t()  # [N, K]
         zeros = unpack_awq(_take(t, f"{prefix}.qzeros")).t()  # [N, G]
         scales = _take(t, f"{prefix}.scales").t()  # [N, G]
         packed = pack_int32(codes, bits, dim=1)  # CT layout [N, K/8]
-        return linear_to_ct(prefix, packed, codes.shape[1], zeros, scales, None, bits, group_size, False)
+        return linear_to_ct(
+            prefix, packed, codes.shape[1], zeros, scales, None, bits, group_size, False
+        )
 
     return convert
 

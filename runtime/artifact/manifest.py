@@ -67,12 +67,14 @@ class ArtifactManifest:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str) -> "ArtifactManifest":
+    def from_json(cls, text: str) -> ArtifactManifest:
         """Parse a manifest; a newer schema or a missing field raises ArtifactError."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ArtifactError(f"{MANIFEST_NAME} is not valid JSON ({e}); re-export the artifact") from None
+            raise ArtifactError(
+                f"{MANIFEST_NAME} is not valid JSON ({e}); re-export the artifact"
+            ) from None
         version = data.get("format_version") if isinstance(data, dict) else None
         if not isinstance(version, int) or version > FORMAT_VERSION:
             raise ArtifactError(
@@ -164,19 +166,24 @@ def confined_file(directory: str | Path, name: str, source: str) -> Path:
     folder = Path(directory)
     rel = Path(name)
     if not name or rel.is_absolute() or rel.drive or ".." in rel.parts or "\\" in name:
-        raise ArtifactError(f"{source} names {name!r}, which is not a plain file name inside "
-                            f"{folder}; refusing to read outside the artifact folder")
+        raise ArtifactError(
+            f"{source} names {name!r}, which is not a plain file name inside "
+            f"{folder}; refusing to read outside the artifact folder"
+        )
     path = folder / rel
     root = folder.resolve()
     target = path.resolve()
     if not (target.is_relative_to(root) or _hub_blob(folder, target)):
-        raise ArtifactError(f"{source} names {name!r}, a symlink to {target} outside {folder}; "
-                            "refusing to read outside the artifact folder")
+        raise ArtifactError(
+            f"{source} names {name!r}, a symlink to {target} outside {folder}; "
+            "refusing to read outside the artifact folder"
+        )
     if not target.is_file():
         what = "missing" if not os.path.lexists(path) else "not a regular file"
         named = " is" if source == "the artifact" else f" is listed in {source} but"
-        raise ArtifactError(f"{path}{named} {what}; the artifact is incomplete, re-export or "
-                            "re-download it")
+        raise ArtifactError(
+            f"{path}{named} {what}; the artifact is incomplete, re-export or re-download it"
+        )
     return path
 
 
@@ -213,8 +220,9 @@ def is_slimserve_artifact(directory: str | Path, config: dict | None = None) -> 
     return isinstance(config.get(MARKER_KEY), dict)
 
 
-def check_artifact(directory: str | Path, verify: str = "strict",
-                   config: dict | None = None) -> ArtifactManifest | None:
+def check_artifact(
+    directory: str | Path, verify: str = "strict", config: dict | None = None
+) -> ArtifactManifest | None:
     """The loaders' manifest policy; returns the verified manifest, or None.
 
     verify="strict": a slimserve artifact (is_slimserve_artifact) must have a slimserve.json
@@ -232,7 +240,8 @@ def check_artifact(directory: str | Path, verify: str = "strict",
             raise ArtifactError(
                 f"{folder / MANIFEST_NAME} is missing, but config.json marks {folder} as a slimserve "
                 f"artifact ('{MARKER_KEY}' key); its files cannot be verified. Re-export or "
-                "re-download it, or pass --verify none (verify='none') to load it anyway")
+                "re-download it, or pass --verify none (verify='none') to load it anyway"
+            )
         return None
     verify_files(folder, manifest)
     return manifest
@@ -273,7 +282,8 @@ def verify_files(directory: str | Path, manifest: ArtifactManifest) -> None:
         if actual != expected:
             raise ArtifactError(
                 f"checksum mismatch for {path}: {MANIFEST_NAME} expects sha256 {expected}, the "
-                f"file has {actual}; it is corrupt or was modified, {fix}")
+                f"file has {actual}; it is corrupt or was modified, {fix}"
+            )
     if manifest.format_version >= 2:
         extra = [n for n in _listed_entries(folder) if n not in manifest.files]
     else:
@@ -281,18 +291,29 @@ def verify_files(directory: str | Path, manifest: ArtifactManifest) -> None:
     if extra:
         raise ArtifactError(
             f"file(s) {', '.join(extra)} in {folder} are not listed in {MANIFEST_NAME}; remove "
-            f"them, or {fix}")
+            f"them, or {fix}"
+        )
 
 
-def check_gate(directory: str | Path, manifest: ArtifactManifest | None,
-               allow_failed_gate: bool = False) -> None:
+def check_gate(
+    directory: str | Path, manifest: ArtifactManifest | None, allow_failed_gate: bool = False
+) -> None:
     """Refuse (ArtifactError) an artifact whose manifest says its perplexity gate failed
     (`eval.gate.passed` is false), unless `allow_failed_gate`; anything else passes."""
-    gate = manifest.eval.get("gate") if manifest is not None and isinstance(manifest.eval, dict) else None
+    gate = (
+        manifest.eval.get("gate")
+        if manifest is not None and isinstance(manifest.eval, dict)
+        else None
+    )
     if allow_failed_gate or not isinstance(gate, dict) or gate.get("passed") is not False:
         return
     inc, limit = gate.get("ppl_increase"), gate.get("max_ppl_increase")
-    result = (f"ppl {inc * 100:+.2f}% over a limit of {limit * 100:.2f}%"
-              if isinstance(inc, (int, float)) and isinstance(limit, (int, float)) else "passed: false")
-    raise ArtifactError(f"{directory}: its perplexity gate FAILED ({result}, {MANIFEST_NAME} "
-                        "eval.gate); pass --allow-failed-gate (LLM: allow_failed_gate=True) to load it anyway")
+    result = (
+        f"ppl {inc * 100:+.2f}% over a limit of {limit * 100:.2f}%"
+        if isinstance(inc, (int, float)) and isinstance(limit, (int, float))
+        else "passed: false"
+    )
+    raise ArtifactError(
+        f"{directory}: its perplexity gate FAILED ({result}, {MANIFEST_NAME} "
+        "eval.gate); pass --allow-failed-gate (LLM: allow_failed_gate=True) to load it anyway"
+    )

@@ -17,7 +17,9 @@ _MASK32 = (1 << 32) - 1
 
 def _check_bits(num_bits: int) -> None:
     if not 1 <= num_bits <= 8:
-        raise ValueError(f"num_bits={num_bits} cannot be packed; pack-quantized holds 1 to 8 bits per code")
+        raise ValueError(
+            f"num_bits={num_bits} cannot be packed; pack-quantized holds 1 to 8 bits per code"
+        )
 
 
 def _bit_positions(size: int, num_bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,12 +46,16 @@ def pack_int32(unsigned_codes: torch.Tensor, num_bits: int, dim: int = 1) -> tor
     """
     _check_bits(num_bits)
     if unsigned_codes.dim() != 2 or dim not in (0, 1):
-        raise ValueError(f"pack_int32 needs a 2-D tensor and dim 0 or 1, got shape "
-                         f"{tuple(unsigned_codes.shape)} and dim={dim}")
+        raise ValueError(
+            f"pack_int32 needs a 2-D tensor and dim 0 or 1, got shape "
+            f"{tuple(unsigned_codes.shape)} and dim={dim}"
+        )
     u = unsigned_codes.to(torch.int64)
     if u.numel() and (int(u.min()) < 0 or int(u.max()) >= 1 << num_bits):
-        raise ValueError(f"codes must lie in [0, {(1 << num_bits) - 1}] for {num_bits} bits; "
-                         "convert signed codes with to_unsigned() first")
+        raise ValueError(
+            f"codes must lie in [0, {(1 << num_bits) - 1}] for {num_bits} bits; "
+            "convert signed codes with to_unsigned() first"
+        )
     if dim == 0:
         u = u.t()
     rows, size = u.shape
@@ -72,18 +78,24 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, size: int, dim: int = 1) -
     """
     _check_bits(num_bits)
     if packed.dim() != 2 or dim not in (0, 1):
-        raise ValueError(f"unpack_int32 needs a 2-D tensor and dim 0 or 1, got shape "
-                         f"{tuple(packed.shape)} and dim={dim}")
+        raise ValueError(
+            f"unpack_int32 needs a 2-D tensor and dim 0 or 1, got shape "
+            f"{tuple(packed.shape)} and dim={dim}"
+        )
     p = packed.to(torch.int64) & _MASK32
     if dim == 0:
         p = p.t()
     rows, words = p.shape
     if size * num_bits > words * 32:
-        raise ValueError(f"size={size} exceeds the {words * 32 // num_bits} codes that {words} words "
-                         f"of {num_bits}-bit codes hold")
+        raise ValueError(
+            f"size={size} exceeds the {words * 32 // num_bits} codes that {words} words "
+            f"of {num_bits}-bit codes hold"
+        )
     word, off = _bit_positions(size, num_bits, p.device)
     p = F.pad(p, (0, 1))  # a zero word after the last, for codes that would straddle it
     lo = p[:, word] >> off
-    hi = p[:, word + 1] << (32 - off)  # bits of a straddling code; shifted out of the mask otherwise
+    hi = p[:, word + 1] << (
+        32 - off
+    )  # bits of a straddling code; shifted out of the mask otherwise
     u = ((lo | hi) & ((1 << num_bits) - 1)).to(torch.int32)
     return (u.t() if dim == 0 else u).contiguous()

@@ -42,7 +42,7 @@ class QuantArgs:
         """Largest signed code, 2^(b-1) - 1."""
         return 2 ** (self.num_bits - 1) - 1
 
-    def with_(self, **changes) -> "QuantArgs":
+    def with_(self, **changes) -> QuantArgs:
         return replace(self, **changes)
 
     def to_ct_dict(self) -> dict:
@@ -75,9 +75,13 @@ def validate_args(a: QuantArgs) -> None:
                 "multiple of 8 such as 32, 64 or 128 (or strategy 'channel')"
             )
     elif a.group_size not in (None, -1):
-        raise SchemeError(f"group_size={a.group_size} only applies to strategy 'group', not '{a.strategy}'")
+        raise SchemeError(
+            f"group_size={a.group_size} only applies to strategy 'group', not '{a.strategy}'"
+        )
     if a.strategy == "token" and not a.dynamic:
-        raise SchemeError("strategy 'token' needs dynamic: true (per-token scales exist only at run time)")
+        raise SchemeError(
+            "strategy 'token' needs dynamic: true (per-token scales exist only at run time)"
+        )
     if a.actorder is not None and a.strategy != "group":
         raise SchemeError(f"actorder={a.actorder!r} needs strategy 'group'")
 
@@ -91,7 +95,7 @@ class QuantScheme:
     def weight_only(self) -> bool:
         return self.input_activations is None
 
-    def with_group_size(self, group_size: int | None) -> "QuantScheme":
+    def with_group_size(self, group_size: int | None) -> QuantScheme:
         """The same scheme with another group size (-1 or None means per output channel)."""
         if group_size in (None, -1):
             w = self.weights.with_(strategy="channel", group_size=None, actorder=None)

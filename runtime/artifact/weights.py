@@ -39,8 +39,10 @@ def weight_files(path: Path) -> list[str]:
             weight_map = json.loads(index.read_text())["weight_map"]
             files = sorted(set(weight_map.values()))
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise ArtifactError(f"{index} is not a safetensors index (a 'weight_map' of tensor -> "
-                                f"file): {e!r}; re-export or re-download it") from None
+            raise ArtifactError(
+                f"{index} is not a safetensors index (a 'weight_map' of tensor -> "
+                f"file): {e!r}; re-export or re-download it"
+            ) from None
         if not all(isinstance(f, str) for f in files):
             raise ArtifactError(f"{index}: weight_map values must be file names")
         source = INDEX_NAME
@@ -71,7 +73,12 @@ def tensor_shapes(path: Path, files: list[str] | None = None) -> dict[str, tuple
 
 def _out_features(shapes: dict[str, tuple[int, ...]], prefix: str) -> int | None:
     """Output width of Linear `prefix` in any stored layout (dense/CT, or GPTQ/AWQ `scales`)."""
-    for suffix, dim in ((".weight", 0), (".weight_packed", 0), (".weight_scale", 0), (".scales", -1)):
+    for suffix, dim in (
+        (".weight", 0),
+        (".weight_packed", 0),
+        (".weight_scale", 0),
+        (".scales", -1),
+    ):
         shape = shapes.get(prefix + suffix)
         if shape and len(shape) == 2:
             return shape[dim]
@@ -85,42 +92,64 @@ def check_config_bounds(config: dict, shapes: dict[str, tuple[int, ...]], where:
     cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
 
     def fail(key: str, value, held: str) -> None:
-        raise ArtifactError(f"{where}: config.json {key} = {value!r}, but the weight files hold "
-                            f"{held}; config.json does not match the weights (re-export the "
-                            "artifact or fix config.json)")
+        raise ArtifactError(
+            f"{where}: config.json {key} = {value!r}, but the weight files hold "
+            f"{held}; config.json does not match the weights (re-export the "
+            "artifact or fix config.json)"
+        )
 
     values: dict[str, int] = {}
-    for key in ("num_hidden_layers", "hidden_size", "vocab_size", "intermediate_size",
-                "num_attention_heads", "num_key_value_heads", "head_dim"):
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "vocab_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+    ):
         v = cfg.get(key)
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < _MAX_DIM:
-            raise ArtifactError(f"{where}: config.json {key} = {v!r} is not a positive integer "
-                                f"below {_MAX_DIM}; fix config.json or re-export the artifact")
+            raise ArtifactError(
+                f"{where}: config.json {key} = {v!r} is not a positive integer "
+                f"below {_MAX_DIM}; fix config.json or re-export the artifact"
+            )
         values[key] = v
     layers = sorted({i for k in shapes if (i := decoder_layer_index(k)) is not None})
     n = values.get("num_hidden_layers")
     if n is not None and (len(layers) != n or layers != list(range(n))):  # len first: n may be huge
-        held = (f"{len(layers)} decoder layer(s) (indices {layers[0]}..{layers[-1]})" if layers
-                else "no decoder layer tensors")
+        held = (
+            f"{len(layers)} decoder layer(s) (indices {layers[0]}..{layers[-1]})"
+            if layers
+            else "no decoder layer tensors"
+        )
         fail("num_hidden_layers", n, held)
     emb = next((s for k, s in shapes.items() if k.endswith("embed_tokens.weight")), None)
     if emb is not None and len(emb) == 2:
         for key, dim in (("vocab_size", 0), ("hidden_size", 1)):
             if key in values and values[key] != emb[dim]:
                 fail(key, values[key], f"embed_tokens.weight of shape {list(emb)}")
-    prefix = next((k[: m.end()] for k in sorted(shapes) if (m := _LAYER.search(k)) and m.group(1) == "0"),
-                  None)
+    prefix = next(
+        (k[: m.end()] for k in sorted(shapes) if (m := _LAYER.search(k)) and m.group(1) == "0"),
+        None,
+    )
     if prefix is None:
         return
     heads, kv_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
-    head_dim = values.get("head_dim") or (values["hidden_size"] // heads
-                                          if heads and "hidden_size" in values else None)
+    head_dim = values.get("head_dim") or (
+        values["hidden_size"] // heads if heads and "hidden_size" in values else None
+    )
     expect = {
-        "self_attn.q_proj": ("num_attention_heads * head_dim", heads and head_dim and heads * head_dim),
-        "self_attn.k_proj": ("num_key_value_heads * head_dim",
-                             (kv_heads or heads) and head_dim and (kv_heads or heads) * head_dim),
+        "self_attn.q_proj": (
+            "num_attention_heads * head_dim",
+            heads and head_dim and heads * head_dim,
+        ),
+        "self_attn.k_proj": (
+            "num_key_value_heads * head_dim",
+            (kv_heads or heads) and head_dim and (kv_heads or heads) * head_dim,
+        ),
         "mlp.gate_proj": ("intermediate_size", values.get("intermediate_size")),
         "mlp.up_proj": ("intermediate_size", values.get("intermediate_size")),
         "mlp.down_proj": ("hidden_size", values.get("hidden_size")),
@@ -132,4 +161,8 @@ def check_config_bounds(config: dict, shapes: dict[str, tuple[int, ...]], where:
             fail(key, want, f"{prefix}{module} with {got} output features")
     norm = shapes.get(prefix + "input_layernorm.weight")
     if norm is not None and "hidden_size" in values and norm != (values["hidden_size"],):
-        fail("hidden_size", values["hidden_size"], f"{prefix}input_layernorm.weight of shape {list(norm)}")
+        fail(
+            "hidden_size",
+            values["hidden_size"],
+            f"{prefix}input_layernorm.weight of shape {list(norm)}",
+        )

@@ -44,16 +44,20 @@ def parse_step_totals(text: str) -> StepTotals | None:
                 for sample in family.samples:
                     if sample.name.endswith("_total") and sample.labels.get("rank") == "0":
                         totals.setdefault(COLLECTIVES, [0.0, 0.0])[
-                            counter == TP_COLLECTIVE_CALLS] = float(sample.value)
+                            counter == TP_COLLECTIVE_CALLS
+                        ] = float(sample.value)
                 continue
             if family.name not in (STEP_PHASE_SECONDS, STEP_PREFILL_TOKENS, STEP_DECODE_ROWS):
                 continue
             for sample in family.samples:
-                kind = sample.name[len(family.name):]
+                kind = sample.name[len(family.name) :]
                 if kind not in ("_sum", "_count"):
                     continue
-                key = (f"phase:{sample.labels.get('phase')}" if family.name == STEP_PHASE_SECONDS
-                       else family.name)
+                key = (
+                    f"phase:{sample.labels.get('phase')}"
+                    if family.name == STEP_PHASE_SECONDS
+                    else family.name
+                )
                 totals.setdefault(key, [0.0, 0.0])[kind == "_count"] = float(sample.value)
     except (ValueError, TypeError):  # not the exposition format: no breakdown
         return None
@@ -74,8 +78,15 @@ def step_breakdown(before: StepTotals | None, after: StepTotals | None) -> dict 
     phase_s = {p: diff(f"phase:{p}")[0] for p in PHASES if f"phase:{p}" in after}
     steps = int(max((diff(f"phase:{p}")[1] for p in phase_s), default=0))
     total = sum(phase_s.values())
-    phases = [{"phase": p, "total_s": s, "ms_per_step": 1e3 * s / steps if steps else None,
-               "share": s / total if total > 0 else None} for p, s in phase_s.items()]
+    phases = [
+        {
+            "phase": p,
+            "total_s": s,
+            "ms_per_step": 1e3 * s / steps if steps else None,
+            "share": s / total if total > 0 else None,
+        }
+        for p, s in phase_s.items()
+    ]
 
     def mean(key: str) -> float | None:
         s, c = diff(key)
@@ -84,17 +95,27 @@ def step_breakdown(before: StepTotals | None, after: StepTotals | None) -> dict 
     collectives = None
     if COLLECTIVES in after:
         secs, calls = diff(COLLECTIVES)
-        collectives = {"rank": 0, "total_s": secs, "calls": int(calls),
-                       "ms_per_step": 1e3 * secs / steps if steps else None,
-                       "calls_per_step": calls / steps if steps else None,
-                       "share": secs / total if total > 0 else None}
-    return {"steps": steps, "step_time_s": total, "phases": phases,
-            "mean_prefill_tokens": mean(STEP_PREFILL_TOKENS),
-            "mean_decode_rows": mean(STEP_DECODE_ROWS), "collectives": collectives}
+        collectives = {
+            "rank": 0,
+            "total_s": secs,
+            "calls": int(calls),
+            "ms_per_step": 1e3 * secs / steps if steps else None,
+            "calls_per_step": calls / steps if steps else None,
+            "share": secs / total if total > 0 else None,
+        }
+    return {
+        "steps": steps,
+        "step_time_s": total,
+        "phases": phases,
+        "mean_prefill_tokens": mean(STEP_PREFILL_TOKENS),
+        "mean_decode_rows": mean(STEP_DECODE_ROWS),
+        "collectives": collectives,
+    }
 
 
-def scrape_step_totals(url: str, api_key: str | None = None,
-                       timeout_s: float = 10.0) -> StepTotals | None:
+def scrape_step_totals(
+    url: str, api_key: str | None = None, timeout_s: float = 10.0
+) -> StepTotals | None:
     """GET url/metrics and parse the step histograms; None when that fails in any way."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:

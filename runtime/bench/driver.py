@@ -35,17 +35,17 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated
 
 import httpx
 import typer
 from tqdm.auto import tqdm
 
 from slimserve.runtime.bench.breakdown import scrape_step_totals, step_breakdown
-from slimserve.runtime.server.process import BenchError, free_port, launched_server, serve_cmd
 from slimserve.runtime.bench.sse_client import SSEStream, plain_http
 from slimserve.runtime.bench.workload import (
     BenchRequest,
@@ -60,15 +60,27 @@ from slimserve.runtime.bench.workload import (
 )
 from slimserve.runtime.loading.gguf import resolve_model
 from slimserve.runtime.router.policy import POLICIES
-from slimserve.runtime.server.protocol import error_message
 from slimserve.runtime.serve_options import serve_argv
+from slimserve.runtime.server.process import BenchError, free_port, launched_server, serve_cmd
+from slimserve.runtime.server.protocol import error_message
 from slimserve.runtime.server.trust import INTERNAL_KEY_ENV, internal_headers, new_internal_key
 
 WARMUP_TOKENS = 8  # output tokens of each untimed warm-up request
-ENGINE_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_dtype", "kv_cache_memory",
-                "device", "dtype", "verify", "tensor_parallel_size", "pipeline_parallel_size",
-                "distributed_executor_backend", "data_parallel_size", "prefill_replicas",
-                "router_policy")  # BenchArgs fields passed to `runtime serve` as --flags when set
+ENGINE_FLAGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_dtype",
+    "kv_cache_memory",
+    "device",
+    "dtype",
+    "verify",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "distributed_executor_backend",
+    "data_parallel_size",
+    "prefill_replicas",
+    "router_policy",
+)  # BenchArgs fields passed to `runtime serve` as --flags when set
 
 
 @dataclass(slots=True)
@@ -99,7 +111,9 @@ class BenchArgs:
     kv_cache_dtype: str | None = None
     kv_cache_memory: str | None = None
     device: str | None = None
-    dtype: str | None = None  # engine flag (compute dtype); the HF baseline runs at what it resolves to
+    dtype: str | None = (
+        None  # engine flag (compute dtype); the HF baseline runs at what it resolves to
+    )
     verify: str | None = None  # engine flag (strict | none), also used by the HF baseline's loader
     tensor_parallel_size: int | None = None  # engine flag: ranks the served model is split over
     pipeline_parallel_size: int | None = None  # engine flag: pipeline stages (x the TP ranks)
@@ -139,57 +153,82 @@ class BenchArgs:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
         if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency {self.max_concurrency} must be >= 1 (omit: no limit)")
+            raise ValueError(
+                f"--max-concurrency {self.max_concurrency} must be >= 1 (omit: no limit)"
+            )
         if self.dataset != "stdlib" and not Path(self.dataset).is_file():
             raise ValueError(f"--dataset {self.dataset}: no such file; use stdlib or a JSONL path")
         for rate in self.rates:
             poisson_arrivals(1, rate, 0)  # raises for rates <= 0
         if self.mix.active and self.dataset != "stdlib":
-            raise ValueError("--long-fraction and --shared-prefix-len shape the stdlib workload; "
-                             "a JSONL dataset keeps its own prompts (drop them or use stdlib)")
+            raise ValueError(
+                "--long-fraction and --shared-prefix-len shape the stdlib workload; "
+                "a JSONL dataset keeps its own prompts (drop them or use stdlib)"
+            )
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if (n := getattr(self, name)) is not None and n < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {n} must be >= 1")
         if self.distributed_executor_backend not in (None, "mp", "ray"):
-            raise ValueError(f"--distributed-executor-backend {self.distributed_executor_backend!r} "
-                             "is unknown; use mp or ray")
+            raise ValueError(
+                f"--distributed-executor-backend {self.distributed_executor_backend!r} "
+                "is unknown; use mp or ray"
+            )
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size {self.data_parallel_size} must be >= 1")
         if self.prefill_replicas and not 0 < self.prefill_replicas < (self.data_parallel_size or 1):
-            raise ValueError(f"--prefill-replicas {self.prefill_replicas} needs --data-parallel-size "
-                             f"of at least {self.prefill_replicas + 1} (one decode replica or more)")
+            raise ValueError(
+                f"--prefill-replicas {self.prefill_replicas} needs --data-parallel-size "
+                f"of at least {self.prefill_replicas + 1} (one decode replica or more)"
+            )
         for policy in self.router_policies:
             if policy not in POLICIES:
-                raise ValueError(f"--router-policy {policy!r} is unknown; choose from "
-                                 f"{', '.join(POLICIES)} (comma-separated)")
+                raise ValueError(
+                    f"--router-policy {policy!r} is unknown; choose from "
+                    f"{', '.join(POLICIES)} (comma-separated)"
+                )
         if len(set(self.router_policies)) < len(self.router_policies):
             raise ValueError("--router-policy names a policy twice; list each once")
         if self.router_policies and self.url is not None:
-            raise ValueError("--router-policy starts its own replicas per policy; give MODEL, "
-                             "not --url")
+            raise ValueError(
+                "--router-policy starts its own replicas per policy; give MODEL, not --url"
+            )
         if self.router_policies and (self.data_parallel_size or 1) < 2:
-            raise ValueError("--router-policy compares routing over replicas; add "
-                             "--data-parallel-size 2 (or more)")
+            raise ValueError(
+                "--router-policy compares routing over replicas; add "
+                "--data-parallel-size 2 (or more)"
+            )
 
 
 def build_requests(args: BenchArgs) -> list[BenchRequest]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer or args.model))  # GGUF: converted once
+    tok = AutoTokenizer.from_pretrained(
+        resolve_model(args.tokenizer or args.model)
+    )  # GGUF: converted once
     if args.dataset == "stdlib":
-        return corpus_requests(tok, args.num_prompts, args.input_len, args.output_len, args.seed,
-                               mix=args.mix)
-    return jsonl_requests(args.dataset, tok, args.num_prompts, args.input_len, args.output_len,
-                          args.seed)
+        return corpus_requests(
+            tok, args.num_prompts, args.input_len, args.output_len, args.seed, mix=args.mix
+        )
+    return jsonl_requests(
+        args.dataset, tok, args.num_prompts, args.input_len, args.output_len, args.seed
+    )
 
 
 def serve_command(args: BenchArgs, port: int) -> list[str]:
     """`runtime serve MODEL` on 127.0.0.1:port with the engine flags that are set (spelled as
     serve's option table says, runtime/serve_options.py)."""
-    return serve_cmd(serve_argv({
-        "artifact": str(args.model), "host": "127.0.0.1", "port": port,
-        **{name: getattr(args, name) for name in ENGINE_FLAGS},  # None: left out
-        "allow_failed_gate": args.allow_failed_gate, "profile_dir": args.profile_dir}))
+    return serve_cmd(
+        serve_argv(
+            {
+                "artifact": str(args.model),
+                "host": "127.0.0.1",
+                "port": port,
+                **{name: getattr(args, name) for name in ENGINE_FLAGS},  # None: left out
+                "allow_failed_gate": args.allow_failed_gate,
+                "profile_dir": args.profile_dir,
+            }
+        )
+    )
 
 
 def default_profile_dir(args: BenchArgs) -> str:
@@ -207,15 +246,22 @@ def profile_request(url: str, action: str, args: BenchArgs) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     headers.update(internal_headers(args.internal_key))
     try:
-        r = httpx.post(f"{url}/{action}_profile", headers=headers, timeout=args.request_timeout_s,
-                       trust_env=False)
+        r = httpx.post(
+            f"{url}/{action}_profile",
+            headers=headers,
+            timeout=args.request_timeout_s,
+            trust_env=False,
+        )
     except httpx.HTTPError as e:
-        raise BenchError(f"--profile: POST {url}/{action}_profile failed: {type(e).__name__}: "
-                         f"{e}") from None
+        raise BenchError(
+            f"--profile: POST {url}/{action}_profile failed: {type(e).__name__}: {e}"
+        ) from None
     if r.status_code != 200:
-        raise BenchError(f"--profile: POST {url}/{action}_profile answered HTTP {r.status_code}: "
-                         f"{error_message(r.content)} (--profile needs a slimserve `runtime serve` "
-                         "started with --profile-dir, and for a --url server its --internal-key)")
+        raise BenchError(
+            f"--profile: POST {url}/{action}_profile answered HTTP {r.status_code}: "
+            f"{error_message(r.content)} (--profile needs a slimserve `runtime serve` "
+            "started with --profile-dir, and for a --url server its --internal-key)"
+        )
     return r.json()
 
 
@@ -228,20 +274,34 @@ def server_for(args: BenchArgs) -> Iterator[tuple[str, str | None]]:
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="slimserve-bench-serve-", suffix=".log")[1])
     env = {**os.environ, **({INTERNAL_KEY_ENV: args.internal_key} if args.internal_key else {})}
-    with launched_server(serve_command(args, port), f"http://127.0.0.1:{port}",
-                         args.server_start_timeout_s, log, env) as url:
+    with launched_server(
+        serve_command(args, port), f"http://127.0.0.1:{port}", args.server_start_timeout_s, log, env
+    ) as url:
         yield url, str(log)
 
 
-async def send_one(client: httpx.AsyncClient, model: str | None, req: BenchRequest,
-                   text_prompt: bool, start_s: float, raw_url: str | None = None,
-                   headers: dict[str, str] | None = None, timeout_s: float = 600.0) -> RequestResult:
+async def send_one(
+    client: httpx.AsyncClient,
+    model: str | None,
+    req: BenchRequest,
+    text_prompt: bool,
+    start_s: float,
+    raw_url: str | None = None,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+) -> RequestResult:
     """One streamed /v1/completions request, timed per token chunk (perf_counter): through the
     light SSE client (runtime/bench/sse_client.py) when raw_url is given, else through httpx."""
     res = RequestResult(req.prompt_len, req.output_len, start_s)
-    payload = {"model": model, "prompt": req.prompt_text if text_prompt else req.prompt_ids,
-               "max_tokens": req.output_len, "temperature": 0, "ignore_eos": True,
-               "stream": True, "stream_options": {"include_usage": True}}
+    payload = {
+        "model": model,
+        "prompt": req.prompt_text if text_prompt else req.prompt_ids,
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks, t0 = 0, time.perf_counter()
     last = t0
 
@@ -298,29 +358,47 @@ async def send_one(client: httpx.AsyncClient, model: str | None, req: BenchReque
     return res
 
 
-async def run_requests(url: str, model: str | None, requests: list[BenchRequest],
-                       arrivals: list[float], *, max_concurrency: int | None = None,
-                       text_prompts: bool = False, timeout_s: float = 600.0,
-                       api_key: str | None = None, desc: str | None = None
-                       ) -> tuple[list[RequestResult], float]:
+async def run_requests(
+    url: str,
+    model: str | None,
+    requests: list[BenchRequest],
+    arrivals: list[float],
+    *,
+    max_concurrency: int | None = None,
+    text_prompts: bool = False,
+    timeout_s: float = 600.0,
+    api_key: str | None = None,
+    desc: str | None = None,
+) -> tuple[list[RequestResult], float]:
     """Send each request at its arrival time (s), at most max_concurrency at once, through one
     client; returns the results in request order and the run's duration in s. desc: progress bar."""
     conc = max_concurrency or len(requests)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     sem = asyncio.Semaphore(conc)
     bar = tqdm(total=len(requests), desc=desc, unit="req", disable=desc is None)
-    async with httpx.AsyncClient(base_url=url, headers=headers, trust_env=False,
-                                 timeout=httpx.Timeout(timeout_s),
-                                 limits=httpx.Limits(max_connections=conc,
-                                                     max_keepalive_connections=conc)) as client:
+    async with httpx.AsyncClient(
+        base_url=url,
+        headers=headers,
+        trust_env=False,
+        timeout=httpx.Timeout(timeout_s),
+        limits=httpx.Limits(max_connections=conc, max_keepalive_connections=conc),
+    ) as client:
         t0 = time.perf_counter()
 
         raw = url if plain_http(url) else None  # the light client where it applies
 
         async def one(req: BenchRequest) -> RequestResult:
             async with sem:
-                res = await send_one(client, model, req, text_prompts, time.perf_counter() - t0,
-                                     raw, headers, timeout_s)
+                res = await send_one(
+                    client,
+                    model,
+                    req,
+                    text_prompts,
+                    time.perf_counter() - t0,
+                    raw,
+                    headers,
+                    timeout_s,
+                )
             bar.update()
             return res
 
@@ -351,11 +429,19 @@ def warm_up(url: str, model: str | None, requests: list[BenchRequest], args: Ben
     --data-parallel-size router, which spreads sequential requests over idle replicas); a
     failure here stops the benchmark with its message."""
     n = args.warmup_requests * (args.data_parallel_size or 1)
-    warm = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS))
-            for r in (requests * n)[:n]]
-    results, _ = asyncio.run(run_requests(url, model, warm, [0.0] * len(warm), max_concurrency=1,
-                                          text_prompts=args.text_prompts, api_key=args.api_key,
-                                          timeout_s=args.request_timeout_s))
+    warm = [replace(r, output_len=min(r.output_len, WARMUP_TOKENS)) for r in (requests * n)[:n]]
+    results, _ = asyncio.run(
+        run_requests(
+            url,
+            model,
+            warm,
+            [0.0] * len(warm),
+            max_concurrency=1,
+            text_prompts=args.text_prompts,
+            api_key=args.api_key,
+            timeout_s=args.request_timeout_s,
+        )
+    )
     if failed := [r for r in results if not r.success]:
         raise BenchError(f"warm-up request failed: {failed[0].error}")
 
@@ -382,19 +468,43 @@ def run_bench(args: BenchArgs) -> dict:
                 warm_up(url, model, requests, args)
             for rate in args.rates:
                 desc = f"{policy + ', ' if policy else ''}rate {rate:g} req/s"
-                runs.append({"router_policy": policy, **measure_rate(url, model, requests, rate, args,
-                                                                     desc if args.progress else None)})
-    baseline = (hf_baseline(requests, args.model, args.hf_batch_size, args.hf_device,
-                            args.progress, verify=args.verify or "strict", dtype=baseline_dtype(args))
-                if args.baseline == "hf" else None)
+                runs.append(
+                    {
+                        "router_policy": policy,
+                        **measure_rate(
+                            url, model, requests, rate, args, desc if args.progress else None
+                        ),
+                    }
+                )
+    baseline = (
+        hf_baseline(
+            requests,
+            args.model,
+            args.hf_batch_size,
+            args.hf_device,
+            args.progress,
+            verify=args.verify or "strict",
+            dtype=baseline_dtype(args),
+        )
+        if args.baseline == "hf"
+        else None
+    )
     engine_flags = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     server_log = server_logs[0] if len(server_logs) == 1 else server_logs
     hardware = {**hardware_info(), "load_avg_1m": [load_before, os.getloadavg()[0]]}
-    result = {"hardware": hardware, "served_model": model,
-              "server": {"url": args.url, "engine_flags": engine_flags, "log": server_log},
-              "workload": describe_workload(args, requests), "runs": runs, "baseline": baseline,
-              "args": {**asdict(args), "api_key": "(set)" if args.api_key else None,
-                       "internal_key": "(set)" if args.internal_key else None}}
+    result = {
+        "hardware": hardware,
+        "served_model": model,
+        "server": {"url": args.url, "engine_flags": engine_flags, "log": server_log},
+        "workload": describe_workload(args, requests),
+        "runs": runs,
+        "baseline": baseline,
+        "args": {
+            **asdict(args),
+            "api_key": "(set)" if args.api_key else None,
+            "internal_key": "(set)" if args.internal_key else None,
+        },
+    }
     return finish_result(result, args)
 
 
@@ -406,30 +516,54 @@ def baseline_dtype(args: BenchArgs):
     from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 
     model = resolve_model(args.model)  # a GGUF file or package: its converted folder
-    return resolve_dtype(args.dtype or "auto", torch.device(args.hf_device), checkpoint_dtype(model))
+    return resolve_dtype(
+        args.dtype or "auto", torch.device(args.hf_device), checkpoint_dtype(model)
+    )
 
 
-def measure_rate(url: str, model: str | None, requests: list[BenchRequest], rate: float,
-                 args: BenchArgs, desc: str | None) -> dict:
+def measure_rate(
+    url: str,
+    model: str | None,
+    requests: list[BenchRequest],
+    rate: float,
+    args: BenchArgs,
+    desc: str | None,
+) -> dict:
     """One measured run at `rate`: its metrics, step breakdown and (--profile) trace."""
     arrivals = poisson_arrivals(len(requests), rate, args.seed)
-    reset = reset_prefix_cache(url, args.api_key, args.internal_key)  # warm-up's, earlier runs' prompts
+    reset = reset_prefix_cache(
+        url, args.api_key, args.internal_key
+    )  # warm-up's, earlier runs' prompts
     before = scrape_step_totals(url, args.api_key)
     if args.profile:
         profile_request(url, "start", args)
-    results, duration = asyncio.run(run_requests(
-        url, model, requests, arrivals, max_concurrency=args.max_concurrency,
-        text_prompts=args.text_prompts, timeout_s=args.request_timeout_s, api_key=args.api_key,
-        desc=desc))
+    results, duration = asyncio.run(
+        run_requests(
+            url,
+            model,
+            requests,
+            arrivals,
+            max_concurrency=args.max_concurrency,
+            text_prompts=args.text_prompts,
+            timeout_s=args.request_timeout_s,
+            api_key=args.api_key,
+            desc=desc,
+        )
+    )
     trace = profile_request(url, "stop", args) if args.profile else None
     after = scrape_step_totals(url, args.api_key)
     metrics = compute_metrics(results, duration, args.slo_ttft_ms, args.slo_tpot_ms)
-    return {"request_rate": rate, "max_concurrency": args.max_concurrency, **metrics,
-            "prefix_cache_reset": reset,
-            "step_breakdown": step_breakdown(before, after),
-            "profile_trace": trace and (os.path.join(args.profile_dir, trace["path"])
-                                        if args.profile_dir else trace["path"]), "profile_steps": trace and trace["steps"],
-            "requests": [asdict(r) for r in results]}
+    return {
+        "request_rate": rate,
+        "max_concurrency": args.max_concurrency,
+        **metrics,
+        "prefix_cache_reset": reset,
+        "step_breakdown": step_breakdown(before, after),
+        "profile_trace": trace
+        and (os.path.join(args.profile_dir, trace["path"]) if args.profile_dir else trace["path"]),
+        "profile_steps": trace and trace["steps"],
+        "requests": [asdict(r) for r in results],
+    }
 
 
 def reset_prefix_cache(url: str, api_key: str | None, internal_key: str | None = None) -> bool:
@@ -459,8 +593,9 @@ def parse_rates(sweep: str | list[float] | None) -> list[float]:
     try:
         return [float(r) for r in sweep.split(",") if r.strip()]
     except ValueError:
-        raise ValueError(f"--sweep {sweep!r}: give request rates separated by commas, e.g. "
-                         "1,2,4,inf") from None
+        raise ValueError(
+            f"--sweep {sweep!r}: give request rates separated by commas, e.g. 1,2,4,inf"
+        ) from None
 
 
 Opt = typer.Option
@@ -472,71 +607,135 @@ OutputLenSigma = Annotated[float, Opt(help="output tokens: sigma of log(length)"
 
 
 def bench_main(
-    model: Annotated[Optional[str], typer.Argument(
-        help="artifact or checkpoint folder: served (without --url), tokenizer, HF baseline")] = None,
-    url: Annotated[Optional[str], Opt(help="base URL of a running server; default: serve MODEL")] = None,
-    tokenizer: Annotated[Optional[str], Opt(help="tokenizer for the prompts (default: MODEL's)")] = None,
-    served_model_name: Annotated[Optional[str], Opt(help="requests' model (default: /v1/models)")] = None,
-    dataset: Annotated[str, Opt(help="stdlib, or a JSONL file with a \"prompt\" field")] = "stdlib",
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help="artifact or checkpoint folder: served (without --url), tokenizer, HF baseline"
+        ),
+    ] = None,
+    url: Annotated[
+        str | None, Opt(help="base URL of a running server; default: serve MODEL")
+    ] = None,
+    tokenizer: Annotated[
+        str | None, Opt(help="tokenizer for the prompts (default: MODEL's)")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, Opt(help="requests' model (default: /v1/models)")
+    ] = None,
+    dataset: Annotated[str, Opt(help='stdlib, or a JSONL file with a "prompt" field')] = "stdlib",
     num_prompts: Annotated[int, Opt(help="requests per run")] = 200,
-    request_rate: Annotated[float, Opt(help="Poisson arrivals, req/s; inf: all at once")] = math.inf,
-    max_concurrency: Annotated[Optional[int], Opt(help="requests in flight at most")] = None,
-    input_len_median: InputLenMedian = 128, input_len_sigma: InputLenSigma = 0.8,
-    input_len_min: int = 32, input_len_max: int = 512,
-    output_len_median: OutputLenMedian = 64, output_len_sigma: OutputLenSigma = 1.0,
-    output_len_min: int = 16, output_len_max: int = 512,
-    long_fraction: Annotated[float, Opt(help="of the prompts, those made --long-factor times "
-                                        "their drawn length")] = 0.0,
+    request_rate: Annotated[
+        float, Opt(help="Poisson arrivals, req/s; inf: all at once")
+    ] = math.inf,
+    max_concurrency: Annotated[int | None, Opt(help="requests in flight at most")] = None,
+    input_len_median: InputLenMedian = 128,
+    input_len_sigma: InputLenSigma = 0.8,
+    input_len_min: int = 32,
+    input_len_max: int = 512,
+    output_len_median: OutputLenMedian = 64,
+    output_len_sigma: OutputLenSigma = 1.0,
+    output_len_min: int = 16,
+    output_len_max: int = 512,
+    long_fraction: Annotated[
+        float, Opt(help="of the prompts, those made --long-factor times their drawn length")
+    ] = 0.0,
     long_factor: Annotated[int, Opt(help="length multiple of a long prompt")] = 8,
-    shared_prefix_len: Annotated[int, Opt(help="tokens of a prefix shared by "
-                                          "--shared-prefix-fraction of the prompts (0: none)")] = 0,
-    shared_prefix_fraction: Annotated[float, Opt(help="of the prompts, those that start with the "
-                                                 "shared prefix")] = 0.5,
+    shared_prefix_len: Annotated[
+        int,
+        Opt(help="tokens of a prefix shared by --shared-prefix-fraction of the prompts (0: none)"),
+    ] = 0,
+    shared_prefix_fraction: Annotated[
+        float, Opt(help="of the prompts, those that start with the shared prefix")
+    ] = 0.5,
     seed: Annotated[int, Opt(help="seeds lengths, prompt offsets and arrivals")] = 0,
-    text_prompts: Annotated[bool, Opt(help="send text, not token ids (server with another "
-                                      "tokenizer)")] = False,
-    slo_ttft_ms: Annotated[Optional[float], Opt(help="goodput SLO: time to first token, ms")] = None,
-    slo_tpot_ms: Annotated[Optional[float], Opt(help="goodput SLO: time per output token, ms")] = None,
-    json_out: Annotated[Optional[str], Opt(help="save everything as JSON here")] = None,
-    sweep: Annotated[Optional[str], Opt(help="request rates, e.g. 1,2,4,inf: a run each + plot")] = None,
-    plot_out: Annotated[Optional[str], Opt(help="sweep PNG (default: beside --json-out)")] = None,
-    baseline: Annotated[Optional[str], Opt(help="hf: transformers generate, static batches")] = None,
+    text_prompts: Annotated[
+        bool, Opt(help="send text, not token ids (server with another tokenizer)")
+    ] = False,
+    slo_ttft_ms: Annotated[float | None, Opt(help="goodput SLO: time to first token, ms")] = None,
+    slo_tpot_ms: Annotated[float | None, Opt(help="goodput SLO: time per output token, ms")] = None,
+    json_out: Annotated[str | None, Opt(help="save everything as JSON here")] = None,
+    sweep: Annotated[
+        str | None, Opt(help="request rates, e.g. 1,2,4,inf: a run each + plot")
+    ] = None,
+    plot_out: Annotated[str | None, Opt(help="sweep PNG (default: beside --json-out)")] = None,
+    baseline: Annotated[str | None, Opt(help="hf: transformers generate, static batches")] = None,
     hf_batch_size: Annotated[int, Opt(help="rows per static HF batch")] = 8,
     hf_device: Annotated[str, Opt(help="device of the HF baseline")] = "cpu",
-    max_num_seqs: Annotated[Optional[int], Opt(help="engine flag for the served MODEL")] = None,
-    max_num_batched_tokens: Annotated[Optional[int], Opt(help="engine flag")] = None,
-    kv_cache_dtype: Annotated[Optional[str], Opt(help="engine flag: auto | fp8_e4m3")] = None,
-    kv_cache_memory: Annotated[Optional[str], Opt(help="engine flag, e.g. 512MiB")] = None,
-    device: Annotated[Optional[str], Opt(help="engine flag: auto | cpu | cuda")] = None,
-    dtype: Annotated[Optional[str], Opt(help="engine flag and HF baseline: auto | float16 | "
-                                        "bfloat16 | float32")] = None,
-    verify: Annotated[Optional[str], Opt(help="engine flag and HF baseline: strict (default) | "
-                                         "none (skip the slimserve.json check)")] = None,
-    allow_failed_gate: Annotated[bool, Opt("--allow-failed-gate", help="engine flag: serve an "
-                                           "artifact whose perplexity gate failed")] = False,
-    tensor_parallel_size: Annotated[Optional[int], Opt("--tensor-parallel-size", "-tp",
-                                                       help="engine flag: ranks")] = None,
-    pipeline_parallel_size: Annotated[Optional[int], Opt("--pipeline-parallel-size", "-pp",
-                                                         help="engine flag: pipeline stages")] = None,
-    distributed_executor_backend: Annotated[Optional[str], Opt(
-        "--distributed-executor-backend", help="engine flag: mp | ray (how -tp/-pp ranks start)")] = None,
-    data_parallel_size: Annotated[Optional[int], Opt("--data-parallel-size", help="engine flag: "
-                                                     "replicas behind serve's router")] = None,
-    prefill_replicas: Annotated[Optional[int], Opt("--prefill-replicas", help="engine flag: of the "
-                                                   "--data-parallel-size replicas, this many "
-                                                   "prefill and the rest decode")] = None,
-    router_policy: Annotated[Optional[str], Opt("--router-policy", help="compare routing policies, "
-                                                "e.g. least-latency,round-robin: fresh replicas "
-                                                "per policy (needs --data-parallel-size >= 2)")] = None,
-    api_key: Annotated[Optional[str], Opt(envvar="SLIMSERVE_API_KEY", help="Bearer key")] = None,
-    internal_key: Annotated[Optional[str], Opt("--internal-key", envvar="SLIMSERVE_INTERNAL_KEY",
-                                               help="a --url server's --internal-key (prefix "
-                                                    "cache reset, --profile)")] = None,
+    max_num_seqs: Annotated[int | None, Opt(help="engine flag for the served MODEL")] = None,
+    max_num_batched_tokens: Annotated[int | None, Opt(help="engine flag")] = None,
+    kv_cache_dtype: Annotated[str | None, Opt(help="engine flag: auto | fp8_e4m3")] = None,
+    kv_cache_memory: Annotated[str | None, Opt(help="engine flag, e.g. 512MiB")] = None,
+    device: Annotated[str | None, Opt(help="engine flag: auto | cpu | cuda")] = None,
+    dtype: Annotated[
+        str | None, Opt(help="engine flag and HF baseline: auto | float16 | bfloat16 | float32")
+    ] = None,
+    verify: Annotated[
+        str | None,
+        Opt(
+            help="engine flag and HF baseline: strict (default) | "
+            "none (skip the slimserve.json check)"
+        ),
+    ] = None,
+    allow_failed_gate: Annotated[
+        bool,
+        Opt(
+            "--allow-failed-gate",
+            help="engine flag: serve an artifact whose perplexity gate failed",
+        ),
+    ] = False,
+    tensor_parallel_size: Annotated[
+        int | None, Opt("--tensor-parallel-size", "-tp", help="engine flag: ranks")
+    ] = None,
+    pipeline_parallel_size: Annotated[
+        int | None, Opt("--pipeline-parallel-size", "-pp", help="engine flag: pipeline stages")
+    ] = None,
+    distributed_executor_backend: Annotated[
+        str | None,
+        Opt(
+            "--distributed-executor-backend", help="engine flag: mp | ray (how -tp/-pp ranks start)"
+        ),
+    ] = None,
+    data_parallel_size: Annotated[
+        int | None, Opt("--data-parallel-size", help="engine flag: replicas behind serve's router")
+    ] = None,
+    prefill_replicas: Annotated[
+        int | None,
+        Opt(
+            "--prefill-replicas",
+            help="engine flag: of the "
+            "--data-parallel-size replicas, this many "
+            "prefill and the rest decode",
+        ),
+    ] = None,
+    router_policy: Annotated[
+        str | None,
+        Opt(
+            "--router-policy",
+            help="compare routing policies, "
+            "e.g. least-latency,round-robin: fresh replicas "
+            "per policy (needs --data-parallel-size >= 2)",
+        ),
+    ] = None,
+    api_key: Annotated[str | None, Opt(envvar="SLIMSERVE_API_KEY", help="Bearer key")] = None,
+    internal_key: Annotated[
+        str | None,
+        Opt(
+            "--internal-key",
+            envvar="SLIMSERVE_INTERNAL_KEY",
+            help="a --url server's --internal-key (prefix cache reset, --profile)",
+        ),
+    ] = None,
     warmup_requests: Annotated[int, Opt(help="untimed requests first")] = 1,
     progress: Annotated[bool, Opt(help="progress bars")] = True,
-    profile: Annotated[bool, Opt("--profile", help="torch profiler trace of each measured run "
-                                 "(POST /start_profile, /stop_profile; a --url server needs "
-                                 "--profile-dir)")] = False,
+    profile: Annotated[
+        bool,
+        Opt(
+            "--profile",
+            help="torch profiler trace of each measured run "
+            "(POST /start_profile, /stop_profile; a --url server needs "
+            "--profile-dir)",
+        ),
+    ] = False,
 ) -> dict:
     """Load-test a served model (vllm bench serve style); optionally against HF generate."""
     from rich.console import Console
@@ -546,28 +745,62 @@ def bench_main(
 
     try:
         args = BenchArgs(
-            url=url, model=model, tokenizer=tokenizer, served_model_name=served_model_name,
-            dataset=dataset, num_prompts=num_prompts, request_rate=request_rate,
-            max_concurrency=max_concurrency, seed=seed, text_prompts=text_prompts,
+            url=url,
+            model=model,
+            tokenizer=tokenizer,
+            served_model_name=served_model_name,
+            dataset=dataset,
+            num_prompts=num_prompts,
+            request_rate=request_rate,
+            max_concurrency=max_concurrency,
+            seed=seed,
+            text_prompts=text_prompts,
             input_len=LengthDist(input_len_median, input_len_sigma, input_len_min, input_len_max),
-            output_len=LengthDist(output_len_median, output_len_sigma, output_len_min,
-                                  output_len_max),
-            slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, json_out=json_out,
-            sweep=parse_rates(sweep), plot_out=plot_out, baseline=baseline,
-            hf_batch_size=hf_batch_size, hf_device=hf_device, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, kv_cache_dtype=kv_cache_dtype,
-            kv_cache_memory=kv_cache_memory, device=device, dtype=dtype, verify=verify,
-            tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+            output_len=LengthDist(
+                output_len_median, output_len_sigma, output_len_min, output_len_max
+            ),
+            slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms,
+            json_out=json_out,
+            sweep=parse_rates(sweep),
+            plot_out=plot_out,
+            baseline=baseline,
+            hf_batch_size=hf_batch_size,
+            hf_device=hf_device,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory=kv_cache_memory,
+            device=device,
+            dtype=dtype,
+            verify=verify,
+            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
             prefill_replicas=prefill_replicas,
             pipeline_parallel_size=pipeline_parallel_size,
             distributed_executor_backend=distributed_executor_backend,
             router_policies=parse_policies(router_policy),
-            mix=PromptMix(long_fraction, long_factor, shared_prefix_len,
-                          shared_prefix_fraction if shared_prefix_len else 0.0),
-            allow_failed_gate=allow_failed_gate, api_key=api_key, internal_key=internal_key,
-            warmup_requests=warmup_requests, progress=progress, profile=profile)
+            mix=PromptMix(
+                long_fraction,
+                long_factor,
+                shared_prefix_len,
+                shared_prefix_fraction if shared_prefix_len else 0.0,
+            ),
+            allow_failed_gate=allow_failed_gate,
+            api_key=api_key,
+            internal_key=internal_key,
+            warmup_requests=warmup_requests,
+            progress=progress,
+            profile=profile,
+        )
         return run_bench(args)
-    except (ValueError, BenchError, ArtifactError, OSError) as e:  # user errors and a server that would not run
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e).splitlines()[0])}",
-                                   highlight=False, soft_wrap=True)
+    except (
+        ValueError,
+        BenchError,
+        ArtifactError,
+        OSError,
+    ) as e:  # user errors and a server that would not run
+        Console(stderr=True).print(
+            f"[bold red]error:[/] {escape(str(e).splitlines()[0])}", highlight=False, soft_wrap=True
+        )
         raise typer.Exit(2) from None

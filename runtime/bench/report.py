@@ -25,16 +25,22 @@ from slimserve.runtime.loading.gguf import resolve_model
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 # (label, key into a run or baseline dict (dots descend), format spec)
-ROWS = [("requests completed", "completed", "d"), ("requests failed", "failed", "d"),
-        ("duration (s)", "duration_s", ".1f"),
-        ("request throughput (req/s)", "request_throughput", ".2f"),
-        ("output throughput (tok/s)", "output_throughput", ".1f"),
-        ("total token throughput (tok/s)", "total_token_throughput", ".1f"),
-        ("goodput (req/s)", "goodput", ".2f"),
-        *[(f"{stat} {name} (ms)", f"{key}.{stat}", ".1f")
-          for key, name in LATENCIES for stat in ("mean", "median", "p99")],
-        ("collectives, rank 0 (ms/step)", "step_breakdown.collectives.ms_per_step", ".2f"),
-        ("output throughput / HF (x)", "ratio_vs_hf", ".2f")]
+ROWS = [
+    ("requests completed", "completed", "d"),
+    ("requests failed", "failed", "d"),
+    ("duration (s)", "duration_s", ".1f"),
+    ("request throughput (req/s)", "request_throughput", ".2f"),
+    ("output throughput (tok/s)", "output_throughput", ".1f"),
+    ("total token throughput (tok/s)", "total_token_throughput", ".1f"),
+    ("goodput (req/s)", "goodput", ".2f"),
+    *[
+        (f"{stat} {name} (ms)", f"{key}.{stat}", ".1f")
+        for key, name in LATENCIES
+        for stat in ("mean", "median", "p99")
+    ],
+    ("collectives, rank 0 (ms/step)", "step_breakdown.collectives.ms_per_step", ".2f"),
+    ("output throughput / HF (x)", "ratio_vs_hf", ".2f"),
+]
 
 
 def rate_label(rate: float) -> str:
@@ -65,7 +71,11 @@ def model_summary(model: str | None, served_name: str | None) -> dict:
     """Name, parameters and dtype from a local checkpoint's headers (a GGUF model's converted
     folder: the benchmark converted it already to tokenize the prompts); the served name otherwise."""
     folder = resolve_model(model) if model else None
-    if folder and (Path(folder) / "config.json").is_file() and any(Path(folder).glob("*.safetensors")):
+    if (
+        folder
+        and (Path(folder) / "config.json").is_file()
+        and any(Path(folder).glob("*.safetensors"))
+    ):
         from slimserve.runtime.bench.sysinfo import model_info
 
         info = model_info(Path(folder))
@@ -77,14 +87,20 @@ def model_summary(model: str | None, served_name: str | None) -> dict:
 
 def describe_workload(args, requests: list) -> dict:
     """The workload facts of a run (args: BenchArgs; requests: its BenchRequests)."""
-    return {"dataset": args.dataset, "num_prompts": len(requests), "seed": args.seed,
-            "prompt_format": "text" if args.text_prompts else "token ids",
-            "input_len": length_stats([r.prompt_len for r in requests]),
-            "output_len": length_stats([r.output_len for r in requests]),
-            "request_rates": args.rates, "max_concurrency": args.max_concurrency,
-            "mix": asdict(args.mix) if args.mix.active else None,
-            "router_policies": list(args.router_policies) or None,
-            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+    return {
+        "dataset": args.dataset,
+        "num_prompts": len(requests),
+        "seed": args.seed,
+        "prompt_format": "text" if args.text_prompts else "token ids",
+        "input_len": length_stats([r.prompt_len for r in requests]),
+        "output_len": length_stats([r.output_len for r in requests]),
+        "request_rates": args.rates,
+        "max_concurrency": args.max_concurrency,
+        "mix": asdict(args.mix) if args.mix.active else None,
+        "router_policies": list(args.router_policies) or None,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+    }
 
 
 def caption(result: dict) -> str:
@@ -95,35 +111,51 @@ def caption(result: dict) -> str:
     slos = [f"{k} {wl[k]:g} ms" for k in ("slo_ttft_ms", "slo_tpot_ms") if wl[k] is not None]
     load = " -> ".join(f"{x:.1f}" for x in hw.get("load_avg_1m", []))
     if mix := wl.get("mix"):
-        skew = f"; {mix['long_fraction']:.0%} of prompts x{mix['long_factor']} long" \
-            if mix["long_fraction"] and mix["long_factor"] > 1 else ""
+        skew = (
+            f"; {mix['long_fraction']:.0%} of prompts x{mix['long_factor']} long"
+            if mix["long_fraction"] and mix["long_factor"] > 1
+            else ""
+        )
         if mix["shared_prefix_len"] and mix["shared_prefix_fraction"]:
-            skew += (f"; {mix['shared_prefix_fraction']:.0%} start with one shared "
-                     f"{mix['shared_prefix_len']}-token prefix")
+            skew += (
+                f"; {mix['shared_prefix_fraction']:.0%} start with one shared "
+                f"{mix['shared_prefix_len']}-token prefix"
+            )
     else:
         skew = ""
-    policies = (f"; routing policies compared, fresh replicas each: "
-                f"{', '.join(wl['router_policies'])}" if wl.get("router_policies") else "")
+    policies = (
+        f"; routing policies compared, fresh replicas each: {', '.join(wl['router_policies'])}"
+        if wl.get("router_policies")
+        else ""
+    )
     isa = f" ({hw['isa']})" if hw.get("isa") else ""
-    lines = [f"hardware: {hw['cpu']}{isa}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}; "
-             f"load average {load or '?'} (1 min, start -> end)",
-             f"model: {m['name']}{params}; {where}",
-             f"workload: {wl['num_prompts']} prompts from {wl['dataset']} sent as "
-             f"{wl['prompt_format']}, seed {wl['seed']}; input tokens {_lengths(wl['input_len'])}; "
-             f"output tokens {_lengths(wl['output_len'])} (EOS ignored){skew}{policies}",
-             f"arrivals: Poisson at the column's rate (req/s; inf = all at once), max concurrency "
-             f"{wl['max_concurrency'] or 'unlimited'}; goodput SLOs: {', '.join(slos) or 'none'}"]
+    lines = [
+        f"hardware: {hw['cpu']}{isa}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}; "
+        f"load average {load or '?'} (1 min, start -> end)",
+        f"model: {m['name']}{params}; {where}",
+        f"workload: {wl['num_prompts']} prompts from {wl['dataset']} sent as "
+        f"{wl['prompt_format']}, seed {wl['seed']}; input tokens {_lengths(wl['input_len'])}; "
+        f"output tokens {_lengths(wl['output_len'])} (EOS ignored){skew}{policies}",
+        f"arrivals: Poisson at the column's rate (req/s; inf = all at once), max concurrency "
+        f"{wl['max_concurrency'] or 'unlimited'}; goodput SLOs: {', '.join(slos) or 'none'}",
+    ]
     if hf := result["baseline"]:
-        lines.append(f"HF: transformers generate, static batches of {hf['batch_size']}, left "
-                     f"padding, greedy, EOS off, {hf.get('dtype', 'float32')} on {hf['device']}; "
-                     f"{hf['padding_waste']:.0%} of its generated tokens ran past a request's length")
+        lines.append(
+            f"HF: transformers generate, static batches of {hf['batch_size']}, left "
+            f"padding, greedy, EOS off, {hf.get('dtype', 'float32')} on {hf['device']}; "
+            f"{hf['padding_waste']:.0%} of its generated tokens ran past a request's length"
+        )
     return "\n".join(lines)
 
 
 def format_table(result: dict) -> Table:
     runs, hf = result["runs"], result["baseline"]
-    table = Table(title=f"serving benchmark: {escape(result['model']['name'])}",
-                  caption=escape(caption(result)), caption_justify="left", min_width=100)
+    table = Table(
+        title=f"serving benchmark: {escape(result['model']['name'])}",
+        caption=escape(caption(result)),
+        caption_justify="left",
+        min_width=100,
+    )
     table.add_column("metric")
     for run in runs:
         table.add_column(run_label(run), justify="right")
@@ -133,8 +165,11 @@ def format_table(result: dict) -> Table:
     has_slo = any(run["goodput"] is not None for run in runs)
     has_comm = any(_get(run, "step_breakdown.collectives") for run in runs)  # a split model
     for label, key, spec in ROWS:
-        if (key == "goodput" and not has_slo) or (key == "ratio_vs_hf" and not hf) or \
-                (key.startswith("step_breakdown.collectives") and not has_comm):
+        if (
+            (key == "goodput" and not has_slo)
+            or (key == "ratio_vs_hf" and not hf)
+            or (key.startswith("step_breakdown.collectives") and not has_comm)
+        ):
             continue
         table.add_row(label, *(_cell(_get(c, key), spec) for c in cols))
     return table
@@ -145,21 +180,32 @@ def format_breakdown(run: dict) -> Table | None:
     b = run.get("step_breakdown")
     if not b:
         return None
-    composition = (f"per step: {_cell(b['mean_prefill_tokens'], '.1f')} prefill tokens, "
-                   f"{_cell(b['mean_decode_rows'], '.1f')} decode rows")
+    composition = (
+        f"per step: {_cell(b['mean_prefill_tokens'], '.1f')} prefill tokens, "
+        f"{_cell(b['mean_decode_rows'], '.1f')} decode rows"
+    )
     note = "; profiled: times include the profiler's overhead" if run.get("profile_trace") else ""
-    table = Table(title=f"engine steps, {run_label(run)}: {b['steps']} steps, "
-                        f"{b['step_time_s']:.2f} s", caption=composition + note,
-                  caption_justify="left")
+    table = Table(
+        title=f"engine steps, {run_label(run)}: {b['steps']} steps, {b['step_time_s']:.2f} s",
+        caption=composition + note,
+        caption_justify="left",
+    )
     for col in ("phase", "total (s)", "ms / step", "share"):
         table.add_column(col, justify="left" if col == "phase" else "right")
     for ph in b["phases"]:
-        table.add_row(ph["phase"], f"{ph['total_s']:.3f}", _cell(ph["ms_per_step"], ".3f"),
-                      "-" if ph["share"] is None else f"{ph['share']:.1%}")
+        table.add_row(
+            ph["phase"],
+            f"{ph['total_s']:.3f}",
+            _cell(ph["ms_per_step"], ".3f"),
+            "-" if ph["share"] is None else f"{ph['share']:.1%}",
+        )
     if c := b.get("collectives"):  # within forward, not a phase of its own
-        table.add_row(f"collectives, rank 0 ({_cell(c['calls_per_step'], '.0f')}/step; "
-                      "part of forward)", f"{c['total_s']:.3f}", _cell(c["ms_per_step"], ".3f"),
-                      "-" if c["share"] is None else f"{c['share']:.1%}")
+        table.add_row(
+            f"collectives, rank 0 ({_cell(c['calls_per_step'], '.0f')}/step; part of forward)",
+            f"{c['total_s']:.3f}",
+            _cell(c["ms_per_step"], ".3f"),
+            "-" if c["share"] is None else f"{c['share']:.1%}",
+        )
     return table
 
 
@@ -179,8 +225,13 @@ def save_sweep_plot(result: dict, path: Path) -> None:
             y = [r[key]["p99"] if r[key] else math.nan for r in runs]
             ax.plot(x, y, "o-", label=f"slimserve, {policy}" if policy else "slimserve")
             for xi, yi, r in zip(x, y, runs):
-                ax.annotate(f"{rate_label(r['request_rate'])} req/s", (xi, yi),
-                            textcoords="offset points", xytext=(4, 4), fontsize=8)
+                ax.annotate(
+                    f"{rate_label(r['request_rate'])} req/s",
+                    (xi, yi),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=8,
+                )
         if hf:
             ax.axvline(hf["output_throughput"], ls="--", color="gray", label="HF generate")
         ax.set_xlabel("output throughput (tok/s)")
@@ -207,13 +258,18 @@ def finish_result(result: dict, args, console: Console | None = None) -> dict:
     """Add the HF ratios and model facts, write the plot (sweeps) and JSON, print the table."""
     hf = result["baseline"]
     for run in result["runs"]:
-        run["ratio_vs_hf"] = (run["output_throughput"] / hf["output_throughput"]
-                              if hf and hf["output_throughput"] else None)
+        run["ratio_vs_hf"] = (
+            run["output_throughput"] / hf["output_throughput"]
+            if hf and hf["output_throughput"]
+            else None
+        )
     result["model"] = model_summary(args.model, result["served_model"])
     result["plot"] = None
     if args.sweep:
-        plot = Path(args.plot_out or (Path(args.json_out).with_suffix(".png") if args.json_out
-                                      else "serving_sweep.png"))
+        plot = Path(
+            args.plot_out
+            or (Path(args.json_out).with_suffix(".png") if args.json_out else "serving_sweep.png")
+        )
         save_sweep_plot(result, plot)
         result["plot"] = str(plot)
     if args.json_out:
@@ -224,24 +280,36 @@ def finish_result(result: dict, args, console: Console | None = None) -> dict:
         if (table := format_breakdown(run)) is not None:
             console.print(table)
     if any("step_breakdown" in run and run["step_breakdown"] is None for run in result["runs"]):
-        console.print("step breakdown omitted: the server's /metrics has no "
-                      "slimserve:step_phase_seconds (an older server, a router or another "
-                      "product)", highlight=False)
+        console.print(
+            "step breakdown omitted: the server's /metrics has no "
+            "slimserve:step_phase_seconds (an older server, a router or another "
+            "product)",
+            highlight=False,
+        )
     if any(run.get("prefix_cache_reset") is False for run in result["runs"]):
-        console.print("[yellow]prefix cache not reset before every run (the server has no POST "
-                      "/reset_prefix_cache): prompts sent before may have been served from "
-                      "the cache[/]", highlight=False)
+        console.print(
+            "[yellow]prefix cache not reset before every run (the server has no POST "
+            "/reset_prefix_cache): prompts sent before may have been served from "
+            "the cache[/]",
+            highlight=False,
+        )
     for run in result["runs"]:
         if run.get("profile_trace"):
-            console.print(f"profile trace, {run_label(run)} "
-                          f"({run['profile_steps']} steps): {run['profile_trace']}", highlight=False)
+            console.print(
+                f"profile trace, {run_label(run)} "
+                f"({run['profile_steps']} steps): {run['profile_trace']}",
+                highlight=False,
+            )
     for run in result["runs"]:
         for err in run["errors"]:
-            console.print(f"[red]{run_label(run)}: failed request:[/] "
-                          f"{escape(err)}", highlight=False)
+            console.print(
+                f"[red]{run_label(run)}: failed request:[/] {escape(err)}", highlight=False
+            )
         if run["wrong_length"]:
-            console.print(f"[yellow]{run_label(run)}: {run['wrong_length']} "
-                          "requests got another output length than asked for[/]")
+            console.print(
+                f"[yellow]{run_label(run)}: {run['wrong_length']} "
+                "requests got another output length than asked for[/]"
+            )
     for what, path in (("plot", result["plot"]), ("json", args.json_out)):
         if path:
             console.print(f"{what}: {path}", highlight=False)

@@ -32,8 +32,9 @@ class SSEStream:
     `s.status` is the HTTP status, `s.events()` yields each `data:` payload as text, and
     `await s.body()` reads a whole (error) body."""
 
-    def __init__(self, url: str, path: str, payload: dict, headers: dict[str, str] | None,
-                 timeout_s: float):
+    def __init__(
+        self, url: str, path: str, payload: dict, headers: dict[str, str] | None, timeout_s: float
+    ):
         parts = urlsplit(url)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.path = parts.path.rstrip("/") + path
@@ -48,13 +49,19 @@ class SSEStream:
 
     async def __aenter__(self) -> SSEStream:
         self._reader, self._writer = await asyncio.wait_for(
-            asyncio.open_connection(self.host, self.port), self.timeout_s)
+            asyncio.open_connection(self.host, self.port), self.timeout_s
+        )
         self._last = asyncio.get_running_loop().time()
         self._watch = asyncio.create_task(self._watchdog())
         body = json.dumps(self.payload).encode()
-        head = [f"POST {self.path} HTTP/1.1", f"Host: {self.host}:{self.port}",
-                "Content-Type: application/json", "Accept: text/event-stream",
-                f"Content-Length: {len(body)}", "Connection: close"]
+        head = [
+            f"POST {self.path} HTTP/1.1",
+            f"Host: {self.host}:{self.port}",
+            "Content-Type: application/json",
+            "Accept: text/event-stream",
+            f"Content-Length: {len(body)}",
+            "Connection: close",
+        ]
         head += [f"{k}: {v}" for k, v in self.headers.items()]
         self._writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
         await self._writer.drain()

@@ -25,14 +25,27 @@ def hardware_info() -> dict:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         text = ""
-    cpu = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                if line.startswith("model name")), cpu)
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in text.splitlines()
+            if line.startswith("model name")
+        ),
+        cpu,
+    )
     if flags := cpu_flags(text):
         isa = next((f for f in _ISA_FLAGS if f in flags), "none of " + "/".join(_ISA_FLAGS))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"cpu": cpu, "isa": isa, "cores": cores, "gpu": gpu, "torch": version("torch"),
-            "transformers": version("transformers"), "python": platform.python_version()}
+    return {
+        "cpu": cpu,
+        "isa": isa,
+        "cores": cores,
+        "gpu": gpu,
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "python": platform.python_version(),
+    }
 
 
 def model_info(model: Path) -> dict:
@@ -44,13 +57,19 @@ def model_info(model: Path) -> dict:
         with safe_open(str(f), framework="pt") as st:
             params += sum(math.prod(st.get_slice(key).get_shape()) for key in st.keys())
     cfg = json.loads((model / "config.json").read_text())
-    return {"name": model.name, "path": str(model), "params": params,
-            "dtype": cfg.get("dtype") or cfg.get("torch_dtype") or "unknown"}
+    return {
+        "name": model.name,
+        "path": str(model),
+        "params": params,
+        "dtype": cfg.get("dtype") or cfg.get("torch_dtype") or "unknown",
+    }
 
 
 def hardware_line(hw: dict) -> str:
     """The `hardware:` header line of every benchmark table (from hardware_info())."""
     isa = f" ({hw['isa']})" if hw.get("isa") else ""
     tf = f", transformers {hw['transformers']}" if hw.get("transformers") else ""
-    return (f"hardware: {hw['cpu']}{isa}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}{tf}, "
-            f"python {hw['python']}")
+    return (
+        f"hardware: {hw['cpu']}{isa}, {hw['cores']} cores, GPU {hw['gpu']}; torch {hw['torch']}{tf}, "
+        f"python {hw['python']}"
+    )

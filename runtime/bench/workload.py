@@ -49,8 +49,10 @@ class LengthDist:
 
     def __post_init__(self) -> None:
         if not 1 <= self.low <= self.median <= self.high:
-            raise ValueError(f"length distribution min {self.low} <= median {self.median} <= max "
-                             f"{self.high} must hold with min >= 1; fix the --*-len-* options")
+            raise ValueError(
+                f"length distribution min {self.low} <= median {self.median} <= max "
+                f"{self.high} must hold with min >= 1; fix the --*-len-* options"
+            )
         if not self.sigma >= 0:
             raise ValueError(f"length sigma {self.sigma} must be >= 0 (0 = fixed length)")
 
@@ -84,7 +86,9 @@ class PromptMix:
     def __post_init__(self) -> None:
         for name in ("long_fraction", "shared_prefix_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be in [0, 1]")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)} must be in [0, 1]"
+                )
         if self.long_factor < 1:
             raise ValueError(f"--long-factor {self.long_factor} must be >= 1")
         if self.shared_prefix_len < 0:
@@ -92,8 +96,9 @@ class PromptMix:
 
     @property
     def active(self) -> bool:
-        return (self.long_fraction > 0 and self.long_factor > 1) or \
-            (self.shared_prefix_len > 0 and self.shared_prefix_fraction > 0)
+        return (self.long_fraction > 0 and self.long_factor > 1) or (
+            self.shared_prefix_len > 0 and self.shared_prefix_fraction > 0
+        )
 
 
 def _rngs(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
@@ -106,15 +111,26 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
-def corpus_requests(tokenizer, n: int, inputs: LengthDist, outputs: LengthDist, seed: int,
-                    texts: list[str] | None = None, mix: PromptMix = PromptMix()) -> list[BenchRequest]:
+def corpus_requests(
+    tokenizer,
+    n: int,
+    inputs: LengthDist,
+    outputs: LengthDist,
+    seed: int,
+    texts: list[str] | None = None,
+    mix: PromptMix = PromptMix(),
+) -> list[BenchRequest]:
     """n requests cut from `texts` (default: the stdlib validation split), exact prompt lengths
     (a long prompt: long_factor times its draw; a shared-prefix one: the prefix, then its draw)."""
     len_rng, pick_rng = _rngs(seed)
     in_lens, out_lens = inputs.sample(n, len_rng), outputs.sample(n, len_rng)
     mix_rng = np.random.default_rng([seed, 3])
     long = mix_rng.random(n) < mix.long_fraction if mix.long_factor > 1 else np.zeros(n, bool)
-    shared = mix_rng.random(n) < mix.shared_prefix_fraction if mix.shared_prefix_len else np.zeros(n, bool)
+    shared = (
+        mix_rng.random(n) < mix.shared_prefix_fraction
+        if mix.shared_prefix_len
+        else np.zeros(n, bool)
+    )
     in_lens = [k * mix.long_factor if is_long else k for k, is_long in zip(in_lens, long)]
     if texts is None:
         from slimserve.runtime.corpus import read_texts
@@ -122,21 +138,24 @@ def corpus_requests(tokenizer, n: int, inputs: LengthDist, outputs: LengthDist, 
         texts = read_texts("validation")
     stream = [t for ids in _encode(tokenizer, texts) for t in ids]  # documents back to back
     if len(stream) < max(in_lens + [mix.shared_prefix_len]):
-        raise ValueError(f"the corpus has {len(stream)} tokens, fewer than the longest drawn "
-                         f"prompt ({max(in_lens + [mix.shared_prefix_len])}); lower "
-                         "--input-len-max, --long-factor or --shared-prefix-len")
+        raise ValueError(
+            f"the corpus has {len(stream)} tokens, fewer than the longest drawn "
+            f"prompt ({max(in_lens + [mix.shared_prefix_len])}); lower "
+            "--input-len-max, --long-factor or --shared-prefix-len"
+        )
     start = int(mix_rng.integers(0, len(stream) - mix.shared_prefix_len + 1))
-    prefix = stream[start:start + mix.shared_prefix_len]
+    prefix = stream[start : start + mix.shared_prefix_len]
     reqs = []
     for in_len, out_len, with_prefix in zip(in_lens, out_lens, shared):
         start = int(pick_rng.integers(0, len(stream) - in_len + 1))
-        ids = (prefix if with_prefix else []) + stream[start:start + in_len]
+        ids = (prefix if with_prefix else []) + stream[start : start + in_len]
         reqs.append(BenchRequest(ids, tokenizer.decode(ids), out_len))
     return reqs
 
 
-def jsonl_requests(path: str | Path, tokenizer, n: int, inputs: LengthDist, outputs: LengthDist,
-                   seed: int) -> list[BenchRequest]:
+def jsonl_requests(
+    path: str | Path, tokenizer, n: int, inputs: LengthDist, outputs: LengthDist, seed: int
+) -> list[BenchRequest]:
     """n requests from a JSONL file's "prompt" fields (seeded order, repeated when it has fewer
     lines); a prompt keeps its own length, cut to inputs.high tokens; a line's optional
     "output_len" overrides the drawn output length."""
@@ -151,21 +170,23 @@ def jsonl_requests(path: str | Path, tokenizer, n: int, inputs: LengthDist, outp
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not JSON ({e.msg}); one JSON object per line") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise ValueError(f"{path}:{i}: needs a non-empty string field \"prompt\"")
+            raise ValueError(f'{path}:{i}: needs a non-empty string field "prompt"')
         out_len = row.get("output_len", 1)
         if isinstance(out_len, bool) or not isinstance(out_len, int) or out_len < 1:
-            raise ValueError(f"{path}:{i}: \"output_len\" must be a positive integer (output "
-                             f"tokens), got {out_len!r}")
+            raise ValueError(
+                f'{path}:{i}: "output_len" must be a positive integer (output '
+                f"tokens), got {out_len!r}"
+            )
         rows.append(row)
     if not rows:
-        raise ValueError(f"{path}: no prompts; give one JSON object with a \"prompt\" per line")
+        raise ValueError(f'{path}: no prompts; give one JSON object with a "prompt" per line')
     order = pick_rng.permutation(len(rows))
     chosen = [rows[order[i % len(rows)]] for i in range(n)]
     encoded = _encode(tokenizer, [r["prompt"] for r in chosen])
     reqs = []
     for row, ids, out_len in zip(chosen, encoded, out_lens):
-        text = row["prompt"] if len(ids) <= inputs.high else tokenizer.decode(ids[:inputs.high])
-        reqs.append(BenchRequest(ids[:inputs.high], text, int(row.get("output_len", out_len))))
+        text = row["prompt"] if len(ids) <= inputs.high else tokenizer.decode(ids[: inputs.high])
+        reqs.append(BenchRequest(ids[: inputs.high], text, int(row.get("output_len", out_len))))
     return reqs
 
 
@@ -206,13 +227,20 @@ def latency_stats(values_s: list[float]) -> dict[str, float] | None:
     if not values_s:
         return None
     ms = np.asarray(values_s, dtype=np.float64) * 1e3
-    return {name: float(ms.mean() if q is None else np.percentile(ms, q)) for name, q in PERCENTILES}
+    return {
+        name: float(ms.mean() if q is None else np.percentile(ms, q)) for name, q in PERCENTILES
+    }
 
 
 def length_stats(values: list[int]) -> dict[str, float]:
     a = np.asarray(values, dtype=np.float64)
-    return {"mean": float(a.mean()), "median": float(np.median(a)), "min": int(a.min()),
-            "max": int(a.max()), "total": int(a.sum())}
+    return {
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "min": int(a.min()),
+        "max": int(a.max()),
+        "total": int(a.sum()),
+    }
 
 
 def meets_slo(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
@@ -222,8 +250,12 @@ def meets_slo(r: RequestResult, slo_ttft_ms: float | None, slo_tpot_ms: float | 
     return slo_tpot_ms is None or tpot is None or tpot * 1e3 <= slo_tpot_ms
 
 
-def compute_metrics(results: list[RequestResult], duration_s: float,
-                    slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
+def compute_metrics(
+    results: list[RequestResult],
+    duration_s: float,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> dict:
     """Run totals and latency statistics over the successful requests (failed ones are counted
     and their first distinct messages kept). Goodput is None unless an SLO is given."""
     ok = [r for r in results if r.success]
@@ -257,8 +289,15 @@ def compute_metrics(results: list[RequestResult], duration_s: float,
     }
 
 
-def hf_baseline(requests: list[BenchRequest], model_path: str, batch_size: int, device: str,
-                progress: bool = True, verify: str = "strict", dtype=None) -> dict:
+def hf_baseline(
+    requests: list[BenchRequest],
+    model_path: str,
+    batch_size: int,
+    device: str,
+    progress: bool = True,
+    verify: str = "strict",
+    dtype=None,
+) -> dict:
     """transformers `generate` over static batches in request order, every row to the batch's
     longest requested output, computing in `dtype` (fp32 when None); only the requested tokens
     count as output."""
@@ -277,15 +316,22 @@ def hf_baseline(requests: list[BenchRequest], model_path: str, batch_size: int, 
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, r in enumerate(batch):  # left padding: every row's last prompt token aligned
-            ids[i, width - r.prompt_len:] = torch.tensor(r.prompt_ids)
-            mask[i, width - r.prompt_len:] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             max_new_tokens=new, min_new_tokens=new,  # min = max: EOS masked out
-                             do_sample=False, temperature=None, top_p=None, top_k=None,
-                             pad_token_id=pad)
+            ids[i, width - r.prompt_len :] = torch.tensor(r.prompt_ids)
+            mask[i, width - r.prompt_len :] = 1
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=new,
+            min_new_tokens=new,  # min = max: EOS masked out
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
         return out.shape[1] - width
 
-    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     ends: list[float] = []  # per request: its batch's finish time, s after the start
     useful = generated = 0
     with torch.inference_mode():
@@ -298,11 +344,18 @@ def hf_baseline(requests: list[BenchRequest], model_path: str, batch_size: int, 
             ends += [time.perf_counter() - t0] * len(batch)
         duration = time.perf_counter() - t0
     total_in = sum(r.prompt_len for r in requests)
-    return {"batch_size": batch_size, "device": device, "dtype": str(dtype).removeprefix("torch."),
-            "completed": len(requests), "failed": 0,
-            "duration_s": duration, "total_output_tokens": useful,
-            "generated_tokens": generated,  # including rows run past their request (waste)
-            "padding_waste": 1 - useful / max(generated, 1),
-            "request_throughput": len(requests) / duration, "output_throughput": useful / duration,
-            "total_token_throughput": (total_in + useful) / duration,
-            "e2e_ms": latency_stats(ends)}  # all requests arriving at t=0
+    return {
+        "batch_size": batch_size,
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "completed": len(requests),
+        "failed": 0,
+        "duration_s": duration,
+        "total_output_tokens": useful,
+        "generated_tokens": generated,  # including rows run past their request (waste)
+        "padding_waste": 1 - useful / max(generated, 1),
+        "request_throughput": len(requests) / duration,
+        "output_throughput": useful / duration,
+        "total_token_throughput": (total_in + useful) / duration,
+        "e2e_ms": latency_stats(ends),
+    }  # all requests arriving at t=0

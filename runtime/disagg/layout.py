@@ -19,11 +19,18 @@ import torch
 from slimserve.runtime.disagg.errors import KVLayoutError
 
 # field -> the flag that sets it on `runtime serve` (how the user fixes a mismatch)
-FIXES = {"kv_dtype": "--kv-cache-dtype (and --dtype)", "block_size": "--block-size",
-         "skip_layers": "--kv-cache-dtype-skip-layers (or the same artifact)", "skip_dtype": "--dtype",
-         "num_kv_heads": "the same model", "head_dim": "the same model",
-         "num_layers": "the same model (and no pipeline split)", "vocab_size": "the same model",
-         "hidden_size": "the same model", "num_heads": "the same model"}
+FIXES = {
+    "kv_dtype": "--kv-cache-dtype (and --dtype)",
+    "block_size": "--block-size",
+    "skip_layers": "--kv-cache-dtype-skip-layers (or the same artifact)",
+    "skip_dtype": "--dtype",
+    "num_kv_heads": "the same model",
+    "head_dim": "the same model",
+    "num_layers": "the same model (and no pipeline split)",
+    "vocab_size": "the same model",
+    "hidden_size": "the same model",
+    "num_heads": "the same model",
+}
 
 
 @dataclass(frozen=True)
@@ -39,8 +46,9 @@ class KVLayout:
     skip_layers: str = ""  # "1,16": layers cached in skip_dtype instead of kv_dtype ("" : none)
     skip_dtype: str = ""  # torch dtype name of those layers' cache
     # per layer: (k_scale, v_scale) as fp32 CPU tensors of any shape; None: the cache is unscaled
-    scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = field(default=None,
-                                                                          compare=False)
+    scales: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = field(
+        default=None, compare=False
+    )
 
     def layer_dtype(self, layer: int) -> torch.dtype:
         """The cache dtype of one layer."""
@@ -57,40 +65,52 @@ class KVLayout:
         d.pop("scales")
         return d
 
-    def check_matches(self, remote: "KVLayout", remote_name: str = "the prefill replica") -> None:
+    def check_matches(self, remote: KVLayout, remote_name: str = "the prefill replica") -> None:
         """KVLayoutError naming the first field (or scale) that differs between `remote` and us."""
         mine, theirs = self.fields(), remote.fields()
         for key, value in mine.items():
             if theirs.get(key) != value:
-                raise KVLayoutError(f"KV layout mismatch: {key} is {theirs.get(key)!r} on "
-                                    f"{remote_name} but {value!r} here; start both with "
-                                    f"{FIXES.get(key, 'the same settings')}")
+                raise KVLayoutError(
+                    f"KV layout mismatch: {key} is {theirs.get(key)!r} on "
+                    f"{remote_name} but {value!r} here; start both with "
+                    f"{FIXES.get(key, 'the same settings')}"
+                )
         if (self.scales is None) != (remote.scales is None):
-            raise KVLayoutError(f"KV layout mismatch: {remote_name} "
-                                f"{'has no' if remote.scales is None else 'has'} FP8 k/v scales, "
-                                f"this replica {'has' if remote.scales is None else 'has none'}; "
-                                "serve the same artifact with the same --kv-cache-dtype")
+            raise KVLayoutError(
+                f"KV layout mismatch: {remote_name} "
+                f"{'has no' if remote.scales is None else 'has'} FP8 k/v scales, "
+                f"this replica {'has' if remote.scales is None else 'has none'}; "
+                "serve the same artifact with the same --kv-cache-dtype"
+            )
         if self.scales is None:
             return
         for i, (here, there) in enumerate(zip(self.scales, remote.scales)):  # type: ignore[arg-type]
             for name, a, b in (("k_scale", here[0], there[0]), ("v_scale", here[1], there[1])):
                 if a.shape != b.shape:
-                    raise KVLayoutError(f"KV layout mismatch: layer {i} {name} has shape "
-                                        f"{list(b.shape)} on {remote_name} but {list(a.shape)} "
-                                        "here; serve the same artifact on both")
+                    raise KVLayoutError(
+                        f"KV layout mismatch: layer {i} {name} has shape "
+                        f"{list(b.shape)} on {remote_name} but {list(a.shape)} "
+                        "here; serve the same artifact on both"
+                    )
                 if not torch.equal(a, b):
-                    raise KVLayoutError(f"KV layout mismatch: layer {i} {name} differs "
-                                        f"({b.flatten()[:4].tolist()} on {remote_name}, "
-                                        f"{a.flatten()[:4].tolist()} here): fp8 K/V would be "
-                                        "rescaled wrongly; serve the same artifact on both")
+                    raise KVLayoutError(
+                        f"KV layout mismatch: layer {i} {name} differs "
+                        f"({b.flatten()[:4].tolist()} on {remote_name}, "
+                        f"{a.flatten()[:4].tolist()} here): fp8 K/V would be "
+                        "rescaled wrongly; serve the same artifact on both"
+                    )
 
 
 def _scales_of(model: torch.nn.Module) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     out = []
     for layer in model.model.layers:
         attn = layer.self_attn
-        out.append((attn.k_scale.detach().float().cpu().clone(),
-                    attn.v_scale.detach().float().cpu().clone()))
+        out.append(
+            (
+                attn.k_scale.detach().float().cpu().clone(),
+                attn.v_scale.detach().float().cpu().clone(),
+            )
+        )
     return tuple(out)
 
 
@@ -100,7 +120,16 @@ def layout_of(runner: Any) -> KVLayout:
     fp8 = runner.kv_dtype.itemsize == 1
     skipped = [i for i, dt in enumerate(runner.kv_dtypes) if dt != runner.kv_dtype]
     skip_dtype = str(runner.kv_dtypes[skipped[0]]).removeprefix("torch.") if skipped else ""
-    return KVLayout(str(runner.kv_dtype).removeprefix("torch."), runner.block_size,
-                    runner.kv_heads, spec.head_dim, len(runner.kv_caches), spec.vocab_size,
-                    spec.hidden_size, spec.num_heads, ",".join(map(str, skipped)), skip_dtype,
-                    _scales_of(runner.model) if fp8 else None)
+    return KVLayout(
+        str(runner.kv_dtype).removeprefix("torch."),
+        runner.block_size,
+        runner.kv_heads,
+        spec.head_dim,
+        len(runner.kv_caches),
+        spec.vocab_size,
+        spec.hidden_size,
+        spec.num_heads,
+        ",".join(map(str, skipped)),
+        skip_dtype,
+        _scales_of(runner.model) if fp8 else None,
+    )

@@ -26,8 +26,10 @@ MAX_SEGMENTS = 128  # names one header may carry (n is capped far lower by the s
 
 def parse_kv_header(value: str, n: int) -> list[str]:
     """The segment names of an X-Slimserve-KV header, one per choice."""
-    names = [v.strip() for v in value.split(",") if v.strip()][:MAX_SEGMENTS + 1]
+    names = [v.strip() for v in value.split(",") if v.strip()][: MAX_SEGMENTS + 1]
     if len(names) != n:
-        raise KVHandleError(f"{KV_HEADER}: {len(names)} segment(s) for n={n} choices; send one "
-                            "per choice, as the prefill replica returned them")
+        raise KVHandleError(
+            f"{KV_HEADER}: {len(names)} segment(s) for n={n} choices; send one "
+            "per choice, as the prefill replica returned them"
+        )
     return [check_name(name) for name in names]

@@ -74,8 +74,10 @@ def new_name() -> str:
 
 def check_name(name: Any) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise KVHandleError(f"KV handle: segment {str(name)[:80]!r} is not a slimserve KV segment "
-                            "name; send the handle a slimserve prefill replica returned")
+        raise KVHandleError(
+            f"KV handle: segment {str(name)[:80]!r} is not a slimserve KV segment "
+            "name; send the handle a slimserve prefill replica returned"
+        )
     return name
 
 
@@ -91,16 +93,27 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def write_segment(name: str, header: dict[str, Any], tensors: list[tuple[str, torch.Tensor]],
-                  directory: Path | None = None) -> int:
+def write_segment(
+    name: str,
+    header: dict[str, Any],
+    tensors: list[tuple[str, torch.Tensor]],
+    directory: Path | None = None,
+) -> int:
     """Write a segment (atomically: `.part`, then rename); returns its size in bytes."""
     directory = directory or segment_dir()
     entries, offset = [], 0
     raws = []
     for tname, t in tensors:
         raw = _raw(t)
-        entries.append({"name": tname, "dtype": str(t.dtype).removeprefix("torch."),
-                        "shape": list(t.shape), "offset": offset, "nbytes": raw.numel()})
+        entries.append(
+            {
+                "name": tname,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": offset,
+                "nbytes": raw.numel(),
+            }
+        )
         raws.append(raw)
         offset = _pad(offset + raw.numel())
     head = json.dumps({**header, "tensors": entries}).encode()
@@ -141,11 +154,12 @@ def open_segment(name: str, directory: Path | None = None) -> tuple[BinaryIO, in
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
-        raise KVSegmentMissing(f"KV segment {name} does not exist: it was imported already, "
-                               f"expired (segments live {SEGMENT_TTL_S:g} s), or was written on "
-                               "another host (shared memory needs both replicas on one host; "
-                               "through the router, replicas on other hosts get it over HTTP)"
-                               ) from None
+        raise KVSegmentMissing(
+            f"KV segment {name} does not exist: it was imported already, "
+            f"expired (segments live {SEGMENT_TTL_S:g} s), or was written on "
+            "another host (shared memory needs both replicas on one host; "
+            "through the router, replicas on other hosts get it over HTTP)"
+        ) from None
     try:
         os.unlink(path)
         return os.fdopen(fd, "rb", buffering=0), os.fstat(fd).st_size
@@ -154,22 +168,25 @@ def open_segment(name: str, directory: Path | None = None) -> tuple[BinaryIO, in
         raise
 
 
-def read_segment(name: str, directory: Path | None = None
-                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def read_segment(
+    name: str, directory: Path | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(header, tensors by name) of a segment, which is unlinked once read (whatever follows)."""
     f, size = open_segment(name, directory)
     with f:
         data = torch.empty(size, dtype=torch.uint8)
         got = f.readinto(data.numpy().data)
-    if got != size or size < len(MAGIC) + 8 or bytes(data[:len(MAGIC)].tolist()) != MAGIC:
-        raise KVHandleError(f"KV segment {name} is not a slimserve KV segment (bad magic or "
-                            "truncated); was it written by another version?")
-    (hlen,) = struct.unpack("<Q", bytes(data[len(MAGIC):len(MAGIC) + 8].tolist()))
+    if got != size or size < len(MAGIC) + 8 or bytes(data[: len(MAGIC)].tolist()) != MAGIC:
+        raise KVHandleError(
+            f"KV segment {name} is not a slimserve KV segment (bad magic or "
+            "truncated); was it written by another version?"
+        )
+    (hlen,) = struct.unpack("<Q", bytes(data[len(MAGIC) : len(MAGIC) + 8].tolist()))
     start = _pad(len(MAGIC) + 8 + hlen)
     if hlen > MAX_HEADER_BYTES or start > size:
         raise KVHandleError(f"KV segment {name}: header of {hlen} bytes does not fit the segment")
     try:
-        header = json.loads(bytes(data[len(MAGIC) + 8:len(MAGIC) + 8 + hlen].numpy()))
+        header = json.loads(bytes(data[len(MAGIC) + 8 : len(MAGIC) + 8 + hlen].numpy()))
         tensors = {}
         for e in header["tensors"]:
             lo, n = start + int(e["offset"]), int(e["nbytes"])
@@ -178,16 +195,20 @@ def read_segment(name: str, directory: Path | None = None
             dtype = getattr(torch, e["dtype"])
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"unknown dtype {e['dtype']}")
-            tensors[e["name"]] = data[lo:lo + n].view(dtype).reshape(e["shape"])
+            tensors[e["name"]] = data[lo : lo + n].view(dtype).reshape(e["shape"])
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
         raise KVHandleError(f"KV segment {name} is malformed: {e}") from None
     return header, tensors
 
 
-async def receive_segment(chunks: AsyncIterable[bytes], limit: int,
-                          registry: "SegmentRegistry | None" = None,
-                          directory: Path | None = None, max_count: int | None = None,
-                          max_bytes: int | None = None) -> str:
+async def receive_segment(
+    chunks: AsyncIterable[bytes],
+    limit: int,
+    registry: SegmentRegistry | None = None,
+    directory: Path | None = None,
+    max_count: int | None = None,
+    max_bytes: int | None = None,
+) -> str:
     """Store a segment sent over HTTP under a new name of ours (`.part`, then renamed); refused
     (KVHandleError) past `limit` bytes or without the segment magic. Registered in `registry`, it
     expires like one this process wrote; with a registry, KVStoreFull when the registry already
@@ -205,15 +226,19 @@ async def receive_segment(chunks: AsyncIterable[bytes], limit: int,
             async for chunk in chunks:
                 size += len(chunk)
                 if size > limit:
-                    raise KVHandleError(f"KV segment upload: more than {limit} bytes, the most a "
-                                        "prompt of this server's context can hold")
+                    raise KVHandleError(
+                        f"KV segment upload: more than {limit} bytes, the most a "
+                        "prompt of this server's context can hold"
+                    )
                 if registry is not None:
                     registry.grow_upload(upload, len(chunk), max_bytes)
                 if len(head) < len(MAGIC):
-                    head += chunk[:len(MAGIC)]
-                    if head[:len(MAGIC)] != MAGIC[:len(head)]:
-                        raise KVHandleError("KV segment upload: not a slimserve KV segment (bad "
-                                            "magic); send what GET /kv_segments/NAME returned")
+                    head += chunk[: len(MAGIC)]
+                    if head[: len(MAGIC)] != MAGIC[: len(head)]:
+                        raise KVHandleError(
+                            "KV segment upload: not a slimserve KV segment (bad "
+                            "magic); send what GET /kv_segments/NAME returned"
+                        )
                 f.write(chunk)
             if len(head) < len(MAGIC):
                 raise KVHandleError("KV segment upload: empty or truncated body")
@@ -277,8 +302,10 @@ class SegmentRegistry:
     def usage(self) -> tuple[int, int]:
         """(segments held plus uploads in progress, their bytes so far)."""
         with self._lock:
-            return (len(self._written) + self._uploads,
-                    sum(self._sizes.values()) + sum(self._incoming.values()))
+            return (
+                len(self._written) + self._uploads,
+                sum(self._sizes.values()) + sum(self._incoming.values()),
+            )
 
     def begin_upload(self, max_count: int | None) -> int:
         """Count one more upload in progress (returns its ticket); KVStoreFull when `max_count`
@@ -286,8 +313,10 @@ class SegmentRegistry:
         with self._lock:
             held = len(self._written) + self._uploads
             if max_count is not None and held >= max_count:
-                raise KVStoreFull(f"KV segment upload: this server holds {held} KV segments, its "
-                                  f"limit (--kv-segments-max {max_count}); retry shortly")
+                raise KVStoreFull(
+                    f"KV segment upload: this server holds {held} KV segments, its "
+                    f"limit (--kv-segments-max {max_count}); retry shortly"
+                )
             self._uploads += 1
             ticket = next(self._tickets)
             self._incoming[ticket] = 0
@@ -298,8 +327,10 @@ class SegmentRegistry:
         with self._lock:
             total = sum(self._sizes.values()) + sum(self._incoming.values()) + nbytes
             if max_bytes is not None and total > max_bytes:
-                raise KVStoreFull(f"KV segment upload: this server's KV segments would exceed "
-                                  f"{max_bytes} bytes (--kv-segments-max-bytes); retry shortly")
+                raise KVStoreFull(
+                    f"KV segment upload: this server's KV segments would exceed "
+                    f"{max_bytes} bytes (--kv-segments-max-bytes); retry shortly"
+                )
             self._incoming[ticket] += nbytes
 
     def end_upload(self, ticket: int, name: str | None) -> None:

@@ -53,15 +53,24 @@ def _decode_logprob(obj: Any) -> Logprob | None:
     return float(obj[0]), {int(t): float(p) for t, p in obj[1]}
 
 
-def export_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout,
-                  block_table: list[int], num_tokens: int, prompt_token_ids: list[int],
-                  first_token: int, first_logprob: Logprob | None, name: str,
-                  registry: SegmentRegistry | None = None) -> int:
+def export_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    layout: KVLayout,
+    block_table: list[int],
+    num_tokens: int,
+    prompt_token_ids: list[int],
+    first_token: int,
+    first_logprob: Logprob | None,
+    name: str,
+    registry: SegmentRegistry | None = None,
+) -> int:
     """Write the K/V of the first `num_tokens` tokens' blocks into segment `name`; returns bytes."""
     nb = -(-num_tokens // layout.block_size)
     if nb > len(block_table):
-        raise RuntimeError(f"exporting {num_tokens} tokens needs {nb} blocks; the sequence holds "
-                           f"{len(block_table)}")
+        raise RuntimeError(
+            f"exporting {num_tokens} tokens needs {nb} blocks; the sequence holds "
+            f"{len(block_table)}"
+        )
     idx = torch.tensor(block_table[:nb], dtype=torch.long, device=kv_caches[0][0].device)
     tensors: list[tuple[str, torch.Tensor]] = []
     for i, (k, v) in enumerate(kv_caches):
@@ -69,9 +78,15 @@ def export_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], layout: KV
         tensors.append((f"v{i}", v.view(torch.uint8).index_select(0, idx)))
     for i, (ks, vs) in enumerate(layout.scales or ()):
         tensors += [(f"k_scale{i}", ks), (f"v_scale{i}", vs)]
-    header = {"layout": layout.fields(), "has_scales": layout.scales is not None,
-              "num_tokens": num_tokens, "num_blocks": nb, "prompt_token_ids": list(prompt_token_ids),
-              "first_token": int(first_token), "first_logprob": _encode_logprob(first_logprob)}
+    header = {
+        "layout": layout.fields(),
+        "has_scales": layout.scales is not None,
+        "num_tokens": num_tokens,
+        "num_blocks": nb,
+        "prompt_token_ids": list(prompt_token_ids),
+        "first_token": int(first_token),
+        "first_logprob": _encode_logprob(first_logprob),
+    }
     size = write_segment(name, header, tensors)
     if registry is not None:
         registry.add(name, size)
@@ -85,37 +100,51 @@ def load_import(name: str, layout: KVLayout, prompt_token_ids: list[int]) -> Imp
         fields = header["layout"]
         scales = None
         if header.get("has_scales"):
-            scales = tuple((tensors[f"k_scale{i}"].clone(), tensors[f"v_scale{i}"].clone())
-                           for i in range(int(fields["num_layers"])))
+            scales = tuple(
+                (tensors[f"k_scale{i}"].clone(), tensors[f"v_scale{i}"].clone())
+                for i in range(int(fields["num_layers"]))
+            )
         remote = KVLayout(**fields, scales=scales)
         num_tokens, nb = int(header["num_tokens"]), int(header["num_blocks"])
         ids = [int(t) for t in header["prompt_token_ids"]]
         first = int(header["first_token"])
         first_lp = _decode_logprob(header.get("first_logprob"))
     except (KeyError, TypeError, ValueError) as e:
-        raise KVHandleError(f"KV segment {name}: header field {e} is missing or malformed") from None
+        raise KVHandleError(
+            f"KV segment {name}: header field {e} is missing or malformed"
+        ) from None
     layout.check_matches(remote)
     if ids != list(prompt_token_ids):
-        raise KVLayoutError(f"KV segment {name} holds a prompt of {len(ids)} tokens that is not "
-                            f"this request's ({len(prompt_token_ids)} tokens); both replicas must "
-                            "serve the same model and tokenizer")
+        raise KVLayoutError(
+            f"KV segment {name} holds a prompt of {len(ids)} tokens that is not "
+            f"this request's ({len(prompt_token_ids)} tokens); both replicas must "
+            "serve the same model and tokenizer"
+        )
     if num_tokens != len(ids) or nb != -(-num_tokens // layout.block_size):
         raise KVHandleError(f"KV segment {name}: {num_tokens} tokens in {nb} blocks do not add up")
     keys, values = [], []
     for i in range(layout.num_layers):
-        shape = [nb, layout.block_size, layout.num_kv_heads, layout.head_dim * layout.layer_dtype(i).itemsize]
+        shape = [
+            nb,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim * layout.layer_dtype(i).itemsize,
+        ]
         k, v = tensors.get(f"k{i}"), tensors.get(f"v{i}")
         for t, what in ((k, "k"), (v, "v")):
             if t is None or t.dtype != torch.uint8 or list(t.shape) != shape:
-                raise KVHandleError(f"KV segment {name}: layer {i} {what} blocks have shape "
-                                    f"{None if t is None else list(t.shape)}, expected {shape}")
+                raise KVHandleError(
+                    f"KV segment {name}: layer {i} {what} blocks have shape "
+                    f"{None if t is None else list(t.shape)}, expected {shape}"
+                )
         keys.append(k)
         values.append(v)
     return ImportedKV(name, num_tokens, first, first_lp, keys, values)
 
 
-def scatter(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], imported: ImportedKV,
-            block_ids: list[int]) -> None:
+def scatter(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], imported: ImportedKV, block_ids: list[int]
+) -> None:
     """Copy the imported blocks into our cache at `block_ids` (one per imported block)."""
     assert len(block_ids) == imported.num_blocks, (len(block_ids), imported.num_blocks)
     device = kv_caches[0][0].device

@@ -49,9 +49,16 @@ def create_store(world: int, bind: str = "127.0.0.1") -> dist.TCPStore:
         raise
     fd = sock.detach()  # torch's server owns it from here (and closes it)
     try:
-        return dist.TCPStore(bind, port, world, True,
-                             timeout=datetime.timedelta(seconds=timeout_s()),
-                             wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
+        return dist.TCPStore(
+            bind,
+            port,
+            world,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s()),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
     except BaseException:
         os.close(fd)
         raise
@@ -61,8 +68,16 @@ class TPGroup:
     """Rank `rank` of `world`; `device` is where its tensors and collectives live. host: where
     rank 0's store listens (workers); bind: the address this rank's gloo sockets listen on."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, store: dist.TCPStore | None = None,
-                 port: int | None = None, host: str = "127.0.0.1", bind: str = "127.0.0.1"):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        device: torch.device,
+        store: dist.TCPStore | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        bind: str = "127.0.0.1",
+    ):
         self.rank, self.world, self.device = rank, world, device
         timeout = datetime.timedelta(seconds=timeout_s())
         if store is None:

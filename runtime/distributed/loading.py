@@ -40,9 +40,19 @@ class TensorShard:
         for name, groups in self._reader.full_groups.items():
             old = model.get_submodule(name)
             if isinstance(old, QuantLinear):
-                model.set_submodule(name, QuantLinear(
-                    old.in_features, old.out_features, old.bias is not None, old.scheme, old.ct_format,
-                    dtype=old.weight_scale.dtype, device=old.weight_scale.device, num_groups=groups))
+                model.set_submodule(
+                    name,
+                    QuantLinear(
+                        old.in_features,
+                        old.out_features,
+                        old.bias is not None,
+                        old.scheme,
+                        old.ct_format,
+                        dtype=old.weight_scale.dtype,
+                        device=old.weight_scale.device,
+                        num_groups=groups,
+                    ),
+                )
 
     def parallelize(self, model: nn.Module) -> None:
         start, stop, _ = self._ranges.vocab()

@@ -35,8 +35,10 @@ MICRO_BATCHES = 2
 def stage_layers(num_layers: int, stages: int) -> list[range]:
     """Contiguous layer ranges, the first `num_layers % stages` stages one layer longer."""
     if stages > num_layers:
-        raise ValueError(f"pipeline_parallel_size: {stages} stages for {num_layers} layers; "
-                         f"use at most {num_layers}")
+        raise ValueError(
+            f"pipeline_parallel_size: {stages} stages for {num_layers} layers; "
+            f"use at most {num_layers}"
+        )
     base, extra = divmod(num_layers, stages)
     out, start = [], 0
     for s in range(stages):
@@ -64,14 +66,16 @@ class StageShard:
 
     def _local_name(self, name: str) -> str | None:
         if name.startswith("model.layers."):
-            idx, _, rest = name[len("model.layers."):].partition(".")
+            idx, _, rest = name[len("model.layers.") :].partition(".")
             i = int(idx)
             return f"model.layers.{i - self.layers.start}.{rest}" if i in self.layers else None
         if name.startswith("model.embed_tokens."):
             if self.first:
                 return name
-            if self.last and self.spec.tie_word_embeddings:  # the last stage's lm_head is the tied embedding
-                return "lm_head." + name[len("model.embed_tokens."):]
+            if (
+                self.last and self.spec.tie_word_embeddings
+            ):  # the last stage's lm_head is the tied embedding
+                return "lm_head." + name[len("model.embed_tokens.") :]
             return None
         if name.startswith(("model.norm.", "lm_head.")):
             return name if self.last else None
@@ -117,10 +121,20 @@ def split_batch(batch: BatchInputs, parts: int = MICRO_BATCHES) -> list[BatchInp
         mine = li[(li >= t0) & (li < t1)] - t0
         q_lens = [cu[i + 1] - cu[i] for i in range(b0, b1)]
         ctx = batch.context_lens[b0:b1]
-        out.append(BatchInputs(
-            batch.input_ids[t0:t1], batch.positions[t0:t1], batch.slot_mapping[t0:t1],
-            batch.block_tables[b0:b1], batch.cu_seqlens_q[b0:b1 + 1] - t0, ctx, mine,
-            max(q_lens), int(ctx.max()), all(q == 1 for q in q_lens)))
+        out.append(
+            BatchInputs(
+                batch.input_ids[t0:t1],
+                batch.positions[t0:t1],
+                batch.slot_mapping[t0:t1],
+                batch.block_tables[b0:b1],
+                batch.cu_seqlens_q[b0 : b1 + 1] - t0,
+                ctx,
+                mine,
+                max(q_lens),
+                int(ctx.max()),
+                all(q == 1 for q in q_lens),
+            )
+        )
     return out
 
 
@@ -140,8 +154,15 @@ def run_stage(model, batch: BatchInputs, kv_caches, x=None, residual=None):
 
 
 @torch.inference_mode()
-def pipeline_step(model, batch: BatchInputs, kv_caches, group: TPGroup, dtype: torch.dtype,
-                  vocab: int, tp: int = 1) -> torch.Tensor | None:
+def pipeline_step(
+    model,
+    batch: BatchInputs,
+    kv_caches,
+    group: TPGroup,
+    dtype: torch.dtype,
+    vocab: int,
+    tp: int = 1,
+) -> torch.Tensor | None:
     """One step on this rank: global rank 0 returns the logits [S, vocab]; the others None.
     `group`: all ranks, rank = stage * tp + tensor rank; each tensor rank exchanges activations
     with the same tensor rank of the neighbouring stages (every rank of a stage holds the whole
@@ -165,15 +186,25 @@ def pipeline_step(model, batch: BatchInputs, kv_caches, group: TPGroup, dtype: t
         for i, mb in enumerate(mbs):
             s = mb.logits_indices.numel()
             if s:
-                logits.append(group.recv(torch.empty(s, vocab, dtype=torch.float32,
-                                                     device=batch.input_ids.device), (stages - 1) * tp, tag=i))
+                logits.append(
+                    group.recv(
+                        torch.empty(s, vocab, dtype=torch.float32, device=batch.input_ids.device),
+                        (stages - 1) * tp,
+                        tag=i,
+                    )
+                )
         for w in sends:
             group.wait(w)
         return torch.cat(logits) if logits else torch.empty(0, vocab, device=batch.input_ids.device)
     sends = []
     for i, mb in enumerate(mbs):
-        buf = group.recv(torch.empty(2, mb.input_ids.numel(), hidden, dtype=dtype,
-                                     device=batch.input_ids.device), prev, tag=i)
+        buf = group.recv(
+            torch.empty(
+                2, mb.input_ids.numel(), hidden, dtype=dtype, device=batch.input_ids.device
+            ),
+            prev,
+            tag=i,
+        )
         out = run_stage(model, mb, kv_caches, buf[0], buf[1])
         if stage == stages - 1:
             if t == 0 and out.numel():

@@ -44,12 +44,24 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 # each dimension of a tensor follows the Linear's output (N) or input (K) features
 LAYOUTS = {
-    "weight": "NK", "bias": "N",  # dense, and CT naive/int-quantized int8 codes [N, K]
-    "weight_packed": "NK", "weight_scale": "NK", "weight_zero_point": "NK", "weight_g_idx": "K",  # CT
-    "qweight": "KN", "qzeros": "KN", "scales": "KN", "g_idx": "K",  # GPTQ [K*b/32, N], AWQ [K, N/8]
+    "weight": "NK",
+    "bias": "N",  # dense, and CT naive/int-quantized int8 codes [N, K]
+    "weight_packed": "NK",
+    "weight_scale": "NK",
+    "weight_zero_point": "NK",
+    "weight_g_idx": "K",  # CT
+    "qweight": "KN",
+    "qzeros": "KN",
+    "scales": "KN",
+    "g_idx": "K",  # GPTQ [K*b/32, N], AWQ [K, N/8]
 }
 G_IDX = ("weight_g_idx", "g_idx")
-GROUPED = ("weight_scale", "weight_zero_point", "qzeros", "scales")  # their K dimension counts groups
+GROUPED = (
+    "weight_scale",
+    "weight_zero_point",
+    "qzeros",
+    "scales",
+)  # their K dimension counts groups
 
 
 def _fail(msg: str) -> None:
@@ -63,8 +75,12 @@ def local_kv_heads(spec: ModelSpec, world: int) -> int:
 def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
     """The shapes one rank's model has (hidden size, layers and RoPE are unchanged)."""
     return dataclasses.replace(
-        spec, num_heads=spec.num_heads // world, num_kv_heads=local_kv_heads(spec, world),
-        intermediate_size=spec.intermediate_size // world, vocab_size=-(-spec.vocab_size // world))
+        spec,
+        num_heads=spec.num_heads // world,
+        num_kv_heads=local_kv_heads(spec, world),
+        intermediate_size=spec.intermediate_size // world,
+        vocab_size=-(-spec.vocab_size // world),
+    )
 
 
 def _quant_args(qc: dict | None) -> list[tuple[int, int | None, bool, bool]]:
@@ -78,7 +94,14 @@ def _quant_args(qc: dict | None) -> list[tuple[int, int | None, bool, bool]]:
         out = []
         for p in [qc, *(o for o in (qc.get("dynamic") or {}).values() if isinstance(o, dict))]:
             g = p.get("group_size", qc.get("group_size", 128))
-            out.append((int(p.get("bits", qc.get("bits", 4))), None if g in (None, -1) else int(g), True, True))
+            out.append(
+                (
+                    int(p.get("bits", qc.get("bits", 4))),
+                    None if g in (None, -1) else int(g),
+                    True,
+                    True,
+                )
+            )
         return out
     if method == "awq":
         g = qc.get("group_size", qc.get("q_group_size", 128))
@@ -102,36 +125,60 @@ def check_tensor_parallel(spec: ModelSpec, world: int, qc: dict | None) -> None:
     if h % world:
         _fail(f"{world} does not divide num_attention_heads {h}; use a divisor of {h}")
     if kv % world and world % kv:
-        _fail(f"{world} splits the {kv} KV heads unevenly (num_key_value_heads {kv} and "
-              f"{world} must divide one another)")
+        _fail(
+            f"{world} splits the {kv} KV heads unevenly (num_key_value_heads {kv} and "
+            f"{world} must divide one another)"
+        )
     if spec.intermediate_size % world:
         _fail(f"{world} does not divide intermediate_size {spec.intermediate_size}")
-    row = {"o_proj (num_attention_heads x head_dim)": h * d, "down_proj (intermediate_size)": spec.intermediate_size}
-    col = {"q_proj": h // world * d, "k_proj/v_proj": local_kv_heads(spec, world) * d,
-           "gate_proj/up_proj": spec.intermediate_size // world}
+    row = {
+        "o_proj (num_attention_heads x head_dim)": h * d,
+        "down_proj (intermediate_size)": spec.intermediate_size,
+    }
+    col = {
+        "q_proj": h // world * d,
+        "k_proj/v_proj": local_kv_heads(spec, world) * d,
+        "gate_proj/up_proj": spec.intermediate_size // world,
+    }
     for bits, group, packs_n, packs_k in _quant_args(qc):
         for name, width in row.items():
             if group is not None and (width // world) % group:
-                _fail(f"{world} splits the quantization groups of {name}: {width} / {world} = "
-                      f"{width // world} input columns per rank is not a multiple of group_size "
-                      f"{group}; use a size that keeps whole groups")
+                _fail(
+                    f"{world} splits the quantization groups of {name}: {width} / {world} = "
+                    f"{width // world} input columns per rank is not a multiple of group_size "
+                    f"{group}; use a size that keeps whole groups"
+                )
             if packs_k and (width // world) * bits % 32:
-                _fail(f"{world} splits the packed {bits}-bit words of {name}: {width // world} input "
-                      "columns per rank do not fill whole int32 words")
+                _fail(
+                    f"{world} splits the packed {bits}-bit words of {name}: {width // world} input "
+                    "columns per rank do not fill whole int32 words"
+                )
         for name, width in col.items():
             if packs_n and width * bits % 32:
-                _fail(f"{world} splits the packed {bits}-bit words of {name}: {width} output rows "
-                      "per rank do not fill whole int32 words")
-    if spec.vocab_size % world and _lm_head_quantized(qc):  # a quantized lm_head cannot be zero-padded
+                _fail(
+                    f"{world} splits the packed {bits}-bit words of {name}: {width} output rows "
+                    "per rank do not fill whole int32 words"
+                )
+    if spec.vocab_size % world and _lm_head_quantized(
+        qc
+    ):  # a quantized lm_head cannot be zero-padded
         _fail(f"{world} does not divide vocab_size {spec.vocab_size} of a quantized lm_head")
 
 
 def _lm_head_quantized(qc: dict | None) -> bool:
-    if not qc or qc.get("quant_method") != "compressed-tensors" or "lm_head" in (qc.get("ignore") or []):
+    if (
+        not qc
+        or qc.get("quant_method") != "compressed-tensors"
+        or "lm_head" in (qc.get("ignore") or [])
+    ):
         return False  # GPTQ and AWQ leave lm_head dense
-    targets = [str(t) for g in (qc.get("config_groups") or {}).values() for t in g.get("targets") or []]
-    return any(t in ("Linear", "lm_head") or (t.startswith("re:") and re.match(t[3:], "lm_head"))
-               for t in targets)
+    targets = [
+        str(t) for g in (qc.get("config_groups") or {}).values() for t in g.get("targets") or []
+    ]
+    return any(
+        t in ("Linear", "lm_head") or (t.startswith("re:") and re.match(t[3:], "lm_head"))
+        for t in targets
+    )
 
 
 @dataclasses.dataclass
@@ -151,7 +198,13 @@ class ShardRanges:
     def module(self, leaf: str) -> tuple[str, tuple[int, int], int, int] | None:
         """(split 'N' | 'K', its range, full N, full K) of a decoder Linear; None: replicated."""
         sp, r, w = self.spec, self.rank, self.world
-        h, kv, d, hid, inter = sp.num_heads, sp.num_kv_heads, sp.head_dim, sp.hidden_size, sp.intermediate_size
+        h, kv, d, hid, inter = (
+            sp.num_heads,
+            sp.num_kv_heads,
+            sp.head_dim,
+            sp.hidden_size,
+            sp.intermediate_size,
+        )
         if leaf == "q_proj":
             return "N", (r * h // w * d, (r + 1) * h // w * d), h * d, hid
         if leaf in ("k_proj", "v_proj"):
@@ -174,8 +227,10 @@ class ShardRanges:
 def _proportional(size: int, rng: tuple[int, int], full: int, name: str) -> slice:
     a, b = rng
     if (a * size) % full or (b * size) % full:
-        raise ArtifactError(f"{name}: its dimension of {size} cannot be split at [{a}, {b}) of {full}; "
-                            "the artifact's layout does not match its config.json")
+        raise ArtifactError(
+            f"{name}: its dimension of {size} cannot be split at [{a}, {b}) of {full}; "
+            "the artifact's layout does not match its config.json"
+        )
     return slice(a * size // full, b * size // full)
 
 
@@ -187,10 +242,15 @@ class ShardReader:
         stage's layers, runtime/distributed/pipeline.py); default: every tensor, as named."""
         self.path, self.ranges = path, ranges
         self.rename = rename or (lambda name: name)
-        self.full_groups: dict[str, int] = {}  # act-order row-parallel module (as loaded) -> its group count
+        self.full_groups: dict[
+            str, int
+        ] = {}  # act-order row-parallel module (as loaded) -> its group count
 
     def read(self) -> dict[str, torch.Tensor]:
-        handles = [safe_open(str(self.path / f), framework="pt", device="cpu") for f in weight_files(self.path)]
+        handles = [
+            safe_open(str(self.path / f), framework="pt", device="cpu")
+            for f in weight_files(self.path)
+        ]
         where: dict[str, object] = {}
         for h in handles:
             for name in h.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
@@ -199,7 +259,10 @@ class ShardReader:
                 if self.rename(name) is not None:
                     where[name] = h
         g_idx = self._row_g_idx(where)
-        return {self.rename(name): self._slice(name, h.get_slice(name), g_idx) for name, h in where.items()}
+        return {
+            self.rename(name): self._slice(name, h.get_slice(name), g_idx)
+            for name, h in where.items()
+        }
 
     def _row_g_idx(self, where: dict) -> dict[str, tuple[torch.Tensor, bool]]:
         """Row-parallel module -> (its full g_idx [K], whether it is the default k // group)."""
@@ -211,8 +274,14 @@ class ShardReader:
             raw = h.get_tensor(name)
             g = raw.long()
             scale_name = f"{module}.{'weight_scale' if kind == 'weight_g_idx' else 'scales'}"
-            shape = where[scale_name].get_slice(scale_name).get_shape() if scale_name in where else None
-            groups = (shape[1] if kind == "weight_g_idx" else shape[0]) if shape and len(shape) == 2 else 1
+            shape = (
+                where[scale_name].get_slice(scale_name).get_shape() if scale_name in where else None
+            )
+            groups = (
+                (shape[1] if kind == "weight_g_idx" else shape[0])
+                if shape and len(shape) == 2
+                else 1
+            )
             k = g.numel()
             default = k % groups == 0 and torch.equal(g, torch.arange(k) // (k // groups))
             out[module] = (raw, default)
@@ -225,8 +294,13 @@ class ShardReader:
         module, _, kind = name.rpartition(".")
         leaf = module.rpartition(".")[2]
         shape = sl.get_shape()
-        if module == "model.embed_tokens" or (leaf == "lm_head" and kind == "weight" and len(shape) == 2
-                                              and shape[0] == rg.spec.vocab_size and shape[1] == rg.spec.hidden_size):
+        if module == "model.embed_tokens" or (
+            leaf == "lm_head"
+            and kind == "weight"
+            and len(shape) == 2
+            and shape[0] == rg.spec.vocab_size
+            and shape[1] == rg.spec.hidden_size
+        ):
             start, stop, rows = rg.vocab()
             t = sl[start:stop]
             if t.shape[0] < rows:  # the last shard of a vocabulary N does not divide
@@ -241,18 +315,27 @@ class ShardReader:
             return t if rg.rank == 0 else torch.zeros_like(t)
         if kind in G_IDX and split == "K":
             g, default = g_idx[module]
-            part = g[rng[0]:rng[1]].clone()
+            part = g[rng[0] : rng[1]].clone()
             if default and part.numel():  # rebased to the slice's own groups
                 part -= part[0].clone()
             return part
         if kind == "weight_shape":
-            return torch.tensor([rng[1] - rng[0] if split == "N" else n_full,
-                                 rng[1] - rng[0] if split == "K" else k_full], dtype=torch.int64)
+            return torch.tensor(
+                [
+                    rng[1] - rng[0] if split == "N" else n_full,
+                    rng[1] - rng[0] if split == "K" else k_full,
+                ],
+                dtype=torch.int64,
+            )
         tags = LAYOUTS[kind]
         index = []
         for dim, size in enumerate(shape):
             tag = tags[dim] if dim < len(tags) else "-"
-            if tag != split or size == 1 or (split == "K" and kind in GROUPED and module in self.full_groups):
+            if (
+                tag != split
+                or size == 1
+                or (split == "K" and kind in GROUPED and module in self.full_groups)
+            ):
                 index.append(slice(None))
             else:
                 index.append(_proportional(size, rng, n_full if split == "N" else k_full, name))

@@ -43,8 +43,10 @@ def unseal(secret: bytes, key: str, blob: bytes) -> bytes:
     """The value `seal` stored under `key`; ForgedMessage when the tag does not match."""
     tag, data = blob[:TAG_BYTES], blob[TAG_BYTES:]
     if len(tag) < TAG_BYTES or not hmac.compare_digest(tag, _tag(secret, key, data)):
-        raise ForgedMessage(f"tensor-parallel store: the value under {key!r} is not signed with "
-                            "this run's secret (written by another process on the network?)")
+        raise ForgedMessage(
+            f"tensor-parallel store: the value under {key!r} is not signed with "
+            "this run's secret (written by another process on the network?)"
+        )
     return data
 
 

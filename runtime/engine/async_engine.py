@@ -56,10 +56,14 @@ from typing import Any
 from slimserve.runtime.config import DEFAULT_STEP_WATCHDOG_S, EngineConfig
 from slimserve.runtime.disagg.segment import SegmentRegistry, sweep_orphans
 from slimserve.runtime.disagg.transfer import load_import
-from slimserve.runtime.stats.rank_stats import RankStats
 from slimserve.runtime.engine.llm_engine import EngineStats, LLMEngine
+from slimserve.runtime.engine.sequence import (
+    OutputAccumulator,
+    RequestOutput,
+    SamplingParams,
+    SequenceStatus,
+)
 from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.worker.model_runner import startup_line
 from slimserve.runtime.stats.profiler import (
     PROFILE_MAX_STEPS,
     ProfileError,
@@ -68,14 +72,10 @@ from slimserve.runtime.stats.profiler import (
     StepProfiler,
     prepare_profile_dir,
 )
-from slimserve.runtime.engine.sequence import (
-    OutputAccumulator,
-    RequestOutput,
-    SamplingParams,
-    SequenceStatus,
-)
+from slimserve.runtime.stats.rank_stats import RankStats
 from slimserve.runtime.stats.step_cost import StepCost, StepCostFit
 from slimserve.runtime.stats.step_timing import StepTimingSnapshot
+from slimserve.runtime.worker.model_runner import startup_line
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -139,7 +139,7 @@ class _HomeThread:
         self._jobs.put(None)
 
 
-def _put_all(items: list[tuple["_Mailbox", Any]]) -> None:
+def _put_all(items: list[tuple[_Mailbox, Any]]) -> None:
     for box, out in items:
         box.put(out)
 
@@ -174,9 +174,13 @@ class AsyncEngine:
     """profile_dir: where POST /start_profile ... /stop_profile write traces (created if missing;
     None: profiling off); profile_max_steps: the default cap of one profile."""
 
-    def __init__(self, engine: LLMEngine, step_watchdog_s: float = DEFAULT_STEP_WATCHDOG_S,
-                 profile_dir: str | Path | None = None,
-                 profile_max_steps: int = PROFILE_MAX_STEPS):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        step_watchdog_s: float = DEFAULT_STEP_WATCHDOG_S,
+        profile_dir: str | Path | None = None,
+        profile_max_steps: int = PROFILE_MAX_STEPS,
+    ):
         self.engine = engine
         engine.output_deltas = True
         self.config = engine.config
@@ -195,17 +199,26 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._queued = 0  # adds handed to the engine thread and not yet applied (for num_waiting)
         self._prefill: dict[str, int] = {}  # request id -> prompt tokens, until its first output
-        self._left: dict[str, int] = {}  # engine thread's snapshot: of those, tokens still to compute
+        self._left: dict[
+            str, int
+        ] = {}  # engine thread's snapshot: of those, tokens still to compute
         self._cost = StepCostFit()  # load(): written by the engine thread only
         self._decoding = (0, 0)  # engine thread's snapshot: sequences decoding, their tokens
         self._chars_per_token: float | None = None
         self.profile_dir = None if profile_dir is None else prepare_profile_dir(profile_dir)
-        self._profiler = None if self.profile_dir is None else StepProfiler(
-            self.profile_dir, engine.step_timing, cuda=engine.step_timing.cuda,
-            max_steps=profile_max_steps)
+        self._profiler = (
+            None
+            if self.profile_dir is None
+            else StepProfiler(
+                self.profile_dir,
+                engine.step_timing,
+                cuda=engine.step_timing.cuda,
+                max_steps=profile_max_steps,
+            )
+        )
 
     @classmethod
-    def from_config(cls, config: EngineConfig, **kw) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig, **kw) -> AsyncEngine:
         """Build the engine on the thread that will step it (`_HomeThread`)."""
         home = _HomeThread()
         try:
@@ -228,8 +241,9 @@ class AsyncEngine:
                 self._home.finish_with(self._loop)
                 self._home = None  # a restart after shutdown gets a new thread
             else:
-                self._thread = threading.Thread(target=self._loop, name="slimserve-engine",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._loop, name="slimserve-engine", daemon=True
+                )
                 self._thread.start()
 
     async def shutdown(self) -> None:
@@ -254,10 +268,16 @@ class AsyncEngine:
         decoding, context = self._decoding
         cost = self._cost.estimate()
         return EngineLoad(
-            queued, self.config.max_num_batched_tokens, self._cost.steps, decoding, context, cost,
+            queued,
+            self.config.max_num_batched_tokens,
+            self._cost.steps,
+            decoding,
+            context,
+            cost,
             step_time_s=None if cost is None else cost.step_s(0, decoding, context),
             prefill_s_per_token=None if cost is None else cost.per_prefill_token_s,
-            chars_per_token=self._chars_per_token)
+            chars_per_token=self._chars_per_token,
+        )
 
     @property
     def kv_segments(self) -> SegmentRegistry:
@@ -268,9 +288,15 @@ class AsyncEngine:
         """The largest KV segment a prompt of this engine's context fills: blocks of every layer
         for max_model_len tokens, the prompt's ids in the header, and room for FP8 scales."""
         layout = self.engine.kv_layout
-        per_token = 2 * layout.num_kv_heads * layout.head_dim * sum(
-            layout.layer_dtype(i).itemsize for i in range(layout.num_layers))
-        return per_token * (self.max_model_len + layout.block_size) + 64 * self.max_model_len + 2**20
+        per_token = (
+            2
+            * layout.num_kv_heads
+            * layout.head_dim
+            * sum(layout.layer_dtype(i).itemsize for i in range(layout.num_layers))
+        )
+        return (
+            per_token * (self.max_model_len + layout.block_size) + 64 * self.max_model_len + 2**20
+        )
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve (dead loop, or a step past the watchdog); None if healthy."""
@@ -278,8 +304,10 @@ class AsyncEngine:
             return f"the engine stopped: {self._dead}"
         started = self._step_started
         if started is not None and time.monotonic() - started > self.step_watchdog_s:
-            return (f"an engine step has run for {time.monotonic() - started:.1f} s "
-                    f"(watchdog {self.step_watchdog_s:g} s)")
+            return (
+                f"an engine step has run for {time.monotonic() - started:.1f} s "
+                f"(watchdog {self.step_watchdog_s:g} s)"
+            )
         return None
 
     def abort(self, request_id: str) -> None:
@@ -332,9 +360,15 @@ class AsyncEngine:
             self._commands.put(("call", (fn, loop, fut)))
         return await fut
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str, *, kv_export: str | None = None,
-                       kv_import: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        kv_export: str | None = None,
+        kv_import: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request; RequestError before the first one for a bad request.
         kv_export / kv_import: a prefill-only request whose KV goes to this segment / a request
         continuing from the KV in this segment (KVTransferError before the first output)."""
@@ -344,22 +378,27 @@ class AsyncEngine:
         if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
             seq = self.engine.make_sequence(request_id, prompt, params)  # raises, no tokenizing
         else:
-            seq = await loop.run_in_executor(None, self.engine.make_sequence, request_id, prompt,
-                                             params)
+            seq = await loop.run_in_executor(
+                None, self.engine.make_sequence, request_id, prompt, params
+            )
             if isinstance(prompt, str):
                 ratio = len(prompt) / len(seq.prompt_token_ids)
                 old = self._chars_per_token
-                self._chars_per_token = ratio if old is None else old + CHARS_EWMA_ALPHA * (ratio - old)
+                self._chars_per_token = (
+                    ratio if old is None else old + CHARS_EWMA_ALPHA * (ratio - old)
+                )
         imported = None
         if kv_export is not None:  # validated with the real parameters; now prefill only
-            seq.params = dataclasses.replace(params, max_tokens=1, stop=[],
-                                             stop_token_ids=frozenset(), ignore_eos=True)
+            seq.params = dataclasses.replace(
+                params, max_tokens=1, stop=[], stop_token_ids=frozenset(), ignore_eos=True
+            )
             seq.eos_token_id = None
         elif kv_import is not None:
             layout = self.engine.kv_layout
             try:
-                imported = await loop.run_in_executor(None, load_import, kv_import, layout,
-                                                      seq.prompt_token_ids)
+                imported = await loop.run_in_executor(
+                    None, load_import, kv_import, layout, seq.prompt_token_ids
+                )
             finally:  # read (and unlinked) or unusable: no longer counts toward the store's limits
                 self.engine.kv_segments.discard(kv_import)
         box = _Mailbox()
@@ -414,14 +453,19 @@ class AsyncEngine:
             self._post_all(loop, items)
 
     @staticmethod
-    def _settle(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any,
-                error: BaseException | None) -> None:
+    def _settle(
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future,
+        result: Any,
+        error: BaseException | None,
+    ) -> None:
         def settle() -> None:
             if not fut.done():  # the caller may have given up (request cancelled)
                 if error is None:
                     fut.set_result(result)
                 else:
                     fut.set_exception(error)
+
         try:
             loop.call_soon_threadsafe(settle)
         except RuntimeError:  # the loop is closed
@@ -477,8 +521,11 @@ class AsyncEngine:
         for seq, before in seqs:
             if before == 0 and seq.num_preemptions == 0:  # admitted now: its prefix-cache hit
                 before = seq.num_cached_tokens  # came free, not computed
-            done = seq.num_tokens - 1 if seq.status is SequenceStatus.FINISHED else \
-                seq.num_computed_tokens
+            done = (
+                seq.num_tokens - 1
+                if seq.status is SequenceStatus.FINISHED
+                else seq.num_computed_tokens
+            )
             grown = max(0, done - before)
             if grown and before >= seq.num_prompt_tokens:
                 decode, context = decode + 1, context + before + 1
@@ -497,8 +544,10 @@ class AsyncEngine:
         for rid, req in self.engine.requests.items():
             seq = req.seq
             if seq.output_token_ids:
-                if seq.status is SequenceStatus.RUNNING and \
-                        seq.num_computed_tokens >= seq.num_prompt_tokens:
+                if (
+                    seq.status is SequenceStatus.RUNNING
+                    and seq.num_computed_tokens >= seq.num_prompt_tokens
+                ):
                     decoding, context = decoding + 1, context + seq.num_computed_tokens + 1
                 continue
             if self.engine.is_importing(rid):  # copied in, never computed here
@@ -544,9 +593,11 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 if running and self.engine.has_unfinished():
-                    seqs = [(r.seq, r.seq.num_computed_tokens)
-                            for rid, r in self.engine.requests.items()
-                            if not self.engine.is_importing(rid)]  # copied in, not computed
+                    seqs = [
+                        (r.seq, r.seq.num_computed_tokens)
+                        for rid, r in self.engine.requests.items()
+                        if not self.engine.is_importing(rid)
+                    ]  # copied in, not computed
                     self._step_started = started = time.monotonic()
                     outputs = self.engine.step()
                     self._step_started = None

@@ -49,7 +49,9 @@ def salted_root(salt: bytes | None) -> bytes:
     return ROOT_HASH if salt is None else hashlib.sha256(ROOT_HASH + b"salt" + salt).digest()
 
 
-def block_hash(parent_hash: bytes | None, token_ids: _Ints[int], salt: bytes | None = None) -> bytes:
+def block_hash(
+    parent_hash: bytes | None, token_ids: _Ints[int], salt: bytes | None = None
+) -> bytes:
     """sha256 digest of one full block given its parent's digest (None for the first block,
     whose parent is `salted_root(salt)`; a later block's parent carries the salt already).
 
@@ -83,18 +85,26 @@ class _Block:
 class _SeqState:
     """Per-sequence hashing state, kept so hashes are computed once per block."""
 
-    keys: list[BlockKey] = field(default_factory=list)  # digests of leading full blocks of token_ids
+    keys: list[BlockKey] = field(
+        default_factory=list
+    )  # digests of leading full blocks of token_ids
     num_committed: int = 0  # leading blocks already offered to the prefix cache
 
 
 class BlockManager:
     """Allocates KV blocks to sequences, shares cached prefix blocks, evicts cached blocks LRU."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
+    ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}; give the KV cache more memory")
+            raise ValueError(
+                f"num_blocks must be an integer >= 1, got {num_blocks!r}; give the KV cache more memory"
+            )
         if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r} (16 is the usual value)")
+            raise ValueError(
+                f"block_size must be an integer >= 1, got {block_size!r} (16 is the usual value)"
+            )
         self._block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks = [_Block(i) for i in range(num_blocks)]
@@ -154,8 +164,13 @@ class BlockManager:
         if len(keys) < n:
             tokens, bs = seq.token_ids, self._block_size
             for j in range(len(keys), n):
-                keys.append(block_hash(keys[j - 1] if j else None, tokens[j * bs : (j + 1) * bs],
-                                       None if j else seq.prefix_salt))
+                keys.append(
+                    block_hash(
+                        keys[j - 1] if j else None,
+                        tokens[j * bs : (j + 1) * bs],
+                        None if j else seq.prefix_salt,
+                    )
+                )
         return keys[:n]
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
@@ -278,7 +293,9 @@ class BlockManager:
         return block_id
 
     def _num_missing(self, seq: Sequence, num_new_tokens: int) -> int:
-        return max(0, self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        return max(
+            0, self._blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        )
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether enough blocks are free to cover `num_new_tokens` more computed tokens."""

@@ -30,15 +30,15 @@ class DetokenizerState:
     text: str = ""  # generated text so far (complete characters only)
 
     @classmethod
-    def for_prompt(cls, num_prompt_tokens: int) -> "DetokenizerState":
+    def for_prompt(cls, num_prompt_tokens: int) -> DetokenizerState:
         return cls(max(0, num_prompt_tokens - _PROMPT_CONTEXT), num_prompt_tokens)
 
     def update(self, decode, token_ids: list[int]) -> str:
         """Append the text of the tokens past read_offset; returns the new text (maybe "")."""
-        prefix = decode(token_ids[self.prefix_offset:self.read_offset])
-        full = decode(token_ids[self.prefix_offset:])
+        prefix = decode(token_ids[self.prefix_offset : self.read_offset])
+        full = decode(token_ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
             self.text += delta
             return delta
@@ -46,9 +46,9 @@ class DetokenizerState:
 
     def flush(self, decode, token_ids: list[int]) -> str:
         """At the end of a request: emit what is left, even an incomplete character."""
-        prefix = decode(token_ids[self.prefix_offset:self.read_offset])
-        full = decode(token_ids[self.prefix_offset:])
-        delta = full[len(prefix):] if full.startswith(prefix) else ""
+        prefix = decode(token_ids[self.prefix_offset : self.read_offset])
+        full = decode(token_ids[self.prefix_offset :])
+        delta = full[len(prefix) :] if full.startswith(prefix) else ""
         self.prefix_offset = self.read_offset = len(token_ids)
         self.text += delta
         return delta

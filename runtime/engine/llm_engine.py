@@ -30,15 +30,12 @@ from functools import cached_property
 
 import torch
 
-from slimserve.runtime.engine.block_manager import BlockManager
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.engine.detokenizer import DetokenizerState, make_decoder
 from slimserve.runtime.disagg.layout import KVLayout, layout_of
 from slimserve.runtime.disagg.segment import SegmentRegistry
 from slimserve.runtime.disagg.transfer import ImportedKV, export_blocks, scatter
-from slimserve.runtime.worker.launch import make_runner
-from slimserve.runtime.errors import RequestError
-from slimserve.runtime.worker.model_runner import ModelRunner
+from slimserve.runtime.engine.block_manager import BlockManager
+from slimserve.runtime.engine.detokenizer import DetokenizerState, make_decoder
 from slimserve.runtime.engine.sampler import sample
 from slimserve.runtime.engine.scheduler import Scheduler, SchedulerConfig
 from slimserve.runtime.engine.sequence import (
@@ -48,8 +45,11 @@ from slimserve.runtime.engine.sequence import (
     Sequence,
     SequenceStatus,
 )
-from slimserve.runtime.stats.step_timing import StepTimings, batch_composition
 from slimserve.runtime.engine.stops import StopHoldBack, find_stop
+from slimserve.runtime.errors import RequestError
+from slimserve.runtime.stats.step_timing import StepTimings, batch_composition
+from slimserve.runtime.worker.launch import make_runner
+from slimserve.runtime.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,17 @@ class LLMEngine:
         self._decode = make_decoder(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(self.runner.built.eos_token_ids)
         self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len), self.block_manager)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
         self.requests: dict[str, _Request] = {}
         self._counter = itertools.count()
         self.output_deltas = False  # step() returns what is new per request, not everything
@@ -108,47 +114,68 @@ class LLMEngine:
     def kv_layout(self) -> KVLayout:
         """This engine's KV block layout (runtime/disagg/layout.py), for exports and imports."""
         if self.runner.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
-            raise ValueError("prefill/decode disaggregation: a model split with -tp/-pp cannot "
-                             "hand over KV blocks yet; serve each role on one rank")
+            raise ValueError(
+                "prefill/decode disaggregation: a model split with -tp/-pp cannot "
+                "hand over KV blocks yet; serve each role on one rank"
+            )
         return layout_of(self.runner)
 
     # -- requests ------------------------------------------------------------------------------
 
-    def make_sequence(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def make_sequence(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Sequence:
         """Tokenize and validate a request (any thread); raises RequestError naming the field."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt", "this model folder has no tokenizer; send token ids")
             if len(prompt) > self.max_prompt_chars:
-                raise RequestError("prompt", f"has {len(prompt)} characters, more than "
-                                             f"{self.max_model_len} tokens of this tokenizer can "
-                                             f"hold ({self.max_prompt_chars}); this model's maximum "
-                                             f"context length is {self.max_model_len}")
+                raise RequestError(
+                    "prompt",
+                    f"has {len(prompt)} characters, more than "
+                    f"{self.max_model_len} tokens of this tokenizer can "
+                    f"hold ({self.max_prompt_chars}); this model's maximum "
+                    f"context length is {self.max_model_len}",
+                )
             ids = self.tokenizer(prompt).input_ids if prompt else []
         else:
             if len(prompt) >= self.max_model_len:  # before looking at every id
-                raise RequestError("prompt", f"has {len(prompt)} tokens; this model's maximum "
-                                             f"context length is {self.max_model_len} "
-                                             f"(prompt + max_tokens)")
+                raise RequestError(
+                    "prompt",
+                    f"has {len(prompt)} tokens; this model's maximum "
+                    f"context length is {self.max_model_len} "
+                    f"(prompt + max_tokens)",
+                )
             ids = list(prompt)
             vocab = self.runner.spec.vocab_size
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
-                raise RequestError("prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})")
+                raise RequestError(
+                    "prompt", f"token id {bad!r} is outside the vocabulary [0, {vocab})"
+                )
         if not ids:
             raise RequestError("prompt", "is empty; send at least one token")
         if len(ids) >= self.max_model_len:
-            raise RequestError("prompt", f"has {len(ids)} tokens; this model's maximum context "
-                                         f"length is {self.max_model_len} (prompt + max_tokens)")
+            raise RequestError(
+                "prompt",
+                f"has {len(ids)} tokens; this model's maximum context "
+                f"length is {self.max_model_len} (prompt + max_tokens)",
+            )
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestError("max_tokens", f"{params.max_tokens} + {len(ids)} prompt tokens exceed "
-                                             f"the maximum context length {self.max_model_len}; "
-                                             f"ask for at most {self.max_model_len - len(ids)}")
+            raise RequestError(
+                "max_tokens",
+                f"{params.max_tokens} + {len(ids)} prompt tokens exceed "
+                f"the maximum context length {self.max_model_len}; "
+                f"ask for at most {self.max_model_len - len(ids)}",
+            )
         eos = None if params.ignore_eos else min(self.eos_token_ids, default=None)
-        return Sequence(request_id=request_id, prompt_token_ids=ids, params=params, eos_token_id=eos)
+        return Sequence(
+            request_id=request_id, prompt_token_ids=ids, params=params, eos_token_id=eos
+        )
 
-    def add_sequence(self, seq: Sequence, kv_export: str | None = None,
-                     kv_import: ImportedKV | None = None) -> None:
+    def add_sequence(
+        self, seq: Sequence, kv_export: str | None = None, kv_import: ImportedKV | None = None
+    ) -> None:
         """Queue a validated sequence. kv_export: write its prompt's KV into this segment when it
         finishes (the caller gave it prefill-only parameters); kv_import: its prompt's KV and
         first token, received from a prefill replica (runtime/disagg/)."""
@@ -158,25 +185,38 @@ class LLMEngine:
             bs, cap = self.block_manager.block_size, self.block_manager.num_blocks
             longest = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
             if -(-longest // bs) > cap:
-                raise RequestError("max_tokens", f"the request may reach {longest} tokens but the "
-                                                 f"KV cache holds {cap * bs}; lower max_tokens")
+                raise RequestError(
+                    "max_tokens",
+                    f"the request may reach {longest} tokens but the "
+                    f"KV cache holds {cap * bs}; lower max_tokens",
+                )
         gen = None
         if not seq.params.greedy:
-            seed = seq.params.seed if seq.params.seed is not None else \
-                hash((self.config.seed, next(self._counter))) & 0x7FFFFFFF
+            seed = (
+                seq.params.seed
+                if seq.params.seed is not None
+                else hash((self.config.seed, next(self._counter))) & 0x7FFFFFFF
+            )
             gen = torch.Generator().manual_seed(seed)
             if kv_import is not None:  # the prefill side drew the first token's number
                 torch.rand((), dtype=torch.float64, generator=gen)
-        req = _Request(seq, gen, DetokenizerState.for_prompt(seq.num_prompt_tokens),
-                       max_stop_len=max((len(s) for s in seq.params.stop), default=0),
-                       kv_export=kv_export, kv_import=kv_import)
+        req = _Request(
+            seq,
+            gen,
+            DetokenizerState.for_prompt(seq.num_prompt_tokens),
+            max_stop_len=max((len(s) for s in seq.params.stop), default=0),
+            kv_export=kv_export,
+            kv_import=kv_import,
+        )
         self.requests[seq.request_id] = req
         if kv_import is not None:
             self._imports.append(req)  # enters the batch once blocks are free (_admit_imports)
         else:
             self.scheduler.add(seq)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Sequence:
         seq = self.make_sequence(request_id, prompt, params)
         self.add_sequence(seq)
         return seq
@@ -204,10 +244,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm, s = self.block_manager, self.scheduler.stats()
-        return EngineStats(s.num_running, s.num_waiting + len(self._imports), s.kv_cache_usage,
-                           s.prefix_cache_hit_rate,
-                           s.num_preemptions, bm.num_blocks, bm.block_size,
-                           bm.num_blocks * bm.block_size)
+        return EngineStats(
+            s.num_running,
+            s.num_waiting + len(self._imports),
+            s.kv_cache_usage,
+            s.prefix_cache_hit_rate,
+            s.num_preemptions,
+            bm.num_blocks,
+            bm.block_size,
+            bm.num_blocks * bm.block_size,
+        )
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -227,8 +273,11 @@ class LLMEngine:
         composition = batch_composition(items)
         clock.next("prepare")
         batch = self.runner.prepare(
-            [s.seq.token_ids[s.start: s.start + s.num_new_tokens] for s in items],
-            [s.start for s in items], [s.seq.block_table for s in items], [s.sample for s in items])
+            [s.seq.token_ids[s.start : s.start + s.num_new_tokens] for s in items],
+            [s.start for s in items],
+            [s.seq.block_table for s in items],
+            [s.sample for s in items],
+        )
         clock.next("forward")
         logits = self.runner.execute(batch)
         clock.next("sample")
@@ -274,10 +323,17 @@ class LLMEngine:
         fails this request alone."""
         seq = req.seq
         try:
-            export_blocks(self.runner.kv_caches, self.kv_layout, seq.block_table,
-                          seq.num_prompt_tokens, seq.prompt_token_ids, seq.output_token_ids[0],
-                          seq.output_logprobs[0] if seq.output_logprobs else None,
-                          req.kv_export, self.kv_segments)
+            export_blocks(
+                self.runner.kv_caches,
+                self.kv_layout,
+                seq.block_table,
+                seq.num_prompt_tokens,
+                seq.prompt_token_ids,
+                seq.output_token_ids[0],
+                seq.output_logprobs[0] if seq.output_logprobs else None,
+                req.kv_export,
+                self.kv_segments,
+            )
         except Exception as e:
             log.exception("exporting the KV of %s failed", seq.request_id)
             req.error = f"exporting the prompt's KV blocks failed: {type(e).__name__}: {e}"
@@ -291,8 +347,9 @@ class LLMEngine:
             req = self._imports[0]
             seq, imp = req.seq, req.kv_import
             assert imp is not None
-            if len(self.scheduler.running) >= self.config.max_num_seqs or \
-                    not bm.can_allocate_blocks(imp.num_blocks):
+            if len(
+                self.scheduler.running
+            ) >= self.config.max_num_seqs or not bm.can_allocate_blocks(imp.num_blocks):
                 break
             self._imports.popleft()
             req.kv_import = None
@@ -347,23 +404,42 @@ class LLMEngine:
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq
-        metrics = {k: v for k, v in (("arrival", seq.arrival_time), ("first_token", seq.first_token_time),
-                                     ("last_token", seq.last_token_time), ("finish", seq.finish_time))
-                   if v is not None}
+        metrics = {
+            k: v
+            for k, v in (
+                ("arrival", seq.arrival_time),
+                ("first_token", seq.first_token_time),
+                ("last_token", seq.last_token_time),
+                ("finish", seq.finish_time),
+            )
+            if v is not None
+        }
         want_lps = seq.params.logprobs is not None
         if self.output_deltas:
             if req.holdback is None:
                 req.holdback = StopHoldBack(seq.params.stop)
-            text, start = req.holdback.take(req.text, seq.finish_reason is not None), req.sent_tokens
-            ids, lps = seq.output_token_ids[start:], seq.output_logprobs[start:] if want_lps else None
+            text, start = (
+                req.holdback.take(req.text, seq.finish_reason is not None),
+                req.sent_tokens,
+            )
+            ids, lps = (
+                seq.output_token_ids[start:],
+                seq.output_logprobs[start:] if want_lps else None,
+            )
             req.sent_tokens = len(seq.output_token_ids)
         else:
             text, ids = req.text, list(seq.output_token_ids)
             lps = list(seq.output_logprobs) if want_lps else None
         comp = CompletionOutput(0, text, ids, lps, seq.finish_reason, seq.stop_reason)
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, [comp],
-                             seq.finish_reason is not None, seq.num_cached_tokens, metrics,
-                             error=req.error)
+        return RequestOutput(
+            seq.request_id,
+            seq.prompt_token_ids,
+            [comp],
+            seq.finish_reason is not None,
+            seq.num_cached_tokens,
+            metrics,
+            error=req.error,
+        )
 
 
 def _max_token_chars(tokenizer) -> int:

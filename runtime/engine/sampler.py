@@ -90,8 +90,9 @@ def _uniform(gen: torch.Generator | None) -> float:
     return torch.rand((), dtype=torch.float64, generator=gen, device=device).item()
 
 
-def _plan(params: list[SamplingParams], generators: list[torch.Generator | None] | None,
-          vocab: int) -> _Plan:
+def _plan(
+    params: list[SamplingParams], generators: list[torch.Generator | None] | None, vocab: int
+) -> _Plan:
     """generators None: no draws (u = 0), for `sampling_probs`."""
     greedy, ranked, plain = [], [], []
     for i, p in enumerate(params):
@@ -103,7 +104,11 @@ def _plan(params: list[SamplingParams], generators: list[torch.Generator | None]
             plain.append(i)
     sampled = ranked + plain
     temps = [params[i].temperature for i in sampled]
-    us = [_uniform(generators[i]) for i in sampled] if generators is not None else [0.0] * len(sampled)
+    us = (
+        [_uniform(generators[i]) for i in sampled]
+        if generators is not None
+        else [0.0] * len(sampled)
+    )
     ks = [_top_k(params[i], vocab) for i in ranked]
     # top_p 1 is off: +inf, so fp32 rounding of the running mass cannot drop a tail token
     ps = [params[i].top_p if params[i].top_p < 1.0 else float("inf") for i in ranked]
@@ -137,7 +142,9 @@ class _Device:
     @classmethod
     def split(cls, buf: torch.Tensor, plan: _Plan) -> _Device:
         r, n = len(plan.ranked), len(plan.ranked) + len(plan.plain)
-        temp, u, k, p, ranked, plain, want = buf.split([n, n, r, r, r, len(plan.plain), len(plan.want)])
+        temp, u, k, p, ranked, plain, want = buf.split(
+            [n, n, r, r, r, len(plan.plain), len(plan.want)]
+        )
         return cls(temp.float(), u, k.long(), p.float(), ranked.long(), plain.long(), want.long())
 
 
@@ -191,7 +198,9 @@ def _ranked_by_value(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.
     return vals, ids
 
 
-def _truncated_probs(ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _truncated_probs(
+    ranked: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
     """Unnormalized fp32 probabilities [n, K] over each row's ranked logits after top-k (int64
     [n]: keep the first k positions) and top-p (fp32 [n], inf = off); dropped positions are
     exactly 0."""
@@ -216,8 +225,9 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, idx, probs.argmax(-1, keepdim=True)).squeeze(1)
 
 
-def _tempered(logits: torch.Tensor, rows: list[int], rows_dev: torch.Tensor,
-              temp: torch.Tensor) -> torch.Tensor:
+def _tempered(
+    logits: torch.Tensor, rows: list[int], rows_dev: torch.Tensor, temp: torch.Tensor
+) -> torch.Tensor:
     x = _select(logits, rows, rows_dev)
     return x.div_(temp.unsqueeze(1)) if x is not logits else x / temp.unsqueeze(1)
 
@@ -235,8 +245,9 @@ def _plain_group(logits: torch.Tensor, plan: _Plan, dev: _Device) -> torch.Tenso
     return _tempered(logits, plan.plain, dev.plain, dev.temp[r:]).softmax(-1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> SampleResult:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> SampleResult:
     """logits fp32 [S, V] (one row per sampled sequence) -> tokens and optional logprobs.
 
     Row i draws with generators[i] (one float64 per step; the default generator when None).
@@ -277,8 +288,10 @@ def _unpack(values: list[float], params: list[SamplingParams], plan: _Plan) -> S
     logprobs: list[tuple[float, dict[int, float]] | None] = [None] * s
     top_vals, top_ids = s + w, s + w + w * n
     for r, i in enumerate(plan.want):
-        tops = {int(values[top_ids + r * n + c]): values[top_vals + r * n + c]
-                for c in range(min(params[i].logprobs, n))}
+        tops = {
+            int(values[top_ids + r * n + c]): values[top_vals + r * n + c]
+            for c in range(min(params[i].logprobs, n))
+        }
         logprobs[i] = (values[s + r], tops)
     return SampleResult(token_ids, logprobs, [v != 0.0 for v in values[-s:]])
 

@@ -31,7 +31,9 @@ class SchedulerConfig:
     """Batch-shape limits of one engine step (vLLM names)."""
 
     max_num_seqs: int = 256  # sequences held RUNNING at most (the batch's sequence count cap)
-    max_num_batched_tokens: int = 2048  # tokens (decodes + prefill chunks) computed per step at most
+    max_num_batched_tokens: int = (
+        2048  # tokens (decodes + prefill chunks) computed per step at most
+    )
     max_model_len: int = 2048  # prompt + generated tokens of one sequence at most
     long_prefill_token_threshold: int = 0  # cap on one prompt's chunk per step; 0 = off
 
@@ -42,7 +44,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         threshold = self.long_prefill_token_threshold
         if not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0 = off), got {threshold!r}")
+            raise ValueError(
+                f"long_prefill_token_threshold must be an integer >= 0 (0 = off), got {threshold!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -91,7 +95,9 @@ class Scheduler:
         if seq.request_id in self._requests:
             raise ValueError(f"request_id {seq.request_id!r} is already in flight; use a unique id")
         if seq.num_prompt_tokens < 1:
-            raise ValueError(f"request {seq.request_id!r} has an empty prompt; give at least one token")
+            raise ValueError(
+                f"request {seq.request_id!r} has an empty prompt; give at least one token"
+            )
         max_len = self.config.max_model_len
         if seq.num_prompt_tokens > max_len:
             raise ValueError(
@@ -194,7 +200,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, self._samples(seq, n)))
+                out.scheduled.append(
+                    ScheduledSeq(seq, n, seq.num_computed_tokens, self._samples(seq, n))
+                )
                 bm.append_slots(seq, n)
                 budget -= n
                 i += 1
@@ -210,7 +218,9 @@ class Scheduler:
                 break  # head-of-line waits for blocks: admission never preempts
             self.waiting.popleft()
             bm.allocate_prefix(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens, self._samples(seq, n)))
+            out.scheduled.append(
+                ScheduledSeq(seq, n, seq.num_computed_tokens, self._samples(seq, n))
+            )
             bm.append_slots(seq, n)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival_time)
@@ -242,7 +252,11 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            assert seq.num_computed_tokens == item.start, (seq.request_id, seq.num_computed_tokens, item.start)
+            assert seq.num_computed_tokens == item.start, (
+                seq.request_id,
+                seq.num_computed_tokens,
+                item.start,
+            )
             assert (token is not None) == item.sample, (seq.request_id, token, item.sample)
             seq.num_computed_tokens += item.num_new_tokens
             self.block_manager.commit(seq)

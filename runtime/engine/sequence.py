@@ -37,7 +37,9 @@ class SamplingParams:
     # extra stop tokens (kept in output ids); stored as a frozenset for O(1) per-token lookups
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False  # keep generating past the EOS token
-    logprobs: int | None = None  # return this many top logprobs per generated token (0 = chosen only)
+    logprobs: int | None = (
+        None  # return this many top logprobs per generated token (0 = chosen only)
+    )
     # prefix-cache namespace (vLLM's cache_salt): requests share prefix blocks only when their
     # salts are equal (runtime/engine/block_manager.py), so tenants with different salts never do
     cache_salt: str | None = None
@@ -57,21 +59,29 @@ class SamplingParams:
             raise SamplingError("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
         self.stop = list(self.stop)
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise SamplingError("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, "
-                                        f"got {len(self.stop)}")
+            raise SamplingError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingError("stop", "stop strings must be non-empty strings")
         longest = max((len(s) for s in self.stop), default=0)
         if longest > MAX_STOP_STRING_CHARS:
-            raise SamplingError("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} "
-                                        f"characters, got one of {longest}")
+            raise SamplingError(
+                "stop",
+                f"each stop string may have at most {MAX_STOP_STRING_CHARS} "
+                f"characters, got one of {longest}",
+            )
         self.stop_token_ids = frozenset(self.stop_token_ids)
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise SamplingError("seed", f"must be an integer in [0, 2^64), got {self.seed!r}")
-        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
-                                            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
-            raise SamplingError("cache_salt", f"must be a non-empty string of at most "
-                                              f"{MAX_CACHE_SALT_CHARS} characters")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str)
+            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise SamplingError(
+                "cache_salt",
+                f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -122,7 +132,7 @@ class Sequence:
         if len(ids) != n:
             if len(ids) < n_prompt or len(ids) > n:  # first access (or outputs were replaced)
                 ids[:] = self.prompt_token_ids
-            ids.extend(self.output_token_ids[len(ids) - n_prompt:])
+            ids.extend(self.output_token_ids[len(ids) - n_prompt :])
         return ids
 
     @property
@@ -136,8 +146,10 @@ class Sequence:
         when it has neither (the shared, unsalted namespace)."""
         if self.params.cache_salt is None and self.import_salt is None:
             return None
-        parts = [b"" if self.params.cache_salt is None else self.params.cache_salt.encode(),
-                 self.import_salt or b""]
+        parts = [
+            b"" if self.params.cache_salt is None else self.params.cache_salt.encode(),
+            self.import_salt or b"",
+        ]
         return b"".join(struct.pack("<Q", len(p)) + p for p in parts)
 
     @property
@@ -206,9 +218,23 @@ class OutputAccumulator:
         if last is None:
             return None
         c = last.outputs[0]
-        merged = RequestOutput(last.request_id, last.prompt_token_ids,
-                               [CompletionOutput(c.index, "".join(self._text), self._ids, self._lps,
-                                                 c.finish_reason, c.stop_reason)],
-                               last.finished, last.num_cached_tokens, last.metrics, last.error)
+        merged = RequestOutput(
+            last.request_id,
+            last.prompt_token_ids,
+            [
+                CompletionOutput(
+                    c.index,
+                    "".join(self._text),
+                    self._ids,
+                    self._lps,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+            ],
+            last.finished,
+            last.num_cached_tokens,
+            last.metrics,
+            last.error,
+        )
         self.last, self._text, self._ids, self._lps = None, [], [], None
         return merged

@@ -23,7 +23,9 @@ MAX_STOP_STRINGS = 64  # stop strings per request, at most
 MAX_STOP_STRING_CHARS = 1024  # characters per stop string, at most
 
 
-def find_stop(text: str, prev_len: int, stops: Sequence[str], max_stop_len: int) -> tuple[int, str] | None:
+def find_stop(
+    text: str, prev_len: int, stops: Sequence[str], max_stop_len: int
+) -> tuple[int, str] | None:
     """The earliest stop string ending past text[:prev_len] as (start index, stop), or None.
 
     Only text[prev_len - (max_stop_len - 1):] is searched; `text[:prev_len]` must already have
@@ -79,7 +81,7 @@ class StopPrefixMatcher:
         if len(new_text) >= self.max_len:
             # The answer depends on the last max_len - 1 characters only.
             self.reset()
-            new_text = new_text[len(new_text) - (self.max_len - 1):]
+            new_text = new_text[len(new_text) - (self.max_len - 1) :]
         state = self._state
         for j, s in enumerate(self.stops):
             q, f, n = state[j], self._fail[j], len(s)
@@ -107,7 +109,7 @@ def partial_stop(text: str, stops: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some stop string
     (one-shot; looks at the last `max stop length - 1` characters of `text` only)."""
     m = StopPrefixMatcher(stops)
-    return m.feed(text[max(0, len(text) - m.max_len + 1):]) if m.stops else 0
+    return m.feed(text[max(0, len(text) - m.max_len + 1) :]) if m.stops else 0
 
 
 class StopHoldBack:
@@ -126,9 +128,9 @@ class StopHoldBack:
         end = len(text)
         if not final and self._matcher is not None:
             if end > self._fed:
-                self._matcher.feed(text[self._fed:])
+                self._matcher.feed(text[self._fed :])
                 self._fed = end
             end -= self._matcher.held
         end = max(end, self.sent)
-        piece, self.sent = text[self.sent:end], end
+        piece, self.sent = text[self.sent : end], end
         return piece

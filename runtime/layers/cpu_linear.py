@@ -45,7 +45,9 @@ def available(dtype: torch.dtype) -> bool:
         x = torch.randn(5, 40, generator=g).to(dtype)
         got = linear(x, reorder(w), b)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        return torch.allclose(got.float(), nn.functional.linear(x, w, b).float(), rtol=tol, atol=tol)
+        return torch.allclose(
+            got.float(), nn.functional.linear(x, w, b).float(), rtol=tol, atol=tol
+        )
     except (RuntimeError, AttributeError):
         return False
 
@@ -57,7 +59,9 @@ def reorder(weight: torch.Tensor) -> torch.Tensor:
 
 # (largest M of the step, multiple it is rounded up to)
 _BUCKET_STEPS = ((64, 8), (256, 16), (1024, 32), (None, 128))
-WARM_UP_ROWS = 512  # `warm_up` builds the buckets up to this many rows; larger steps cost more than a build
+WARM_UP_ROWS = (
+    512  # `warm_up` builds the buckets up to this many rows; larger steps cost more than a build
+)
 
 
 def bucket_rows(rows: int) -> int:
@@ -105,8 +109,11 @@ def pack_linears(model: nn.Module, dtype: torch.dtype) -> int:
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.device.type == "cpu" \
-                    and child.weight.dtype == dtype:
+            if (
+                type(child) is nn.Linear
+                and child.weight.device.type == "cpu"
+                and child.weight.dtype == dtype
+            ):
                 setattr(parent, name, PackedLinear(child))
                 count += 1
     return count
@@ -119,7 +126,9 @@ def warm_up(model: nn.Module, max_rows: int) -> int:
     shapes: dict[tuple, PackedLinear] = {}
     for m in model.modules():
         if isinstance(m, PackedLinear):
-            shapes.setdefault((m.in_features, m.out_features, m.bias is not None, m.packed.dtype), m)
+            shapes.setdefault(
+                (m.in_features, m.out_features, m.bias is not None, m.packed.dtype), m
+            )
     buckets = sorted({bucket_rows(r) for r in range(1, min(max_rows, WARM_UP_ROWS) + 1)})
     with torch.inference_mode():
         for (k, _, _, dtype), m in shapes.items():

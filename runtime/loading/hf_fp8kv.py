@@ -20,11 +20,19 @@ from slimserve.runtime.artifact.weights import decoder_layer_index
 
 KV_ATTENTION = "slimserve_fp8kv"  # name registered with transformers' AttentionInterface
 _OBSERVER = "_slimserve_kv_observer"  # instance attribute `observing_attention` sets
-AttentionObserver = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], None]
+AttentionObserver = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], None
+]
 
 
-def fp8kv_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs):
+def fp8kv_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+):
     """sdpa attention on fp8-round-tripped K and V ([batch, kv_heads, seq, head_dim]).
 
     A module without `k_scale`/`v_scale` buffers (a layer not calibrated yet) gets plain sdpa.
@@ -85,11 +93,14 @@ def set_kv_scale_buffers(attn: nn.Module, k_scale: float, v_scale: float) -> Non
     # Model dtype and device, from a float parameter or (QuantLinear holds buffers) buffer.
     ref = next(t for t in (*attn.parameters(), *attn.buffers()) if t.is_floating_point())
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-        attn.register_buffer(name, torch.tensor([value], dtype=ref.dtype, device=ref.device), persistent=False)
+        attn.register_buffer(
+            name, torch.tensor([value], dtype=ref.dtype, device=ref.device), persistent=False
+        )
 
 
-def install_kv_scales(model: nn.Module, kv_scales: dict[str, tuple[float, float]],
-                      skip_layers: Iterable[int] = ()) -> None:
+def install_kv_scales(
+    model: nn.Module, kv_scales: dict[str, tuple[float, float]], skip_layers: Iterable[int] = ()
+) -> None:
     """Set the scales of every named attention module and switch the model to fp8-KV attention;
     the attention of decoder layers in `skip_layers` gets no scales and attends over exact K/V."""
     skip = set(skip_layers)

@@ -31,9 +31,18 @@ from slimserve.runtime.errors import ArtifactError
 
 # safetensors dtype names -> torch dtypes (the safetensors format's own table)
 ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 _MAX_HEADER = 100 * 2**20  # the safetensors format's own limit on the JSON header
@@ -55,7 +64,9 @@ def read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     with open(file, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise ArtifactError(f"{file} is not a safetensors file (shorter than its header length)")
+            raise ArtifactError(
+                f"{file} is not a safetensors file (shorter than its header length)"
+            )
         (n,) = struct.unpack("<Q", raw)
         if n > min(_MAX_HEADER, size - 8):
             raise ArtifactError(f"{file} is not a readable safetensors file (header length {n})")
@@ -73,14 +84,18 @@ def read_header(file: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
             dtype, shape = ST_DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise ArtifactError(f"{file}: tensor {name} has an unreadable header entry {info!r}") from None
+            raise ArtifactError(
+                f"{file}: tensor {name} has an unreadable header entry {info!r}"
+            ) from None
         numel = 1
         for d in shape:
             numel *= d
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if min(shape, default=0) < 0 or end - begin != nbytes or begin < 0 or base + end > size:
-            raise ArtifactError(f"{file}: tensor {name} {info['dtype']} {list(shape)} does not fit its "
-                                f"data offsets {[begin, end]}; the file is damaged")
+            raise ArtifactError(
+                f"{file}: tensor {name} {info['dtype']} {list(shape)} does not fit its "
+                f"data offsets {[begin, end]}; the file is damaged"
+            )
         entries[name] = TensorEntry(file, dtype, shape, base + begin, nbytes)
     return entries, meta
 
@@ -154,7 +169,9 @@ def _parameters_on_meta():
     def on_meta(module, name, param):
         register(module, name, param)
         if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
 
     nn.Module.register_parameter = on_meta
     try:
@@ -170,7 +187,9 @@ def empty_model(config, dtype: torch.dtype, trust_remote_code: bool = False) -> 
     from transformers.initialization import no_init_weights
 
     with no_init_weights(), _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=trust_remote_code
+        )
     model.tie_weights()
     return model.eval().requires_grad_(False)
 
@@ -204,7 +223,9 @@ def assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         mod, attr, is_param = names[key]
         old = mod._parameters[attr] if is_param else mod._buffers[attr]
         if tuple(old.shape) != tuple(t.shape):
-            raise ArtifactError(f"tensor {key} is {list(t.shape)}, the model expects {list(old.shape)}")
+            raise ArtifactError(
+                f"tensor {key} is {list(t.shape)}, the model expects {list(old.shape)}"
+            )
         if is_param:
             mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
         else:

@@ -37,14 +37,23 @@ from slimserve.runtime.artifact.targets import matches
 from slimserve.runtime.artifact.weights import check_config_bounds, tensor_shapes, weight_files
 from slimserve.runtime.dtypes import torch_dtype
 from slimserve.runtime.errors import ArtifactError
+from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loading.gguf import resolve_model
 from slimserve.runtime.loading.hf_fp8kv import install_kv_scales
-from slimserve.runtime.layers.quant_linear import QuantLinear
-from slimserve.runtime.loading.lazy_weights import CheckpointTensors, assign, empty_model, state_names
+from slimserve.runtime.loading.lazy_weights import (
+    CheckpointTensors,
+    assign,
+    empty_model,
+    state_names,
+)
 
 SUPPORTED_QUANT_METHODS = (QUANT_METHOD, *IMPORTERS)  # gptq/awq are converted to CT on load
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")  # any one: a tokenizer
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+)  # any one: a tokenizer
 
 
 @dataclass(slots=True)
@@ -59,14 +68,18 @@ class LoadedModel:
 
 def _missing(path_or_id: str, cause: Exception | None = None) -> ArtifactError:
     why = f" ({cause})" if cause else ""
-    return ArtifactError(f"no such model or artifact: {path_or_id}; pass a local folder with "
-                         f"config.json or a Hugging Face model id{why}")
+    return ArtifactError(
+        f"no such model or artifact: {path_or_id}; pass a local folder with "
+        f"config.json or a Hugging Face model id{why}"
+    )
 
 
 def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     resolved = torch_dtype(dtype)
     if resolved is None and dtype is not None:
-        raise ArtifactError(f"dtype={dtype!r} is not a torch dtype; use bfloat16, float16 or float32")
+        raise ArtifactError(
+            f"dtype={dtype!r} is not a torch dtype; use bfloat16, float16 or float32"
+        )
     return resolved
 
 
@@ -86,9 +99,13 @@ def check_quant_method(qc: dict, config_path: Path | str, convert_hint: bool = T
         return
     supported = ", ".join(SUPPORTED_QUANT_METHODS)
     if convert_hint:
-        raise ArtifactError(f"{config_path}: quant_method {method!r} is not supported yet; supported: "
-                            f"{supported} (export with `compress run` to convert)")
-    raise ArtifactError(f"{config_path}: quant_method {method!r} is not supported; supported: {supported}")
+        raise ArtifactError(
+            f"{config_path}: quant_method {method!r} is not supported yet; supported: "
+            f"{supported} (export with `compress run` to convert)"
+        )
+    raise ArtifactError(
+        f"{config_path}: quant_method {method!r} is not supported; supported: {supported}"
+    )
 
 
 def load_model(
@@ -114,10 +131,14 @@ def load_model(
         if not os.path.lexists(config_path):
             raise _missing(str(path_or_id))
         manifest = check_folder(path, verify)
-        qc = read_quant_config(path)  # config.json's block, else quantize_config.json / quant_config.json
+        qc = read_quant_config(
+            path
+        )  # config.json's block, else quantize_config.json / quant_config.json
         if qc:
             check_quant_method(qc, config_path)
-            skip = (manifest or unverified_manifest(path) or ArtifactManifest("")).kv_cache_skip_layers
+            skip = (
+                manifest or unverified_manifest(path) or ArtifactManifest("")
+            ).kv_cache_skip_layers
             model = _load_ct(path, qc, _dtype(dtype), trust_remote_code, skip)
             return _finish(model, path, manifest, True, device, trust_remote_code)
         model = _from_pretrained(str(path), _dtype(dtype), trust_remote_code)
@@ -135,14 +156,17 @@ def load_model(
 class SkeletonModel:
     """A model whose decoder layers stay on disk until asked for (runtime/loading/lazy_weights.py)."""
 
-    model: nn.Module  # HF causal LM, eval mode: tensors outside `layers` loaded, the layers' on meta
+    model: (
+        nn.Module
+    )  # HF causal LM, eval mode: tensors outside `layers` loaded, the layers' on meta
     tokenizer: object | None  # HF tokenizer, or None when the folder has none
     checkpoint: CheckpointTensors  # every tensor of the folder, read on demand
     dtype: torch.dtype  # the checkpoint's dtype: the loaded tensors are in it
 
 
-def load_skeleton(path: str | Path, layers: str, verify: str = "strict",
-                  trust_remote_code: bool = False) -> SkeletonModel:
+def load_skeleton(
+    path: str | Path, layers: str, verify: str = "strict", trust_remote_code: bool = False
+) -> SkeletonModel:
     """A local unquantized safetensors checkpoint as a model skeleton (`empty_model`) holding only
     the tensors outside the module list at `layers` (e.g. 'model.layers'), in the checkpoint's
     dtype; decoder layers are read later, one at a time (compress/layer_store.py).
@@ -156,7 +180,9 @@ def load_skeleton(path: str | Path, layers: str, verify: str = "strict",
         raise _missing(str(path))
     check_folder(path, verify)
     if read_quant_config(path):
-        raise ArtifactError(f"{path} is quantized; layer-by-layer loading reads unquantized checkpoints")
+        raise ArtifactError(
+            f"{path} is quantized; layer-by-layer loading reads unquantized checkpoints"
+        )
     checkpoint = CheckpointTensors(path)
     dtype = checkpoint.dtype() or torch.float32
     config = load_config(path, trust_remote_code)
@@ -167,8 +193,10 @@ def load_skeleton(path: str | Path, layers: str, verify: str = "strict",
     missing = sorted(k for k in names if k not in checkpoint)
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise ArtifactError(f"{path}: the weight files have no tensor {missing[0]}{more} under the model's "
-                            "own names; load it whole (load_model) instead")
+        raise ArtifactError(
+            f"{path}: the weight files have no tensor {missing[0]}{more} under the model's "
+            "own names; load it whole (load_model) instead"
+        )
     inside = layers + "."
     assign(model, checkpoint.read([k for k in names if not k.startswith(inside)]))
     model.tie_weights()  # assign replaced the tied parameter: tie its aliases to the loaded one again
@@ -194,8 +222,9 @@ def load_config(path_or_id: str | Path, trust_remote_code: bool = False):
     except OSError as e:
         raise _missing(str(path_or_id), e) from e
     except ValueError as e:  # e.g. a model_type this transformers does not know
-        raise ArtifactError(f"{path_or_id}: transformers cannot read its config "
-                            f"({str(e).splitlines()[0]})") from None
+        raise ArtifactError(
+            f"{path_or_id}: transformers cannot read its config ({str(e).splitlines()[0]})"
+        ) from None
 
 
 def check_folder(path: Path, verify: str) -> ArtifactManifest | None:
@@ -212,10 +241,13 @@ def _from_pretrained(name: str, dtype: torch.dtype | None, trust_remote_code: bo
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(
-        name, dtype=dtype or "auto", trust_remote_code=trust_remote_code, use_safetensors=True)
+        name, dtype=dtype or "auto", trust_remote_code=trust_remote_code, use_safetensors=True
+    )
 
 
-def _finish(model: nn.Module, source, manifest, quantized: bool, device, trust_remote_code) -> LoadedModel:
+def _finish(
+    model: nn.Module, source, manifest, quantized: bool, device, trust_remote_code
+) -> LoadedModel:
     model = model.to(device).eval()
     if hasattr(model.config, MARKER_KEY):  # a re-saved copy is not the verified artifact
         delattr(model.config, MARKER_KEY)
@@ -230,8 +262,13 @@ def _tokenizer(source: Path | str, trust_remote_code: bool):
     return AutoTokenizer.from_pretrained(str(source), trust_remote_code=trust_remote_code)
 
 
-def _load_ct(path: Path, qc: dict, dtype: torch.dtype | None, trust_remote_code: bool,
-             kv_skip_layers: list[int] = ()) -> nn.Module:
+def _load_ct(
+    path: Path,
+    qc: dict,
+    dtype: torch.dtype | None,
+    trust_remote_code: bool,
+    kv_skip_layers: list[int] = (),
+) -> nn.Module:
     """Build the HF architecture, swap targeted Linears for QuantLinear, load tensors strictly;
     with fp8 K/V scales, attend over fp8 K/V except in `kv_skip_layers` (the manifest's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -242,7 +279,8 @@ def _load_ct(path: Path, qc: dict, dtype: torch.dtype | None, trust_remote_code:
         delattr(config, "quantization_config")  # keep transformers' CT quantizer out of it
     with no_init_weights():  # storage is allocated but not initialized: every tensor is loaded
         model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype or config.dtype, trust_remote_code=trust_remote_code)
+            config, dtype=dtype or config.dtype, trust_remote_code=trust_remote_code
+        )
     model.tie_weights()  # no_init_weights also skips the tying that init_weights does
     qc, tensors = import_checkpoint(qc, read_safetensors(path), path)  # gptq/awq -> CT buffers
     replace_linears(model, qc)
@@ -257,8 +295,9 @@ def _load_ct(path: Path, qc: dict, dtype: torch.dtype | None, trust_remote_code:
     return model
 
 
-def pop_kv_scales(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor],
-                  path: Path) -> dict[str, tuple[float, float]]:
+def pop_kv_scales(
+    model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor], path: Path
+) -> dict[str, tuple[float, float]]:
     """Take the `<attn>.k_scale`/`v_scale` tensors out of `tensors` when kv_cache_scheme is set.
 
     Returns attention module name -> (k_scale, v_scale); {} without a kv_cache_scheme. Only static
@@ -267,12 +306,20 @@ def pop_kv_scales(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor],
     scheme = qc.get("kv_cache_scheme")
     if not scheme:
         return {}
-    kind = (scheme.get("num_bits", 8), scheme.get("type", "int"), scheme.get("strategy") or "tensor",
-            scheme.get("dynamic", False))
+    kind = (
+        scheme.get("num_bits", 8),
+        scheme.get("type", "int"),
+        scheme.get("strategy") or "tensor",
+        scheme.get("dynamic", False),
+    )
     if kind != (8, "float", "tensor", False):
-        raise ArtifactError(f"{path}: kv_cache_scheme {scheme} is not supported; supported: static fp8 "
-                            "per-tensor scales (num_bits 8, type float, strategy tensor, dynamic false)")
-    attention = [n for n, m in model.named_modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj")]
+        raise ArtifactError(
+            f"{path}: kv_cache_scheme {scheme} is not supported; supported: static fp8 "
+            "per-tensor scales (num_bits 8, type float, strategy tensor, dynamic false)"
+        )
+    attention = [
+        n for n, m in model.named_modules() if hasattr(m, "k_proj") and hasattr(m, "v_proj")
+    ]
     scales: dict[str, tuple[float, float]] = {}
     for name in attention:
         pair = []
@@ -280,8 +327,10 @@ def pop_kv_scales(model: nn.Module, qc: dict, tensors: dict[str, torch.Tensor],
             t = tensors.pop(f"{name}.{kv}", None)
             if t is None or t.numel() != 1 or not t.is_floating_point():
                 got = "missing" if t is None else f"{t.dtype} {tuple(t.shape)}"
-                raise ArtifactError(f"{path}: {name}.{kv} is {got}; config.json has a kv_cache_scheme, "
-                                    "which needs one float scale [1] per attention module (re-export)")
+                raise ArtifactError(
+                    f"{path}: {name}.{kv} is {got}; config.json has a kv_cache_scheme, "
+                    "which needs one float scale [1] per attention module (re-export)"
+                )
             pair.append(t.float().item())
         scales[name] = (pair[0], pair[1])
     return scales
@@ -297,13 +346,17 @@ def replace_linears(model: nn.Module, qc: dict) -> int:
         try:
             scheme = scheme_from_ct_dict(group)
         except (SchemeError, KeyError, TypeError, ValueError) as e:
-            raise ArtifactError(f"quantization_config.config_groups.{gname} is not a supported "
-                                f"scheme: {e}") from None
+            raise ArtifactError(
+                f"quantization_config.config_groups.{gname} is not a supported scheme: {e}"
+            ) from None
         fmt = group.get("format") or qc.get("format")
         groups.append((gname, group.get("targets") or [], scheme, fmt))
     ignore = qc.get("ignore") or []
-    targets = [(n, m) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not matches(n, m, ignore)]
+    targets = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not matches(n, m, ignore)
+    ]
     count = 0
     for name, linear in targets:
         hit = next((g for g in groups if matches(name, linear, g[1])), None)
@@ -320,8 +373,15 @@ def replace_linears(model: nn.Module, qc: dict) -> int:
 
 
 def _quant_linear(linear: nn.Linear, scheme: QuantScheme, fmt: str) -> QuantLinear:
-    return QuantLinear(linear.in_features, linear.out_features, linear.bias is not None, scheme,
-                       fmt, dtype=linear.weight.dtype, device=linear.weight.device)
+    return QuantLinear(
+        linear.in_features,
+        linear.out_features,
+        linear.bias is not None,
+        scheme,
+        fmt,
+        dtype=linear.weight.dtype,
+        device=linear.weight.device,
+    )
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -349,9 +409,11 @@ def load_state_strict(model: nn.Module, tensors: dict[str, torch.Tensor], path: 
             continue
         both_float = t.is_floating_point() and want.is_floating_point()  # floats cast to dtype
         if t.shape != want.shape or (t.dtype != want.dtype and not both_float):
-            raise ArtifactError(f"{path}: tensor {key} has {t.dtype} {tuple(t.shape)}, the model "
-                                f"expects {want.dtype} {tuple(want.shape)}; the artifact does not "
-                                "match its config.json")
+            raise ArtifactError(
+                f"{path}: tensor {key} has {t.dtype} {tuple(t.shape)}, the model "
+                f"expects {want.dtype} {tuple(want.shape)}; the artifact does not "
+                "match its config.json"
+            )
     aliases: dict[int, set[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), set()).add(n)
@@ -361,11 +423,15 @@ def load_state_strict(model: nn.Module, tensors: dict[str, torch.Tensor], path: 
     for label, keys in (("missing", missing), ("unexpected", unexpected)):
         if keys:
             more = f" and {len(keys) - 8} more" if len(keys) > 8 else ""
-            raise ArtifactError(f"{path}: {label} tensor(s) {', '.join(keys[:8])}{more}; the weight "
-                                "files do not match config.json (re-export the artifact)")
+            raise ArtifactError(
+                f"{path}: {label} tensor(s) {', '.join(keys[:8])}{more}; the weight "
+                "files do not match config.json (re-export the artifact)"
+            )
     model.load_state_dict(tensors, strict=False)
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear) and m.ct_format == "pack-quantized":
             if m.weight_shape.tolist() != [m.out_features, m.in_features]:
-                raise ArtifactError(f"{path}: {name}.weight_shape is {m.weight_shape.tolist()}, the "
-                                    f"config says [{m.out_features}, {m.in_features}]")
+                raise ArtifactError(
+                    f"{path}: {name}.weight_shape is {m.weight_shape.tolist()}, the "
+                    f"config says [{m.out_features}, {m.in_features}]"
+                )

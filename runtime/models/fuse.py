@@ -30,8 +30,13 @@ class FusedLinear(nn.Module):
 def _cat_dense(parts: list[nn.Linear]) -> nn.Linear:
     first = parts[0]
     out = sum(p.out_features for p in parts)
-    fused = nn.Linear(first.in_features, out, bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
+    fused = nn.Linear(
+        first.in_features,
+        out,
+        bias=first.bias is not None,
+        device=first.weight.device,
+        dtype=first.weight.dtype,
+    )
     with torch.no_grad():
         fused.weight.copy_(torch.cat([p.weight for p in parts]))
         if first.bias is not None:
@@ -41,12 +46,17 @@ def _cat_dense(parts: list[nn.Linear]) -> nn.Linear:
 
 def _fusable_quant(parts: list[QuantLinear]) -> bool:
     first = parts[0]
-    if any(p.scheme != first.scheme or p.ct_format != first.ct_format or
-           p.storage_dtype != first.storage_dtype or (p.bias is None) != (first.bias is None)
-           for p in parts):
+    if any(
+        p.scheme != first.scheme
+        or p.ct_format != first.ct_format
+        or p.storage_dtype != first.storage_dtype
+        or (p.bias is None) != (first.bias is None)
+        for p in parts
+    ):
         return False
-    if first.weight_g_idx is not None and any(not torch.equal(p.weight_g_idx, first.weight_g_idx)
-                                              for p in parts):
+    if first.weight_g_idx is not None and any(
+        not torch.equal(p.weight_g_idx, first.weight_g_idx) for p in parts
+    ):
         return False
     if first.scheme.weights.strategy == "tensor":
         return False  # one scale per tensor cannot hold several tensors' scales
@@ -59,11 +69,18 @@ def _fusable_quant(parts: list[QuantLinear]) -> bool:
 def _cat_quant(parts: list[QuantLinear]) -> QuantLinear:
     first = parts[0]
     out = sum(p.out_features for p in parts)
-    fused = QuantLinear(first.in_features, out, first.bias is not None, first.scheme,
-                        first.ct_format, dtype=first.weight_scale.dtype, device=first.weight_scale.device)
+    fused = QuantLinear(
+        first.in_features,
+        out,
+        first.bias is not None,
+        first.scheme,
+        first.ct_format,
+        dtype=first.weight_scale.dtype,
+        device=first.weight_scale.device,
+    )
     fused.storage_dtype = first.storage_dtype
     state = {}
-    for name, buf in fused.named_buffers():
+    for name, _buf in fused.named_buffers():
         if name == "weight_shape":
             state[name] = torch.tensor([out, first.in_features], dtype=torch.int64)
         elif name == "weight_g_idx":
@@ -88,8 +105,10 @@ def fuse_projections(model: nn.Module) -> int:
     fusions were made. The originals are removed (their memory is freed)."""
     count = 0
     for layer in model.model.layers:
-        for parent, names, fused_name in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                                          (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
+        for parent, names, fused_name in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+            (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj"),
+        ):
             if not all(hasattr(parent, n) for n in names):
                 continue
             fused = fuse_linears([getattr(parent, n) for n in names])

@@ -47,7 +47,9 @@ class ModelSpec:
 
 
 def _rope_inv_freq(config, head_dim: int) -> tuple[float, ...]:
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -63,8 +65,10 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[float, ...]:
         is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
         inv = torch.where(is_mid, mid, scaled)
     elif kind != "default":
-        raise ArtifactError(f"config.json: rope type {kind!r} is not supported by the runtime; "
-                            "supported: default, linear, llama3")
+        raise ArtifactError(
+            f"config.json: rope type {kind!r} is not supported by the runtime; "
+            "supported: default, linear, llama3"
+        )
     return tuple(inv.tolist())
 
 
@@ -72,24 +76,33 @@ def model_spec(config) -> ModelSpec:
     """ModelSpec from a transformers config; unsupported architectures are refused by name."""
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ArtifactError(f"config.json: model_type {mt!r} is not supported by the runtime; "
-                            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ArtifactError(
+            f"config.json: model_type {mt!r} is not supported by the runtime; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None)
     if mt == "qwen2" and not getattr(config, "use_sliding_window", False):
         window = None
     return ModelSpec(
-        model_type=mt, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_layers=config.num_hidden_layers,
-        num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, rms_norm_eps=config.rms_norm_eps,
+        model_type=mt,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
         qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False)),
         o_bias=mt != "qwen2" and bool(getattr(config, "attention_bias", False)),
-        mlp_bias=bool(getattr(config, "mlp_bias", False)), qk_norm=mt == "qwen3",
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        qk_norm=mt == "qwen3",
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        sliding_window=window, inv_freq=_rope_inv_freq(config, head_dim),
+        sliding_window=window,
+        inv_freq=_rope_inv_freq(config, head_dim),
     )
 
 
@@ -116,13 +129,18 @@ class Fp32Buffers(nn.Module):
     FP32_BUFFERS: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
-        before = {n: self._buffers[n] for n in self.FP32_BUFFERS if self._buffers.get(n) is not None}
+        before = {
+            n: self._buffers[n] for n in self.FP32_BUFFERS if self._buffers.get(n) is not None
+        }
         super()._apply(fn, recurse)
         for name, old in before.items():
             new = self._buffers[name]
             if new.dtype != torch.float32:  # fn cast it: redo its move from the fp32 original
-                self._buffers[name] = (torch.empty_like(new, dtype=torch.float32) if old.is_meta
-                                       else old.to(new.device))
+                self._buffers[name] = (
+                    torch.empty_like(new, dtype=torch.float32)
+                    if old.is_meta
+                    else old.to(new.device)
+                )
         return self
 
 
@@ -132,8 +150,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                kops: KernelOps | None = None):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, kops: KernelOps | None = None
+    ):
         kops = kops or ops.select(x.device, x.dtype)
         if residual is None:
             return kops.rms_norm(x, self.weight, self.eps)
@@ -154,14 +173,20 @@ class Attention(Fp32Buffers):
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
-        self.scale = d ** -0.5
+        self.scale = d**-0.5
         # fp8 KV-cache scales (per layer, fp32 whatever the model dtype); 1.0 unless the artifact
         # carries calibrated ones
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
 
-    def forward(self, x, step: StepTables, batch: BatchInputs,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], kops: KernelOps):
+    def forward(
+        self,
+        x,
+        step: StepTables,
+        batch: BatchInputs,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kops: KernelOps,
+    ):
         t = x.shape[0]
         if hasattr(self, "qkv_proj"):  # fused at load (runtime/models/fuse.py)
             q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
@@ -175,10 +200,30 @@ class Attention(Fp32Buffers):
         key_cache, value_cache = kv_cache
         # q and k rotated in place (they are views of this step's projection output), the
         # rotated k and v stored in the paged cache: one launch on the kernel path
-        kops.rope_and_write_kv(q, k, v, step.cos, step.sin, key_cache, value_cache,
-                               batch.slot_mapping, self.k_scale, self.v_scale)
-        out = kops.attention(q, k, v, key_cache, value_cache, batch, step.attention, self.scale,
-                             self.k_scale, self.v_scale)
+        kops.rope_and_write_kv(
+            q,
+            k,
+            v,
+            step.cos,
+            step.sin,
+            key_cache,
+            value_cache,
+            batch.slot_mapping,
+            self.k_scale,
+            self.v_scale,
+        )
+        out = kops.attention(
+            q,
+            k,
+            v,
+            key_cache,
+            value_cache,
+            batch,
+            step.attention,
+            self.scale,
+            self.k_scale,
+            self.v_scale,
+        )
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -192,7 +237,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, kops: KernelOps) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):  # fused at load: [T, 2I] is what silu_and_mul takes
             return self.down_proj(kops.silu_and_mul(self.gate_up_proj(x)))
-        return self.down_proj(kops.silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+        return self.down_proj(
+            kops.silu_and_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], -1))
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -239,8 +286,9 @@ class CausalLM(Fp32Buffers):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", torch.tensor(spec.inv_freq, dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", torch.tensor(spec.inv_freq, dtype=torch.float32), persistent=False
+        )
         self._kops: tuple[torch.device, KernelOps] | None = None  # (device, its ops), first forward
 
     def kernel_ops(self, device: torch.device) -> KernelOps:
@@ -252,8 +300,12 @@ class CausalLM(Fp32Buffers):
             cached = self._kops = (device, ops.select(device, dtype))
         return cached[1]
 
-    def step_tables(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                    kops: KernelOps) -> StepTables:
+    def step_tables(
+        self,
+        batch: BatchInputs,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kops: KernelOps,
+    ) -> StepTables:
         """What every layer of this step shares: RoPE cos/sin [T, D/2] fp32 and the attention
         plan (the torch path's index work; None on the kernel path)."""
         cos, sin = rope_tables(batch.positions, self.inv_freq)
@@ -261,7 +313,9 @@ class CausalLM(Fp32Buffers):
         return StepTables(cos, sin, plan)
 
     @torch.inference_mode()
-    def forward(self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self, batch: BatchInputs, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """fp32 logits [S, vocab] for the rows batch.logits_indices selects."""
         kops = self.kernel_ops(batch.input_ids.device)
         step = self.step_tables(batch, kv_caches, kops)

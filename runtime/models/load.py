@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 from slimserve.runtime.artifact.importers import import_checkpoint, read_quant_config
-from slimserve.runtime.artifact.manifest import MANIFEST_NAME, ArtifactManifest, check_gate, unverified_manifest
+from slimserve.runtime.artifact.manifest import (
+    MANIFEST_NAME,
+    ArtifactManifest,
+    check_gate,
+    unverified_manifest,
+)
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loading.loader import (
@@ -73,9 +78,15 @@ def reset_runtime_buffers(model: CausalLM) -> None:
         layer.self_attn.v_scale.fill_(1.0)
 
 
-def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-                trust_remote_code: bool = False, verify: str = "strict",
-                allow_failed_gate: bool = False, shard=None) -> BuiltModel:
+def build_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    trust_remote_code: bool = False,
+    verify: str = "strict",
+    allow_failed_gate: bool = False,
+    shard=None,
+) -> BuiltModel:
     """Load `path` (artifact or HF checkpoint folder) into our CausalLM on `device` in `dtype`.
 
     verify: "strict" (a slimserve artifact needs a matching slimserve.json) or "none"; the
@@ -90,8 +101,10 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
 
     path = Path(path)
     if not os.path.lexists(path / "config.json"):
-        raise ArtifactError(f"{path}: no config.json; pass an artifact made by `compress run` or "
-                            "a Hugging Face checkpoint folder")
+        raise ArtifactError(
+            f"{path}: no config.json; pass an artifact made by `compress run` or "
+            "a Hugging Face checkpoint folder"
+        )
     manifest = check_folder(path, verify) or unverified_manifest(path)
     if not allow_failed_gate:
         check_gate(path, manifest)
@@ -111,7 +124,11 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
             shard.after_replace(model)
     kv_scales = pop_kv_scales(model, qc, tensors, path) if qc else {}
     model = model.to(dtype).to_empty(device=device)
-    if spec.tie_word_embeddings and model.lm_head is not None and model.model.embed_tokens is not None:
+    if (
+        spec.tie_word_embeddings
+        and model.lm_head is not None
+        and model.model.embed_tokens is not None
+    ):
         # to_empty gives shared parameters separate storage: re-tie
         model.lm_head.weight = model.model.embed_tokens.weight
         tensors.pop("lm_head.weight", None)
@@ -129,11 +146,21 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     fuse_projections(model)
     if shard is not None:
         shard.parallelize(model)
-    tokenizer = (AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-                 if has_tokenizer(path) and (shard is None or shard.rank == 0) else None)
-    return BuiltModel(model.eval(), spec, tokenizer, bool(kv_scales), quantized,
-                      _eos_ids(path, config, tokenizer), dtype,
-                      _kv_skip_layers(manifest, spec.num_layers) if kv_scales else ())
+    tokenizer = (
+        AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        if has_tokenizer(path) and (shard is None or shard.rank == 0)
+        else None
+    )
+    return BuiltModel(
+        model.eval(),
+        spec,
+        tokenizer,
+        bool(kv_scales),
+        quantized,
+        _eos_ids(path, config, tokenizer),
+        dtype,
+        _kv_skip_layers(manifest, spec.num_layers) if kv_scales else (),
+    )
 
 
 def _kv_skip_layers(manifest: ArtifactManifest | None, num_layers: int) -> tuple[int, ...]:
@@ -141,12 +168,16 @@ def _kv_skip_layers(manifest: ArtifactManifest | None, num_layers: int) -> tuple
     skip = manifest.kv_cache_skip_layers if manifest is not None else []
     bad = [i for i in skip if not (isinstance(i, int) and 0 <= i < num_layers)]
     if bad:
-        raise ArtifactError(f"{MANIFEST_NAME}: kv_cache_skip_layers {bad} are not layers of this "
-                            f"{num_layers}-layer model; re-export the artifact")
+        raise ArtifactError(
+            f"{MANIFEST_NAME}: kv_cache_skip_layers {bad} are not layers of this "
+            f"{num_layers}-layer model; re-export the artifact"
+        )
     return tuple(sorted(set(skip)))
 
 
-def random_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
+def random_model(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> CausalLM:
     """A randomly initialized dense CausalLM (benchmarks of model shapes we cannot download)."""
     torch.manual_seed(seed)
     with torch.device(device):

@@ -60,7 +60,6 @@ from prometheus_client.registry import Collector
 
 from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER
-from slimserve.runtime.router.relay import relay_segments
 from slimserve.runtime.router.policy import (
     Policy,
     PrefixIndex,
@@ -69,6 +68,7 @@ from slimserve.runtime.router.policy import (
     predicted_ttft,
     prompt_info,
 )
+from slimserve.runtime.router.relay import relay_segments
 from slimserve.runtime.router.replicas import (
     POLL_INTERVAL_S,
     Replica,
@@ -108,14 +108,19 @@ class _ReplicaCollector(Collector):
         self.replicas = replicas
 
     def collect(self):
-        up = GaugeMetricFamily(P + "replica_up", "1 while the replica is in rotation.",
-                               labels=["replica"])
-        inflight = GaugeMetricFamily(P + "replica_requests_inflight",
-                                     "Requests this router has in flight on the replica.",
-                                     labels=["replica"])
-        queued = GaugeMetricFamily(P + "replica_queued_prefill_tokens",
-                                   "Queued prefill tokens the replica last reported.",
-                                   labels=["replica"])
+        up = GaugeMetricFamily(
+            P + "replica_up", "1 while the replica is in rotation.", labels=["replica"]
+        )
+        inflight = GaugeMetricFamily(
+            P + "replica_requests_inflight",
+            "Requests this router has in flight on the replica.",
+            labels=["replica"],
+        )
+        queued = GaugeMetricFamily(
+            P + "replica_queued_prefill_tokens",
+            "Queued prefill tokens the replica last reported.",
+            labels=["replica"],
+        )
         for r in self.replicas:
             up.add_metric([r.url], 1.0 if r.up else 0.0)
             inflight.add_metric([r.url], r.state.inflight)
@@ -142,19 +147,36 @@ class _ProxyStream(ClosingStreamingResponse):
 class RouterMetrics:
     def __init__(self, replicas: ReplicaSet) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter(P + "requests", "Requests proxied, by replica and HTTP status.",
-                                ["replica", "status"], registry=self.registry)
-        self.failures = Counter(P + "replica_failures", "Requests a replica failed while serving "
-                                "them, or refused before starting them.", ["replica", "kind"],
-                                registry=self.registry)
-        self.retries = Counter(P + "retries", "Requests sent to another replica after one refused "
-                               "them.", registry=self.registry)
-        self.handovers = Counter(P + "kv_handovers", "Requests prefilled on a prefill replica and "
-                                 "continued on a decode replica.", registry=self.registry)
-        self.relayed = Counter(P + "kv_relayed_bytes", "KV segment bytes moved over HTTP between "
-                               "replicas on different hosts.", registry=self.registry)
-        self.no_replica = Counter(P + "no_replica", "Requests refused with 503: no replica up.",
-                                  registry=self.registry)
+        self.requests = Counter(
+            P + "requests",
+            "Requests proxied, by replica and HTTP status.",
+            ["replica", "status"],
+            registry=self.registry,
+        )
+        self.failures = Counter(
+            P + "replica_failures",
+            "Requests a replica failed while serving them, or refused before starting them.",
+            ["replica", "kind"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            P + "retries",
+            "Requests sent to another replica after one refused them.",
+            registry=self.registry,
+        )
+        self.handovers = Counter(
+            P + "kv_handovers",
+            "Requests prefilled on a prefill replica and continued on a decode replica.",
+            registry=self.registry,
+        )
+        self.relayed = Counter(
+            P + "kv_relayed_bytes",
+            "KV segment bytes moved over HTTP between replicas on different hosts.",
+            registry=self.registry,
+        )
+        self.no_replica = Counter(
+            P + "no_replica", "Requests refused with 503: no replica up.", registry=self.registry
+        )
         self.registry.register(_ReplicaCollector(replicas))
 
     def render(self) -> bytes:
@@ -164,8 +186,14 @@ class RouterMetrics:
 class Router:
     """Route handlers and state of one router app."""
 
-    def __init__(self, replicas: ReplicaSet, policy: Policy, body_timeout_s: float,
-                 stream_timeout_s: float | None, internal_key: str | None = None) -> None:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        policy: Policy,
+        body_timeout_s: float,
+        stream_timeout_s: float | None,
+        internal_key: str | None = None,
+    ) -> None:
         self.replicas = replicas
         self.internal = internal_headers(internal_key)  # sent on internal calls to replicas
         self.policy = policy
@@ -177,10 +205,16 @@ class Router:
     # -- proxying ---------------------------------------------------------------------------------
 
     def _pick(self, prompt: PromptInfo, tried: set[str], role: str | None = None) -> Replica | None:
-        states = [s for s in self.replicas.states()
-                  if s.url not in tried and (role is None or s.role == role)]
-        state = self.policy.choose(states, prompt) if role != "decode" else \
-            self.policy.choose_decode(states)
+        states = [
+            s
+            for s in self.replicas.states()
+            if s.url not in tried and (role is None or s.role == role)
+        ]
+        state = (
+            self.policy.choose(states, prompt)
+            if role != "decode"
+            else self.policy.choose_decode(states)
+        )
         return None if state is None else self.replicas.by_state(state)
 
     def disaggregated(self) -> bool:
@@ -214,62 +248,96 @@ class Router:
         tried: set[str] = set()
         while True:
             replica = self._next_replica(prompt, tried)
-            out = await self._attempt(request, replica, replica.dispatch(prompt), path, body, headers)
+            out = await self._attempt(
+                request, replica, replica.dispatch(prompt), path, body, headers
+            )
             if out is not None:
                 return out  # else refused before starting: try another
 
-    async def _handover(self, request: Request, path: str, body: bytes, prompt: PromptInfo,
-                        headers: dict[str, str]) -> Response:
+    async def _handover(
+        self, request: Request, path: str, body: bytes, prompt: PromptInfo, headers: dict[str, str]
+    ) -> Response:
         """Prefill on a prefill replica, then continue on a decode replica (module doc)."""
         tried: set[str] = set()
         while True:
             replica = self._next_replica(prompt, tried, "prefill")
             ticket = replica.dispatch(prompt)
             try:
-                resp = await self._send(request, replica, ticket, path, body,
-                                        {**headers, **self.internal, PREFILL_HEADER: "1"})
+                resp = await self._send(
+                    request,
+                    replica,
+                    ticket,
+                    path,
+                    body,
+                    {**headers, **self.internal, PREFILL_HEADER: "1"},
+                )
                 if resp is None:
                     self.metrics.retries.inc()
                     continue
-                data = resp.content if resp.is_closed else await self._read(request, replica,
-                                                                            ticket, resp)
+                data = (
+                    resp.content
+                    if resp.is_closed
+                    else await self._read(request, replica, ticket, resp)
+                )
             finally:
                 ticket.done()
             self.metrics.requests.labels(replica.url, str(resp.status_code)).inc()
             if resp.status_code != 200:  # the request's own error (400, ...): the client's answer
-                return Response(data, resp.status_code,
-                                media_type=resp.headers.get("content-type", "application/json"))
+                return Response(
+                    data,
+                    resp.status_code,
+                    media_type=resp.headers.get("content-type", "application/json"),
+                )
             try:
                 segments = json.loads(data)["kv_segments"]
                 assert isinstance(segments, list) and all(isinstance(x, str) for x in segments)
             except (ValueError, KeyError, TypeError, AssertionError):
-                raise APIError(502, f"prefill replica {replica.url} answered without KV segments; "
-                                    "is it a slimserve server of this version?",
-                               code="replica_failed") from None
+                raise APIError(
+                    502,
+                    f"prefill replica {replica.url} answered without KV segments; "
+                    "is it a slimserve server of this version?",
+                    code="replica_failed",
+                ) from None
             break
         self.metrics.handovers.inc()
         prefill, tried = replica, set()
         while True:
             replica = self._next_replica(PromptInfo(1), tried, "decode")
             relay = prefill.state.kv_host != replica.state.kv_host and None not in (
-                prefill.state.kv_host, replica.state.kv_host)  # an older server: one host
+                prefill.state.kv_host,
+                replica.state.kv_host,
+            )  # an older server: one host
             if relay:  # runtime/router/relay.py
                 assert self.client is not None
-                names = await relay_segments(self.client, prefill.url, replica.url, segments,
-                                             self.internal, self.metrics.relayed.inc)
+                names = await relay_segments(
+                    self.client,
+                    prefill.url,
+                    replica.url,
+                    segments,
+                    self.internal,
+                    self.metrics.relayed.inc,
+                )
             else:
                 names = segments
             kv = {**headers, **self.internal, KV_HEADER: ",".join(names)}
-            out = await self._attempt(request, replica, replica.dispatch(PromptInfo(1)), path, body, kv)
+            out = await self._attempt(
+                request, replica, replica.dispatch(PromptInfo(1)), path, body, kv
+            )
             if out is not None:
                 return out
             if relay:  # the prefill side handed its segments out to this one: nothing left to move
-                raise APIError(503, f"decode replica {replica.url} refused the request after its "
-                                    "KV was moved there; retry", code="no_replica",
-                               headers={"Retry-After": "1"})
+                raise APIError(
+                    503,
+                    f"decode replica {replica.url} refused the request after its "
+                    "KV was moved there; retry",
+                    code="no_replica",
+                    headers={"Retry-After": "1"},
+                )
             # else refused before reading the segments: the next one may take it
 
-    def _next_replica(self, prompt: PromptInfo, tried: set[str], role: str | None = None) -> Replica:
+    def _next_replica(
+        self, prompt: PromptInfo, tried: set[str], role: str | None = None
+    ) -> Replica:
         """The policy's pick among the replicas (of `role`) not tried yet, now counted as tried;
         a 503 when none is left."""
         replica = self._pick(prompt, tried, role)
@@ -277,12 +345,21 @@ class Router:
             self.metrics.no_replica.inc()
             kind = f"{role} replica" if role else "replica"
             what = f"every {kind} refused the request" if tried else f"no {kind} is up"
-            raise APIError(503, f"{what}; retry later", code="no_replica", headers={"Retry-After": "1"})
+            raise APIError(
+                503, f"{what}; retry later", code="no_replica", headers={"Retry-After": "1"}
+            )
         tried.add(replica.url)
         return replica
 
-    async def _attempt(self, request: Request, replica: Replica, ticket: Ticket, path: str, body: bytes,
-                       headers: dict[str, str]) -> Response | None:
+    async def _attempt(
+        self,
+        request: Request,
+        replica: Replica,
+        ticket: Ticket,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+    ) -> Response | None:
         """Send to `replica` and relay its answer; None (ticket closed, a retry counted) when it
         refused before starting the request, so the caller tries another."""
         try:
@@ -302,14 +379,22 @@ class Router:
                 await resp.aclose()
             raise
 
-    async def _send(self, request: Request, replica: Replica, ticket: Ticket, path: str,
-                    body: bytes, headers: dict[str, str]) -> httpx.Response | None:
+    async def _send(
+        self,
+        request: Request,
+        replica: Replica,
+        ticket: Ticket,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+    ) -> httpx.Response | None:
         """The replica's response (headers only); None when it refused before starting."""
         assert self.client is not None
         req = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
         try:
             resp = await unless_disconnected(
-                request, self._guarded(replica, ticket, self.client.send(req, stream=True)))
+                request, self._guarded(replica, ticket, self.client.send(req, stream=True))
+            )
         except ClientGone:
             raise APIError(CLIENT_CLOSED, "client closed the request") from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -341,11 +426,15 @@ class Router:
             self.metrics.failures.labels(replica.url, "lost").inc()
             why = f"{type(e).__name__}: {e}"
             replica.mark_down(why)
-        return APIError(502, f"replica {replica.url} failed while serving the request: {why}",
-                        code="replica_failed")
+        return APIError(
+            502,
+            f"replica {replica.url} failed while serving the request: {why}",
+            code="replica_failed",
+        )
 
-    async def _read(self, request: Request, replica: Replica, ticket: Ticket,
-                    resp: httpx.Response) -> bytes:
+    async def _read(
+        self, request: Request, replica: Replica, ticket: Ticket, resp: httpx.Response
+    ) -> bytes:
         try:
             return await unless_disconnected(request, self._guarded(replica, ticket, resp.aread()))
         except ClientGone:
@@ -355,14 +444,16 @@ class Router:
         finally:
             await resp.aclose()
 
-    async def _relay(self, request: Request, replica: Replica, ticket: Ticket,
-                     resp: httpx.Response) -> Response:
+    async def _relay(
+        self, request: Request, replica: Replica, ticket: Ticket, resp: httpx.Response
+    ) -> Response:
         # the replica sends its headers once the first output exists: prefill is over
         ticket.first_token()
         media = resp.headers.get("content-type", "application/json")
         if resp.status_code != 200 or not media.startswith("text/event-stream"):
-            data = resp.content if resp.is_closed else await self._read(request, replica, ticket,
-                                                                        resp)
+            data = (
+                resp.content if resp.is_closed else await self._read(request, replica, ticket, resp)
+            )
             ticket.done()
             self.metrics.requests.labels(replica.url, str(resp.status_code)).inc()
             extra = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
@@ -373,12 +464,17 @@ class Router:
             ticket.done()
             await resp.aclose()  # a client gone mid-stream: the replica sees it and aborts
 
-        return _ProxyStream(self._events(replica, ticket, resp), cleanup=cleanup,
-                            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                            send_timeout=self.stream_timeout_s)
+        return _ProxyStream(
+            self._events(replica, ticket, resp),
+            cleanup=cleanup,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            send_timeout=self.stream_timeout_s,
+        )
 
-    async def _events(self, replica: Replica, ticket: Ticket,
-                      resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def _events(
+        self, replica: Replica, ticket: Ticket, resp: httpx.Response
+    ) -> AsyncIterator[bytes]:
         """The replica's SSE events, each forwarded once it is complete; an error event and
         [DONE] when the replica fails mid-stream or ends it without [DONE]."""
         chunks = resp.aiter_bytes()
@@ -425,10 +521,14 @@ class Router:
             except httpx.HTTPError as e:
                 replica.mark_down(f"{type(e).__name__}: {e}")
                 continue
-            return Response(r.content, r.status_code,
-                            media_type=r.headers.get("content-type", "application/json"))
-        raise APIError(503, "no replica is up; retry later", code="no_replica",
-                       headers={"Retry-After": "1"})
+            return Response(
+                r.content,
+                r.status_code,
+                media_type=r.headers.get("content-type", "application/json"),
+            )
+        raise APIError(
+            503, "no replica is up; retry later", code="no_replica", headers={"Retry-After": "1"}
+        )
 
     async def models(self, request: Request) -> Response:
         return await self._get(request, "/v1/models")
@@ -458,14 +558,16 @@ class Router:
                 answers[replica.url] = "down"
                 continue
             try:
-                r = await self.client.post(replica.url + "/reset_prefix_cache", headers=headers,
-                                           timeout=10)
+                r = await self.client.post(
+                    replica.url + "/reset_prefix_cache", headers=headers, timeout=10
+                )
                 answers[replica.url] = r.status_code
             except httpx.HTTPError as e:
                 answers[replica.url] = f"{type(e).__name__}: {e}"
         ok = all(a in (200, "down") for a in answers.values())
-        return JSONResponse({"status": "ok" if ok else "failed", "replicas": answers},
-                            200 if ok else 502)
+        return JSONResponse(
+            {"status": "ok" if ok else "failed", "replicas": answers}, 200 if ok else 502
+        )
 
     def _describe(self) -> dict[str, Any]:
         probe = prompt_info({"prompt": "x" * 400}, chat=False)  # a 100-token request
@@ -514,23 +616,37 @@ class Router:
 def admin_auth(admin_key: str | None):
     async def check(request: Request) -> None:
         if admin_key is None:
-            raise APIError(403, "the replica list is fixed: start the router with --admin-key "
-                                "to add and remove replicas at run time", code="admin_disabled")
+            raise APIError(
+                403,
+                "the replica list is fixed: start the router with --admin-key "
+                "to add and remove replicas at run time",
+                code="admin_disabled",
+            )
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 admin_key.encode()):
-            raise APIError(401, "missing or incorrect admin key", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), admin_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or incorrect admin key",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     return check
 
 
-def build_router_app(replica_urls: list[str], *, policy: str = "least-latency",
-                     api_key: str | None = None, admin_key: str | None = None,
-                     poll_interval_s: float = POLL_INTERVAL_S,
-                     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                     stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
-                     internal_key: str | None = None) -> FastAPI:
+def build_router_app(
+    replica_urls: list[str],
+    *,
+    policy: str = "least-latency",
+    api_key: str | None = None,
+    admin_key: str | None = None,
+    poll_interval_s: float = POLL_INTERVAL_S,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
+    internal_key: str | None = None,
+) -> FastAPI:
     """The router app over `replica_urls` (more can be added at run time with `admin_key`).
 
     api_key: require `Authorization: Bearer <api_key>` on /v1/* and GET /router/replicas; the
@@ -548,8 +664,9 @@ def build_router_app(replica_urls: list[str], *, policy: str = "least-latency",
         # for an older server); a pooled connection reused just as a replica closes it fails
         # with "Server disconnected without sending a response", which would take a healthy
         # replica out: expire ours sooner.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                              keepalive_expiry=2.0)
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0
+        )
         timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=None)
         async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
             router.client = client
@@ -573,13 +690,28 @@ def build_router_app(replica_urls: list[str], *, policy: str = "least-latency",
     v1.add_api_route("/completions", router.completions, methods=["POST"])
     v1.add_api_route("/chat/completions", router.chat, methods=["POST"])
     app.include_router(v1)
-    app.add_api_route("/reset_prefix_cache", router.reset_prefix_cache, methods=["POST"],
-                      dependencies=[Depends(internal_auth(internal_key,
-                                                          "POST /reset_prefix_cache"))])
-    app.add_api_route("/router/replicas", router.list_replicas, methods=["GET"],
-                      dependencies=[Depends(bearer_auth(api_key))])
-    app.add_api_route("/router/replicas", router.add_replica, methods=["POST"],
-                      dependencies=[Depends(admin_auth(admin_key))])
-    app.add_api_route("/router/replicas", router.remove_replica, methods=["DELETE"],
-                      dependencies=[Depends(admin_auth(admin_key))])
+    app.add_api_route(
+        "/reset_prefix_cache",
+        router.reset_prefix_cache,
+        methods=["POST"],
+        dependencies=[Depends(internal_auth(internal_key, "POST /reset_prefix_cache"))],
+    )
+    app.add_api_route(
+        "/router/replicas",
+        router.list_replicas,
+        methods=["GET"],
+        dependencies=[Depends(bearer_auth(api_key))],
+    )
+    app.add_api_route(
+        "/router/replicas",
+        router.add_replica,
+        methods=["POST"],
+        dependencies=[Depends(admin_auth(admin_key))],
+    )
+    app.add_api_route(
+        "/router/replicas",
+        router.remove_replica,
+        methods=["DELETE"],
+        dependencies=[Depends(admin_auth(admin_key))],
+    )
     return app

@@ -54,8 +54,9 @@ import math
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from slimserve.runtime.stats.step_cost import FIELDS, StepCost
 
@@ -93,19 +94,30 @@ def _hashes(parts: Sequence[bytes]) -> tuple[bytes, ...]:
 
 
 def text_prompt(text: str) -> PromptInfo:
-    chunks = [text[i: i + CHUNK_CHARS].encode("utf-8", "surrogatepass")
-              for i in range(0, min(len(text), CHUNK_CHARS * MAX_CHUNKS), CHUNK_CHARS)]
+    chunks = [
+        text[i : i + CHUNK_CHARS].encode("utf-8", "surrogatepass")
+        for i in range(0, min(len(text), CHUNK_CHARS * MAX_CHUNKS), CHUNK_CHARS)
+    ]
     full = [c for i, c in enumerate(chunks) if (i + 1) * CHUNK_CHARS <= len(text)]
-    return PromptInfo(max(1, round(len(text) / CHARS_PER_TOKEN)), _hashes(full),
-                      CHUNK_CHARS / CHARS_PER_TOKEN, len(text))
+    return PromptInfo(
+        max(1, round(len(text) / CHARS_PER_TOKEN)),
+        _hashes(full),
+        CHUNK_CHARS / CHARS_PER_TOKEN,
+        len(text),
+    )
 
 
 def ids_prompt(ids: Sequence[int]) -> PromptInfo:
-    full = [",".join(map(str, ids[i: i + CHUNK_TOKENS])).encode()
-            for i in range(0, min(len(ids), CHUNK_TOKENS * MAX_CHUNKS), CHUNK_TOKENS)
-            if i + CHUNK_TOKENS <= len(ids)]
-    return PromptInfo(max(1, len(ids)), _hashes([b"ids:" + full[0]] + full[1:]) if full else (),
-                      float(CHUNK_TOKENS))
+    full = [
+        ",".join(map(str, ids[i : i + CHUNK_TOKENS])).encode()
+        for i in range(0, min(len(ids), CHUNK_TOKENS * MAX_CHUNKS), CHUNK_TOKENS)
+        if i + CHUNK_TOKENS <= len(ids)
+    ]
+    return PromptInfo(
+        max(1, len(ids)),
+        _hashes([b"ids:" + full[0]] + full[1:]) if full else (),
+        float(CHUNK_TOKENS),
+    )
 
 
 def prompt_info(body: Any, chat: bool) -> PromptInfo:
@@ -122,8 +134,11 @@ def prompt_info(body: Any, chat: bool) -> PromptInfo:
                 continue
             content = m.get("content")
             if isinstance(content, list):  # content parts: their text
-                content = "".join(p.get("text", "") for p in content
-                                  if isinstance(p, dict) and isinstance(p.get("text"), str))
+                content = "".join(
+                    p.get("text", "")
+                    for p in content
+                    if isinstance(p, dict) and isinstance(p.get("text"), str)
+                )
             parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else ''}")
         return text_prompt("".join(parts))
     prompt = body.get("prompt")
@@ -199,8 +214,11 @@ def prompt_tokens(replica: ReplicaState, prompt: PromptInfo) -> float:
 
 def cached_tokens(replica: ReplicaState, prompt: PromptInfo) -> int:
     """Tokens of the prompt the replica likely holds in its prefix cache (never all of it)."""
-    per_chunk = prompt.tokens_per_chunk if prompt.chars is None or not replica.chars_per_token \
+    per_chunk = (
+        prompt.tokens_per_chunk
+        if prompt.chars is None or not replica.chars_per_token
         else CHUNK_CHARS / replica.chars_per_token
+    )
     held = replica.prefixes.match(prompt.prefix_hashes) * per_chunk
     return int(min(held, prompt_tokens(replica, prompt) - 1))
 
@@ -215,8 +233,10 @@ def reported_cost(replica: ReplicaState) -> StepCost | None:
     if replica.step_cost is not None:
         return replica.step_cost
     if replica.step_time_s or replica.prefill_s_per_token:
-        return StepCost(replica.step_time_s or DEFAULT_STEP_TIME_S,
-                        replica.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN)
+        return StepCost(
+            replica.step_time_s or DEFAULT_STEP_TIME_S,
+            replica.prefill_s_per_token or DEFAULT_PREFILL_S_PER_TOKEN,
+        )
     return None
 
 
@@ -228,8 +248,12 @@ def fleet_cost(replicas: Sequence[ReplicaState]) -> StepCost:
     return StepCost(*(sum(getattr(c, f) for c in costs) / len(costs) for f in FIELDS))
 
 
-def predicted_ttft(replica: ReplicaState, prompt: PromptInfo, default_cost: StepCost = DEFAULT_COST,
-                   now: float | None = None) -> float:
+def predicted_ttft(
+    replica: ReplicaState,
+    prompt: PromptInfo,
+    default_cost: StepCost = DEFAULT_COST,
+    now: float | None = None,
+) -> float:
     """Seconds until this request's first token on `replica` (the model in the module doc)."""
     cost = reported_cost(replica) or default_cost
     budget = replica.max_num_batched_tokens
@@ -278,17 +302,31 @@ class LeastLatency(Policy):
         # a replica that has not measured itself yet is assumed to be as fast as the others
         default, now = fleet_cost(up), time.monotonic()
         order = {id(r): i for i, r in enumerate(up)}
-        return min(up, key=lambda r: (predicted_ttft(r, prompt, default, now), r.inflight,
-                                      r.dispatched, order[id(r)]))
+        return min(
+            up,
+            key=lambda r: (
+                predicted_ttft(r, prompt, default, now),
+                r.inflight,
+                r.dispatched,
+                order[id(r)],
+            ),
+        )
 
     def choose_decode(self, replicas: Sequence[ReplicaState]) -> ReplicaState | None:
         up = [r for r in replicas if r.up]
         if not up:
             return None
         order = {id(r): i for i, r in enumerate(up)}
-        return min(up, key=lambda r: (r.kv_cache_usage > KV_PRESSURE_FROM,
-                                      max(r.num_running, r.inflight), r.kv_cache_usage,
-                                      r.dispatched, order[id(r)]))
+        return min(
+            up,
+            key=lambda r: (
+                r.kv_cache_usage > KV_PRESSURE_FROM,
+                max(r.num_running, r.inflight),
+                r.kv_cache_usage,
+                r.dispatched,
+                order[id(r)],
+            ),
+        )
 
 
 class RoundRobin(Policy):
@@ -298,7 +336,9 @@ class RoundRobin(Policy):
         self._next = 0
         self._next_decode = 0
 
-    def _cycle(self, replicas: Sequence[ReplicaState], start: int) -> tuple[ReplicaState | None, int]:
+    def _cycle(
+        self, replicas: Sequence[ReplicaState], start: int
+    ) -> tuple[ReplicaState | None, int]:
         n = len(replicas)
         for k in range(n):
             r = replicas[(start + k) % n]

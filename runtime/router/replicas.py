@@ -47,7 +47,7 @@ def normalize_url(url: str) -> str:
 class Ticket:
     """One request dispatched to a replica: keeps the replica's local counters right."""
 
-    def __init__(self, replica: "Replica", prefill_tokens: int) -> None:
+    def __init__(self, replica: Replica, prefill_tokens: int) -> None:
         self.replica = replica
         self.epoch = replica.epoch
         self.prefill_tokens = prefill_tokens
@@ -169,8 +169,9 @@ class Replica:
     async def poll(self, client: httpx.AsyncClient) -> None:
         sent_at = time.monotonic()
         try:
-            r = await client.get(self.url + ("/state" if self.has_state else "/health"),
-                                 timeout=POLL_TIMEOUT_S)
+            r = await client.get(
+                self.url + ("/state" if self.has_state else "/health"), timeout=POLL_TIMEOUT_S
+            )
             if r.status_code == 404 and self.has_state:
                 self.has_state = False
                 r = await client.get(self.url + "/health", timeout=POLL_TIMEOUT_S)
@@ -185,8 +186,10 @@ class Replica:
         self.timeouts = 0
         self.last_poll = time.monotonic()
         if r.status_code != 200:
-            self.mark_down(f"{'/state' if self.has_state else '/health'} answered "
-                           f"{r.status_code}: {error_message(r.content)}")
+            self.mark_down(
+                f"{'/state' if self.has_state else '/health'} answered "
+                f"{r.status_code}: {error_message(r.content)}"
+            )
             return
         if self.has_state:
             try:
@@ -198,15 +201,25 @@ class Replica:
 
     def describe(self) -> dict[str, Any]:
         s = self.state
-        return {"url": self.url, "role": s.role, "kv_host": s.kv_host, "up": s.up,
-                "problem": self.problem,
-                "queued_prefill_tokens": s.queued_prefill_tokens, "num_running": s.num_running,
-                "num_decoding": s.num_decoding, "decoding_context_tokens": s.decoding_context_tokens,
-                "kv_cache_usage": s.kv_cache_usage,
-                "step_cost": None if s.step_cost is None else s.step_cost.as_dict(),
-                "step_time_s": s.step_time_s, "prefill_s_per_token": s.prefill_s_per_token,
-                "chars_per_token": s.chars_per_token, "inflight": s.inflight,
-                "dispatched": s.dispatched, "prefixes_remembered": len(s.prefixes)}
+        return {
+            "url": self.url,
+            "role": s.role,
+            "kv_host": s.kv_host,
+            "up": s.up,
+            "problem": self.problem,
+            "queued_prefill_tokens": s.queued_prefill_tokens,
+            "num_running": s.num_running,
+            "num_decoding": s.num_decoding,
+            "decoding_context_tokens": s.decoding_context_tokens,
+            "kv_cache_usage": s.kv_cache_usage,
+            "step_cost": None if s.step_cost is None else s.step_cost.as_dict(),
+            "step_time_s": s.step_time_s,
+            "prefill_s_per_token": s.prefill_s_per_token,
+            "chars_per_token": s.chars_per_token,
+            "inflight": s.inflight,
+            "dispatched": s.dispatched,
+            "prefixes_remembered": len(s.prefixes),
+        }
 
 
 class ReplicaSet:

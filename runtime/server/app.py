@@ -63,9 +63,8 @@ from slimserve.runtime.config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_STREAM_TIME
 from slimserve.runtime.disagg.errors import KVStoreFull, KVTransferError
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER, ROLES, parse_kv_header
 from slimserve.runtime.disagg.segment import host_id, new_name, open_segment, receive_segment
-from slimserve.runtime.errors import EngineDeadError, RequestError
-from slimserve.runtime.stats.profiler import ProfileError, ProfileStateError, ProfilingDisabled
 from slimserve.runtime.engine.sequence import OutputAccumulator, RequestOutput, SamplingParams
+from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.server.http import (
     ClientGone,
     ClosingStreamingResponse,
@@ -88,7 +87,15 @@ from slimserve.runtime.server.protocol import (
     render_chat,
     sampling_params,
 )
-from slimserve.runtime.server.responses import DONE, ChatFormat, CompletionFormat, _Format, delta, sse
+from slimserve.runtime.server.responses import (
+    DONE,
+    ChatFormat,
+    CompletionFormat,
+    _Format,
+    delta,
+    sse,
+)
+from slimserve.runtime.stats.profiler import ProfileError, ProfileStateError, ProfilingDisabled
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # Retry-After (whole s) of a 503 for a full queue: the least there is
@@ -129,13 +136,20 @@ async def _next(run: _Run) -> RequestOutput:
 class OpenAIServing:
     """Route handlers; one instance per app."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics, max_queue: int | None,
-                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-                 stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
-                 role: str = "colocated", kv_host: str | None = None,
-                 internal_key: str | None = None, require_cache_salt: bool = False,
-                 kv_segments_max: int = DEFAULT_KV_SEGMENTS_MAX,
-                 kv_segments_max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        metrics: ServerMetrics,
+        max_queue: int | None,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
+        role: str = "colocated",
+        kv_host: str | None = None,
+        internal_key: str | None = None,
+        require_cache_salt: bool = False,
+        kv_segments_max: int = DEFAULT_KV_SEGMENTS_MAX,
+        kv_segments_max_bytes: int | None = None,
+    ) -> None:
         self.engine = engine
         self.internal_key = internal_key  # runtime/server/trust.py; None: internal calls refused
         self.require_cache_salt = require_cache_salt
@@ -165,7 +179,9 @@ class OpenAIServing:
     async def health(self) -> Response:
         problem = self.engine.health_problem()
         if problem is not None:
-            return JSONResponse(error_body(f"engine is not healthy: {problem}", "server_error"), 503)
+            return JSONResponse(
+                error_body(f"engine is not healthy: {problem}", "server_error"), 503
+            )
         return JSONResponse({"status": "ok"})
 
     async def state(self) -> Response:
@@ -175,24 +191,37 @@ class OpenAIServing:
         try:
             s = self.engine.stats()
         except EngineDeadError as e:
-            return JSONResponse(error_body(f"engine is not running: {e}", "server_error",
-                                           code="engine_dead"), 503)
+            return JSONResponse(
+                error_body(f"engine is not running: {e}", "server_error", code="engine_dead"), 503
+            )
         body: dict[str, Any] = {
-            "model": self.engine.model_name, "role": self.role, "kv_host": self.kv_host,
+            "model": self.engine.model_name,
+            "role": self.role,
+            "kv_host": self.kv_host,
             "healthy": problem is None,
             "problem": problem,
-            "num_running": s.num_running, "num_waiting": s.num_waiting,
-            "num_pending": self.pending, "kv_cache_usage": s.kv_cache_usage,
-            "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "block_size": s.block_size,
-            "capacity_tokens": s.capacity_tokens, "max_model_len": self.engine.max_model_len,
-            **dataclasses.asdict(self.engine.load())}
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_pending": self.pending,
+            "kv_cache_usage": s.kv_cache_usage,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "block_size": s.block_size,
+            "capacity_tokens": s.capacity_tokens,
+            "max_model_len": self.engine.max_model_len,
+            **dataclasses.asdict(self.engine.load()),
+        }
         return JSONResponse(body, 200 if problem is None else 503)
 
     def _require_role(self, role: str, what: str, param: str | None = None) -> None:
         """A 400 `wrong_role` naming `what` unless this server was started with `--role role`."""
         if self.role != role:
-            raise APIError(400, f"{what}: this server's role is {self.role}; it needs `runtime "
-                                f"serve --role {role}`", param=param, code="wrong_role")
+            raise APIError(
+                400,
+                f"{what}: this server's role is {self.role}; it needs `runtime "
+                f"serve --role {role}`",
+                param=param,
+                code="wrong_role",
+            )
 
     async def send_segment(self, name: str) -> Response:
         """GET /kv_segments/{name}: a KV segment this prefill server wrote, handed out once
@@ -209,8 +238,9 @@ class OpenAIServing:
                 while chunk := f.read(SEGMENT_CHUNK_BYTES):  # tmpfs: memory, no disk wait
                     yield chunk
 
-        return ClosingStreamingResponse(body(), media_type="application/octet-stream",
-                                        headers={"Content-Length": str(size)})
+        return ClosingStreamingResponse(
+            body(), media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        )
 
     async def receive_segment(self, request: Request) -> Response:
         """POST /kv_segments: store a KV segment sent from a prefill server on another host
@@ -223,16 +253,25 @@ class OpenAIServing:
         name = None
         try:
             with anyio.move_on_after(self.body_timeout_s):
-                name = await receive_segment(request.stream(), one, self.engine.kv_segments,
-                                             max_count=self.kv_segments_max, max_bytes=total)
+                name = await receive_segment(
+                    request.stream(),
+                    one,
+                    self.engine.kv_segments,
+                    max_count=self.kv_segments_max,
+                    max_bytes=total,
+                )
         except KVStoreFull as e:
-            raise APIError(e.status, str(e), code=e.code,
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise APIError(
+                e.status, str(e), code=e.code, headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from None
         except KVTransferError as e:
             raise APIError(e.status, str(e), code=e.code) from None
         if name is None:  # cut off: receive_segment removed the partial file
-            raise APIError(408, f"KV segment upload not received within {self.body_timeout_s:g} s "
-                                "(--body-timeout)", code="body_timeout")
+            raise APIError(
+                408,
+                f"KV segment upload not received within {self.body_timeout_s:g} s (--body-timeout)",
+                code="body_timeout",
+            )
         return JSONResponse({"kv_segment": name}, 201)
 
     async def metrics_text(self) -> Response:
@@ -258,8 +297,14 @@ class OpenAIServing:
         """Stop the trace and write it; answers with the file's name in the --profile-dir (never
         the server's absolute path)."""
         result = await self._profile_call(self.engine.stop_profile())
-        return JSONResponse({"status": "stopped", "path": os.path.basename(result.path),
-                             "steps": result.steps, "capped": result.capped})
+        return JSONResponse(
+            {
+                "status": "stopped",
+                "path": os.path.basename(result.path),
+                "steps": result.steps,
+                "capped": result.capped,
+            }
+        )
 
     @staticmethod
     async def _profile_call(call: Any) -> Any:
@@ -275,8 +320,13 @@ class OpenAIServing:
             raise APIError(503, f"engine is not running: {e}", code="engine_dead") from None
 
     def _card(self) -> dict[str, Any]:
-        return {"id": self.engine.model_name, "object": "model", "created": self.created,
-                "owned_by": "slimserve", "max_model_len": self.engine.max_model_len}
+        return {
+            "id": self.engine.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "slimserve",
+            "max_model_len": self.engine.max_model_len,
+        }
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._card()]}
@@ -286,29 +336,48 @@ class OpenAIServing:
         return self._card()
 
     async def completions(self, request: Request) -> Response:
-        req: CompletionRequest = parse_request(await read_body(request, self.body_timeout_s),
-                                               CompletionRequest)
+        req: CompletionRequest = parse_request(
+            await read_body(request, self.body_timeout_s), CompletionRequest
+        )
         self._check_model(req.model)
         self._check_cache_salt(req.cache_salt)
         if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo: echo with logprobs needs prompt logprobs, which this "
-                                "server does not compute; drop one of them", param="echo")
-        params = sampling_params(req, max_tokens=16 if req.max_tokens is None else req.max_tokens,
-                                 logprobs=req.logprobs, max_model_len=self.engine.max_model_len)
+            raise APIError(
+                400,
+                "echo: echo with logprobs needs prompt logprobs, which this "
+                "server does not compute; drop one of them",
+                param="echo",
+            )
+        params = sampling_params(
+            req,
+            max_tokens=16 if req.max_tokens is None else req.max_tokens,
+            logprobs=req.logprobs,
+            max_model_len=self.engine.max_model_len,
+        )
         self._check_prompt_size(req.prompt, "prompt")
         echo = ""
         if req.echo:
-            echo = req.prompt if isinstance(req.prompt, str) else \
-                await asyncio.to_thread(self._decode, req.prompt)
+            echo = (
+                req.prompt
+                if isinstance(req.prompt, str)
+                else await asyncio.to_thread(self._decode, req.prompt)
+            )
         rid = f"cmpl-{uuid.uuid4().hex}"
-        fmt = CompletionFormat(rid, self.engine.model_name, int(time.time()), self.engine.tokenizer,
-                               logprobs=req.logprobs is not None, echo=echo,
-                               include_usage=req.include_usage)
+        fmt = CompletionFormat(
+            rid,
+            self.engine.model_name,
+            int(time.time()),
+            self.engine.tokenizer,
+            logprobs=req.logprobs is not None,
+            echo=echo,
+            include_usage=req.include_usage,
+        )
         return await self._answer(request, req.prompt, params, fmt, n=req.n, stream=req.stream)
 
     async def chat(self, request: Request) -> Response:
-        req: ChatCompletionRequest = parse_request(await read_body(request, self.body_timeout_s),
-                                                   ChatCompletionRequest)
+        req: ChatCompletionRequest = parse_request(
+            await read_body(request, self.body_timeout_s), ChatCompletionRequest
+        )
         self._check_model(req.model)
         self._check_cache_salt(req.cache_salt)
         logprobs = chat_logprobs(req)
@@ -319,53 +388,80 @@ class OpenAIServing:
             max_tokens = req.max_tokens
         if max_tokens is None:  # OpenAI's chat default: whatever the context leaves
             max_tokens = max(1, self.engine.max_model_len - len(ids))
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs,
-                                 max_model_len=self.engine.max_model_len)
+        params = sampling_params(
+            req, max_tokens=max_tokens, logprobs=logprobs, max_model_len=self.engine.max_model_len
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormat(rid, self.engine.model_name, int(time.time()), self.engine.tokenizer,
-                         logprobs=logprobs is not None, include_usage=req.include_usage)
+        fmt = ChatFormat(
+            rid,
+            self.engine.model_name,
+            int(time.time()),
+            self.engine.tokenizer,
+            logprobs=logprobs is not None,
+            include_usage=req.include_usage,
+        )
         # the engine only sees token ids, so a too-long prompt is the messages' fault
         names = {"prompt": "messages"}
         if req.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
-        return await self._answer(request, ids, params, fmt, n=req.n, stream=req.stream,
-                                  field_names=names)
+        return await self._answer(
+            request, ids, params, fmt, n=req.n, stream=req.stream, field_names=names
+        )
 
     # -- shared ----------------------------------------------------------------------------------
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.engine.model_name:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"`{self.engine.model_name}`", param="model",
-                           code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.engine.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
 
     def _check_cache_salt(self, salt: str | None) -> None:
         if salt is None and self.require_cache_salt:
-            raise APIError(400, "cache_salt: this server requires one per request (--require-"
-                                "cache-salt); send your tenant's salt, e.g. \"cache_salt\": "
-                                "\"tenant-a\"", param="cache_salt")
+            raise APIError(
+                400,
+                "cache_salt: this server requires one per request (--require-"
+                'cache-salt); send your tenant\'s salt, e.g. "cache_salt": '
+                '"tenant-a"',
+                param="cache_salt",
+            )
 
     def _check_prompt_size(self, prompt: str | list[int], field: str) -> None:
         """Refuse, before any tokenizing or decoding, a prompt that cannot fit the context."""
         limit = self.engine.max_model_len
         if isinstance(prompt, list) and len(prompt) >= limit:
-            raise APIError(400, f"{field}: has {len(prompt)} tokens; this model's maximum context "
-                                f"length is {limit}", param=field)
+            raise APIError(
+                400,
+                f"{field}: has {len(prompt)} tokens; this model's maximum context "
+                f"length is {limit}",
+                param=field,
+            )
         if isinstance(prompt, str) and len(prompt) > self.engine.max_prompt_chars:
-            raise APIError(400, f"{field}: has {len(prompt)} characters, more than {limit} tokens "
-                                f"of this model's tokenizer can hold ({self.engine.max_prompt_chars}); "
-                                f"this model's maximum context length is {limit}", param=field)
+            raise APIError(
+                400,
+                f"{field}: has {len(prompt)} characters, more than {limit} tokens "
+                f"of this model's tokenizer can hold ({self.engine.max_prompt_chars}); "
+                f"this model's maximum context length is {limit}",
+                param=field,
+            )
 
     def _decode(self, ids: list[int]) -> str:
         """The text of a token-id prompt, for echo (before the engine has checked the ids)."""
         if self.engine.tokenizer is None:
-            raise APIError(400, "echo: this model has no tokenizer to decode the prompt",
-                           param="echo")
+            raise APIError(
+                400, "echo: this model has no tokenizer to decode the prompt", param="echo"
+            )
         try:
             return self.engine.tokenizer.decode(ids)
         except Exception:  # ids outside the vocabulary: each tokenizer fails its own way
-            raise APIError(400, "prompt: token ids cannot be decoded; are they outside the "
-                                "vocabulary?", param="prompt") from None
+            raise APIError(
+                400,
+                "prompt: token ids cannot be decoded; are they outside the vocabulary?",
+                param="prompt",
+            ) from None
 
     def _admit(self) -> None:
         """Count the request as pending, or refuse it with 503 + Retry-After while the queue is
@@ -379,13 +475,23 @@ class OpenAIServing:
                 raise APIError(503, f"engine is not running: {e}", code="engine_dead") from None
             if waiting >= self.max_queue:
                 self.metrics.request_rejected.labels(reason="queue_full").inc()
-                raise APIError(503, f"server is busy: {waiting} requests are waiting (limit "
-                                    f"{self.max_queue}); retry later", code="queue_full",
-                               headers={"Retry-After": str(RETRY_AFTER_S)})
+                raise APIError(
+                    503,
+                    f"server is busy: {waiting} requests are waiting (limit "
+                    f"{self.max_queue}); retry later",
+                    code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
         self.pending += 1
 
-    async def _start(self, request: Request, prompt: str | list[int], params: SamplingParams,
-                     request_id: str, kv: dict[str, str] | None = None) -> _Run:
+    async def _start(
+        self,
+        request: Request,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        kv: dict[str, str] | None = None,
+    ) -> _Run:
         """Submit to the engine and wait for the first output (where it validates the prompt)."""
         self._admit()
         try:
@@ -406,9 +512,15 @@ class OpenAIServing:
             self.pending -= 1
         return _Run(request_id, gen, first, tracker)
 
-    async def _first(self, request: Request, prompt: str | list[int], params: SamplingParams,
-                     request_id: str, field_names: dict[str, str],
-                     kv: dict[str, str] | None = None) -> _Run:
+    async def _first(
+        self,
+        request: Request,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        field_names: dict[str, str],
+        kv: dict[str, str] | None = None,
+    ) -> _Run:
         """_start, with the engine's refusals turned into API errors."""
         try:
             return await self._start(request, prompt, params, request_id, kv)
@@ -429,10 +541,13 @@ class OpenAIServing:
         kv = request.headers.get(KV_HEADER)
         prefill = request.headers.get(PREFILL_HEADER, "").strip() in ("1", "true")
         if kv is not None and prefill:
-            raise APIError(400, f"{PREFILL_HEADER} and {KV_HEADER}: send one of them",
-                           param=KV_HEADER)
-        for asked, header, role in ((prefill, PREFILL_HEADER, "prefill"),
-                                    (kv is not None, KV_HEADER, "decode")):
+            raise APIError(
+                400, f"{PREFILL_HEADER} and {KV_HEADER}: send one of them", param=KV_HEADER
+            )
+        for asked, header, role in (
+            (prefill, PREFILL_HEADER, "prefill"),
+            (kv is not None, KV_HEADER, "decode"),
+        ):
             if asked:  # the credential first: a client learns nothing else about hand-overs
                 check_internal_key(request, self.internal_key, f"the {header} header")
                 self._require_role(role, header, param=header)
@@ -441,42 +556,69 @@ class OpenAIServing:
         except KVTransferError as e:
             raise APIError(e.status, str(e), param=KV_HEADER, code=e.code) from None
 
-    async def _answer(self, request: Request, prompt: str | list[int], params: SamplingParams,
-                      fmt: _Format, *, n: int, stream: bool,
-                      field_names: dict[str, str] | None = None) -> Response:
+    async def _answer(
+        self,
+        request: Request,
+        prompt: str | list[int],
+        params: SamplingParams,
+        fmt: _Format,
+        *,
+        n: int,
+        stream: bool,
+        field_names: dict[str, str] | None = None,
+    ) -> Response:
         prefill, segments = self._handover(request, n)
         if prefill:
             return await self._prefill_only(request, prompt, params, fmt, n, field_names or {})
         try:
-            runs = await self._start_all(request, prompt, params, fmt.id, n, field_names or {},
-                                         segments)
+            runs = await self._start_all(
+                request, prompt, params, fmt.id, n, field_names or {}, segments
+            )
             if stream:
-                return ClosingStreamingResponse(self._stream(runs, fmt),
-                                                media_type="text/event-stream",
-                                                headers={"Cache-Control": "no-cache"},
-                                                send_timeout=self.stream_timeout_s)
+                return ClosingStreamingResponse(
+                    self._stream(runs, fmt),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                    send_timeout=self.stream_timeout_s,
+                )
             finals = await unless_disconnected(request, self._collect_all(runs))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         return JSONResponse(fmt.response(finals))
 
-    async def _prefill_only(self, request: Request, prompt: str | list[int],
-                            params: SamplingParams, fmt: _Format, n: int,
-                            field_names: dict[str, str]) -> Response:
+    async def _prefill_only(
+        self,
+        request: Request,
+        prompt: str | list[int],
+        params: SamplingParams,
+        fmt: _Format,
+        n: int,
+        field_names: dict[str, str],
+    ) -> Response:
         """Prefill each choice into a KV segment of its own; answer with the segment names."""
         names = [new_name() for _ in range(n)]
         try:
-            runs = await self._start_all(request, prompt, params, fmt.id, n, field_names,
-                                         exports=names)
+            runs = await self._start_all(
+                request, prompt, params, fmt.id, n, field_names, exports=names
+            )
             finals = await unless_disconnected(request, self._collect_all(runs))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse({"kv_segments": names, "prompt_tokens": len(finals[0].prompt_token_ids)})
+        return JSONResponse(
+            {"kv_segments": names, "prompt_tokens": len(finals[0].prompt_token_ids)}
+        )
 
-    async def _start_all(self, request: Request, prompt: str | list[int], params: SamplingParams,
-                         request_id: str, n: int, field_names: dict[str, str],
-                         imports: list[str] | None = None,
-                         exports: list[str] | None = None) -> list[_Run]:
+    async def _start_all(
+        self,
+        request: Request,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        n: int,
+        field_names: dict[str, str],
+        imports: list[str] | None = None,
+        exports: list[str] | None = None,
+    ) -> list[_Run]:
         """One engine request per choice (ids `<id>-<i>` when n > 1), started in turn so later
         choices find the prompt in the prefix cache; a refusal ends the ones already started.
         imports / exports: per choice, the KV segment it continues from / prefills into."""
@@ -484,8 +626,13 @@ class OpenAIServing:
         try:
             for i, p in enumerate(choice_params(params, n)):
                 rid = request_id if n == 1 else f"{request_id}-{i}"
-                kv = {"kv_import": imports[i]} if imports else \
-                    {"kv_export": exports[i]} if exports else {}
+                kv = (
+                    {"kv_import": imports[i]}
+                    if imports
+                    else {"kv_export": exports[i]}
+                    if exports
+                    else {}
+                )
                 runs.append(await self._first(request, prompt, p, rid, field_names, kv))
         except BaseException:
             for run in runs:
@@ -516,15 +663,17 @@ class OpenAIServing:
                 if out.finished:
                     run.finished = True
                     if out.error is not None:
-                        raise APIError(500, f"the request failed: {out.error}",
-                                       code="request_failed")
+                        raise APIError(
+                            500, f"the request failed: {out.error}", code="request_failed"
+                        )
                     return acc.take()  # type: ignore[return-value]
                 out = await run.gen.__anext__()
         except StopAsyncIteration:
             raise APIError(500, "the engine ended the request without a final output") from None
         except EngineDeadError as e:
-            raise APIError(503, f"engine stopped while serving the request: {e}",
-                           code="engine_dead") from None
+            raise APIError(
+                503, f"engine stopped while serving the request: {e}", code="engine_dead"
+            ) from None
         finally:
             self.active.discard(run.request_id)
             if not run.finished:
@@ -598,8 +747,11 @@ class OpenAIServing:
                     if d.text or d.token_ids or d.finish_reason:
                         yield sse(fmt.chunk(d, i))
             if fmt.include_usage:
-                yield sse(fmt.usage_chunk([run.last or run.first for run in runs],
-                                          [run.num_tokens for run in runs]))
+                yield sse(
+                    fmt.usage_chunk(
+                        [run.last or run.first for run in runs], [run.num_tokens for run in runs]
+                    )
+                )
         except Exception as e:  # headers are sent: report in-band, as vLLM does
             if isinstance(e, EngineDeadError):
                 err = error_body(f"engine stopped while serving the request: {e}", "server_error")
@@ -624,18 +776,25 @@ def _profile_options(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except ValueError:
-        raise APIError(400, "body: not valid JSON; send {} or {\"max_steps\": N, "
-                            "\"record_shapes\": true}") from None
+        raise APIError(
+            400, 'body: not valid JSON; send {} or {"max_steps": N, "record_shapes": true}'
+        ) from None
     if not isinstance(data, dict):
-        raise APIError(400, "body: must be a JSON object such as {\"max_steps\": 100}")
+        raise APIError(400, 'body: must be a JSON object such as {"max_steps": 100}')
     if unknown := sorted(set(data) - {"record_shapes", "max_steps"}):
-        raise APIError(400, f"{unknown[0]}: unknown field; the fields are record_shapes and "
-                            "max_steps", param=unknown[0])
+        raise APIError(
+            400,
+            f"{unknown[0]}: unknown field; the fields are record_shapes and max_steps",
+            param=unknown[0],
+        )
     opts: dict[str, Any] = {}
     if "record_shapes" in data:
         if not isinstance(data["record_shapes"], bool):
-            raise APIError(400, f"record_shapes: {data['record_shapes']!r} is not true or false",
-                           param="record_shapes")
+            raise APIError(
+                400,
+                f"record_shapes: {data['record_shapes']!r} is not true or false",
+                param="record_shapes",
+            )
         opts["record_shapes"] = data["record_shapes"]
     if data.get("max_steps") is not None:
         n = data["max_steps"]
@@ -645,13 +804,20 @@ def _profile_options(body: bytes) -> dict[str, Any]:
     return opts
 
 
-def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None = None,
-              body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-              stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
-              role: str = "colocated", kv_host: str | None = None,
-              internal_key: str | None = None, require_cache_salt: bool = False,
-              kv_segments_max: int = DEFAULT_KV_SEGMENTS_MAX,
-              kv_segments_max_bytes: int | None = None) -> FastAPI:
+def build_app(
+    engine: Any,
+    *,
+    api_key: str | None = None,
+    max_queue: int | None = None,
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    stream_timeout_s: float | None = DEFAULT_STREAM_TIMEOUT_S,
+    role: str = "colocated",
+    kv_host: str | None = None,
+    internal_key: str | None = None,
+    require_cache_salt: bool = False,
+    kv_segments_max: int = DEFAULT_KV_SEGMENTS_MAX,
+    kv_segments_max_bytes: int | None = None,
+) -> FastAPI:
     """The FastAPI app serving `engine`; the lifespan starts it and shuts it down.
 
     api_key: require `Authorization: Bearer <api_key>` on /v1/* (/health, /metrics, /state stay
@@ -683,22 +849,38 @@ def build_app(engine: Any, *, api_key: str | None = None, max_queue: int | None 
             await engine.shutdown()  # pending requests finish with finish_reason "abort"
 
     app = FastAPI(title="slimserve", lifespan=lifespan)
-    serving = OpenAIServing(engine, ServerMetrics(engine), max_queue, body_timeout_s,
-                            stream_timeout_s, role, kv_host, internal_key, require_cache_salt,
-                            kv_segments_max, kv_segments_max_bytes)
+    serving = OpenAIServing(
+        engine,
+        ServerMetrics(engine),
+        max_queue,
+        body_timeout_s,
+        stream_timeout_s,
+        role,
+        kv_host,
+        internal_key,
+        require_cache_salt,
+        kv_segments_max,
+        kv_segments_max_bytes,
+    )
     app.state.serving = serving
     install_error_handlers(app)
     app.add_api_route("/health", serving.health, methods=["GET"])
     app.add_api_route("/metrics", serving.metrics_text, methods=["GET"])
     app.add_api_route("/state", serving.state, methods=["GET"])
-    for path, handler, method in (("/start_profile", serving.start_profile, "POST"),
-                                  ("/stop_profile", serving.stop_profile, "POST"),
-                                  ("/reset_prefix_cache", serving.reset_prefix_cache, "POST"),
-                                  ("/kv_segments/{name}", serving.send_segment, "GET"),
-                                  ("/kv_segments", serving.receive_segment, "POST")):
+    for path, handler, method in (
+        ("/start_profile", serving.start_profile, "POST"),
+        ("/stop_profile", serving.stop_profile, "POST"),
+        ("/reset_prefix_cache", serving.reset_prefix_cache, "POST"),
+        ("/kv_segments/{name}", serving.send_segment, "GET"),
+        ("/kv_segments", serving.receive_segment, "POST"),
+    ):
         what = f"{method} {path.removesuffix('/{name}')}"
-        app.add_api_route(path, handler, methods=[method],
-                          dependencies=[Depends(internal_auth(internal_key, what))])
+        app.add_api_route(
+            path,
+            handler,
+            methods=[method],
+            dependencies=[Depends(internal_auth(internal_key, what))],
+        )
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_auth(api_key))])
     v1.add_api_route("/models", serving.models, methods=["GET"])
     v1.add_api_route("/models/{model_id:path}", serving.model, methods=["GET"])

@@ -87,11 +87,15 @@ def bearer_auth(api_key: str | None):
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 api_key.encode()):
-            raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer "
-                                "<key>'", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     return check
 
@@ -100,12 +104,19 @@ def check_internal_key(request: Request, internal_key: str | None, what: str) ->
     """APIError unless `request` carries this deployment's internal key (runtime/server/trust.py):
     403 when the server has none (`what` is refused outright), 401 when it is missing or wrong."""
     if internal_key is None:
-        raise APIError(403, f"{what} is internal and this server has no internal key; start it "
-                            "with --internal-key (or SLIMSERVE_INTERNAL_KEY) and send the key as "
-                            "X-Slimserve-Internal-Key", code="internal_key_required")
+        raise APIError(
+            403,
+            f"{what} is internal and this server has no internal key; start it "
+            "with --internal-key (or SLIMSERVE_INTERNAL_KEY) and send the key as "
+            "X-Slimserve-Internal-Key",
+            code="internal_key_required",
+        )
     if not key_matches(internal_key, request.headers.get(INTERNAL_KEY_HEADER)):
-        raise APIError(401, f"{what} is internal: missing or incorrect X-Slimserve-Internal-Key",
-                       code="invalid_internal_key")
+        raise APIError(
+            401,
+            f"{what} is internal: missing or incorrect X-Slimserve-Internal-Key",
+            code="invalid_internal_key",
+        )
 
 
 def internal_auth(internal_key: str | None, what: str):
@@ -123,8 +134,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse(error_body(str(exc.detail), param=None, code=code), exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), param=None, code=code),
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     async def internal(request: Request, exc: Exception) -> Response:
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
@@ -173,6 +187,9 @@ async def read_body(request: Request, timeout: float) -> bytes:
                 raise APIError(413, f"request body exceeds {MAX_BODY_BYTES // 2**20} MiB")
             chunks.append(chunk)
     if scope.cancelled_caught:
-        raise APIError(408, f"request body not received within {timeout:g} s; send it at once",
-                       code="body_timeout")
+        raise APIError(
+            408,
+            f"request body not received within {timeout:g} s; send it at once",
+            code="body_timeout",
+        )
     return b"".join(chunks)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -35,25 +36,87 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from slimserve.runtime.stats.rank_stats import RankStats
-from slimserve.runtime.errors import EngineDeadError
 from slimserve.runtime.engine.sequence import RequestOutput
+from slimserve.runtime.errors import EngineDeadError
+from slimserve.runtime.stats.rank_stats import RankStats
 from slimserve.runtime.stats.step_timing import HistogramData, StepTimingSnapshot
 
 log = logging.getLogger(__name__)
 P = "slimserve:"
 # seconds; vLLM's edges for the same histograms
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 STEP_PHASE_SECONDS = P + "step_phase_seconds"  # label phase; runtime/bench/breakdown.py reads these
 STEP_PREFILL_TOKENS = P + "step_prefill_tokens"
 STEP_DECODE_ROWS = P + "step_decode_rows"
 TP_COLLECTIVE_SECONDS = P + "tp_collective_seconds"  # counters: rendered with _total; label rank
 TP_COLLECTIVE_CALLS = P + "tp_collective_calls"  # runtime/bench/breakdown.py reads both
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class _EngineCollector(Collector):
@@ -63,22 +126,40 @@ class _EngineCollector(Collector):
         self.engine = engine
 
     def _families(self, stats: Any) -> list[Metric]:
-        g = [("num_requests_running", "Requests in the running batch.", "num_running"),
-             ("num_requests_waiting", "Requests queued or preempted, waiting for KV blocks.",
-              "num_waiting"),
-             ("kv_cache_usage_perc", "Fraction of KV-cache blocks held by live sequences (0-1).",
-              "kv_cache_usage"),
-             ("prefix_cache_hit_rate", "Cumulative fraction of prompt tokens served by the prefix "
-              "cache (0-1).", "prefix_cache_hit_rate"),
-             ("kv_cache_capacity_tokens", "Tokens the KV cache holds (blocks x block size).",
-              "capacity_tokens")]
+        g = [
+            ("num_requests_running", "Requests in the running batch.", "num_running"),
+            (
+                "num_requests_waiting",
+                "Requests queued or preempted, waiting for KV blocks.",
+                "num_waiting",
+            ),
+            (
+                "kv_cache_usage_perc",
+                "Fraction of KV-cache blocks held by live sequences (0-1).",
+                "kv_cache_usage",
+            ),
+            (
+                "prefix_cache_hit_rate",
+                "Cumulative fraction of prompt tokens served by the prefix cache (0-1).",
+                "prefix_cache_hit_rate",
+            ),
+            (
+                "kv_cache_capacity_tokens",
+                "Tokens the KV cache holds (blocks x block size).",
+                "capacity_tokens",
+            ),
+        ]
         out: list[Metric] = []
         for name, doc, attr in g:
             value = None if stats is None else float(getattr(stats, attr))
             out.append(GaugeMetricFamily(P + name, doc, value=value))
-        out.append(CounterMetricFamily(P + "num_preemptions", "Cumulative sequence preemptions "
-                                       "(KV freed, recomputed later).",
-                                       value=None if stats is None else stats.num_preemptions))
+        out.append(
+            CounterMetricFamily(
+                P + "num_preemptions",
+                "Cumulative sequence preemptions (KV freed, recomputed later).",
+                value=None if stats is None else stats.num_preemptions,
+            )
+        )
         return out
 
     def describe(self) -> list[Metric]:
@@ -100,12 +181,17 @@ class _StepTimingCollector(Collector):
 
     @staticmethod
     def _families(snap: StepTimingSnapshot | None) -> list[Metric]:
-        phases = HistogramMetricFamily(STEP_PHASE_SECONDS, "Time of one engine step's phase "
-                                       "(runtime/stats/step_timing.py), per step.", labels=["phase"])
-        prefill = HistogramMetricFamily(STEP_PREFILL_TOKENS, "Prompt (and recomputed) tokens "
-                                        "one engine step computes.")
-        rows = HistogramMetricFamily(STEP_DECODE_ROWS, "Sequences one engine step decodes a "
-                                     "token for.")
+        phases = HistogramMetricFamily(
+            STEP_PHASE_SECONDS,
+            "Time of one engine step's phase (runtime/stats/step_timing.py), per step.",
+            labels=["phase"],
+        )
+        prefill = HistogramMetricFamily(
+            STEP_PREFILL_TOKENS, "Prompt (and recomputed) tokens one engine step computes."
+        )
+        rows = HistogramMetricFamily(
+            STEP_DECODE_ROWS, "Sequences one engine step decodes a token for."
+        )
         if snap is not None:
             for phase, h in snap.phases.items():
                 _add(phases, h, [phase])
@@ -123,10 +209,16 @@ class _StepTimingCollector(Collector):
 class _RankCollector(Collector):
     """Per-rank memory and collective counters (engine.rank_stats()), fresh at every scrape."""
 
-    GAUGES = (("rank_weight_bytes", "Bytes of the rank's weights (its shard or stage).", "weight_bytes"),
-              ("rank_kv_cache_bytes", "Bytes of the rank's KV cache.", "kv_cache_bytes"),
-              ("rank_memory_bytes", "The rank's process memory: RSS on CPU, "
-               "torch.cuda.memory_allocated of its GPU on CUDA.", "memory_bytes"))
+    GAUGES = (
+        ("rank_weight_bytes", "Bytes of the rank's weights (its shard or stage).", "weight_bytes"),
+        ("rank_kv_cache_bytes", "Bytes of the rank's KV cache.", "kv_cache_bytes"),
+        (
+            "rank_memory_bytes",
+            "The rank's process memory: RSS on CPU, "
+            "torch.cuda.memory_allocated of its GPU on CUDA.",
+            "memory_bytes",
+        ),
+    )
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -140,10 +232,16 @@ class _RankCollector(Collector):
                 if (v := getattr(r, attr)) is not None:
                     g.add_metric([str(r.rank)], float(v))
             out.append(g)
-        secs = CounterMetricFamily(TP_COLLECTIVE_SECONDS, "Time the rank spent in collectives "
-                                   "(all-reduces, gathers, pipeline sends and receives; on CUDA the "
-                                   "host's enqueue time).", labels=["rank"])
-        calls = CounterMetricFamily(TP_COLLECTIVE_CALLS, "Collectives the rank ran.", labels=["rank"])
+        secs = CounterMetricFamily(
+            TP_COLLECTIVE_SECONDS,
+            "Time the rank spent in collectives "
+            "(all-reduces, gathers, pipeline sends and receives; on CUDA the "
+            "host's enqueue time).",
+            labels=["rank"],
+        )
+        calls = CounterMetricFamily(
+            TP_COLLECTIVE_CALLS, "Collectives the rank ran.", labels=["rank"]
+        )
         for r in rows:
             if r.comm_seconds is not None and r.comm_calls is not None:
                 secs.add_metric([str(r.rank)], r.comm_seconds)
@@ -175,21 +273,42 @@ class ServerMetrics:
         r.register(_EngineCollector(engine))
         r.register(_StepTimingCollector(engine))
         r.register(_RankCollector(engine))
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from arrival to the first "
-                              "generated token.", buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between consecutive "
-                             "generated tokens of a request.", buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Time from arrival to the "
-                             "request's end.", buckets=E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of admitted requests.",
-                                     registry=r)
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "Time from arrival to the request's end.",
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prompt tokens of admitted requests.", registry=r
+        )
         self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", registry=r)
-        self.request_success = Counter(P + "request_success", "Finished requests by reason "
-                                       "(stop, length, abort).", ["finished_reason"], registry=r)
-        self.request_rejected = Counter(P + "request_rejected", "Requests refused before reaching "
-                                        "the engine, by reason.", ["reason"], registry=r)
+        self.request_success = Counter(
+            P + "request_success",
+            "Finished requests by reason (stop, length, abort).",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.request_rejected = Counter(
+            P + "request_rejected",
+            "Requests refused before reaching the engine, by reason.",
+            ["reason"],
+            registry=r,
+        )
 
-    def track(self) -> "RequestTracker":
+    def track(self) -> RequestTracker:
         return RequestTracker(self)
 
     def render(self) -> bytes:

@@ -15,10 +15,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 
@@ -69,8 +69,9 @@ def start_server(spec: ServerSpec, die_with_parent: bool = False) -> subprocess.
     if spec.log_path is None:
         return subprocess.Popen(spec.cmd, env=spec.env, preexec_fn=preexec)
     with open(spec.log_path, "wb") as log:
-        return subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT, env=spec.env,
-                                preexec_fn=preexec)
+        return subprocess.Popen(
+            spec.cmd, stdout=log, stderr=subprocess.STDOUT, env=spec.env, preexec_fn=preexec
+        )
 
 
 def wait_ready(proc: subprocess.Popen, spec: ServerSpec, deadline: float) -> None:
@@ -80,16 +81,20 @@ def wait_ready(proc: subprocess.Popen, spec: ServerSpec, deadline: float) -> Non
     while True:
         if proc.poll() is not None:
             last = f": {_last_line(spec.log_path)}" if spec.log_path else ""
-            raise BenchError(f"`runtime serve` exited with code {proc.returncode} before it was "
-                             f"ready{last}{where}")
+            raise BenchError(
+                f"`runtime serve` exited with code {proc.returncode} before it was "
+                f"ready{last}{where}"
+            )
         try:
             if httpx.get(spec.url + "/health", timeout=2, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise BenchError(f"`runtime serve` at {spec.url} did not answer /health in time"
-                             f"{where}; raise the start timeout")
+            raise BenchError(
+                f"`runtime serve` at {spec.url} did not answer /health in time"
+                f"{where}; raise the start timeout"
+            )
         time.sleep(0.25)
 
 
@@ -108,8 +113,9 @@ def stop_servers(procs: list[subprocess.Popen]) -> None:
 
 
 @contextmanager
-def launched_servers(specs: list[ServerSpec], timeout_s: float,
-                     die_with_parent: bool = True) -> Iterator[list[subprocess.Popen]]:
+def launched_servers(
+    specs: list[ServerSpec], timeout_s: float, die_with_parent: bool = True
+) -> Iterator[list[subprocess.Popen]]:
     """Start every server at once, wait until each answers /health, stop all when the block ends
     (also on an error or Ctrl-C while they start)."""
     procs: list[subprocess.Popen] = []
@@ -125,10 +131,12 @@ def launched_servers(specs: list[ServerSpec], timeout_s: float,
 
 
 @contextmanager
-def launched_server(cmd: list[str], url: str, timeout_s: float, log_path: Path,
-                    env: dict[str, str] | None = None) -> Iterator[str]:
+def launched_server(
+    cmd: list[str], url: str, timeout_s: float, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """Run `cmd` (a server listening at url; `env`: its environment, None: ours) until the block
     ends; yields url once /health is 200."""
-    with launched_servers([ServerSpec(cmd, url, env, log_path=log_path)], timeout_s,
-                          die_with_parent=False):
+    with launched_servers(
+        [ServerSpec(cmd, url, env, log_path=log_path)], timeout_s, die_with_parent=False
+    ):
         yield url

@@ -46,9 +46,16 @@ FALLBACK_ROLE_NAMES = {"system": "System", "user": "User", "assistant": "Assista
 class APIError(Exception):
     """An error answered as an OpenAI-style JSON body: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status  # HTTP status code
         self.message = message
@@ -61,8 +68,12 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -139,8 +150,10 @@ class CompletionRequest(_SamplingFields):
         if isinstance(v, list) and v and all(type(t) is int for t in v):
             return v
         if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError(f"got {len(v)} prompts; only one prompt per request is served, "
-                             "send one request per prompt")
+            raise ValueError(
+                f"got {len(v)} prompts; only one prompt per request is served, "
+                "send one request per prompt"
+            )
         if isinstance(v, list) and not v:
             raise ValueError("is empty; send some text or token ids")
         raise ValueError("must be a string or a list of token ids (integers)")
@@ -158,11 +171,15 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(v, str):
             return v
-        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                       and isinstance(p.get("text"), str) for p in v):
+        if isinstance(v, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in v
+        ):
             return "".join(p["text"] for p in v)
-        raise ValueError("must be a string or a list of {'type': 'text', 'text': ...} parts; "
-                         "only text content is served")
+        raise ValueError(
+            "must be a string or a list of {'type': 'text', 'text': ...} parts; "
+            "only text content is served"
+        )
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -188,10 +205,15 @@ def parse_request(raw: bytes, model: type[_SamplingFields]) -> Any:
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     for name, neutral in UNSUPPORTED.items():
-        if name in data and not any(data[name] == ok and type(data[name]) is type(ok)
-                                    for ok in neutral):
-            raise APIError(400, f"{name} is not supported by this server; leave it out",
-                           param=name, code="unsupported_parameter")
+        if name in data and not any(
+            data[name] == ok and type(data[name]) is type(ok) for ok in neutral
+        ):
+            raise APIError(
+                400,
+                f"{name} is not supported by this server; leave it out",
+                param=name,
+                code="unsupported_parameter",
+            )
     try:
         req = model.model_validate(data)
     except ValidationError as e:
@@ -203,19 +225,28 @@ def parse_request(raw: bytes, model: type[_SamplingFields]) -> Any:
             msg = "is required"
         raise APIError(400, f"{path}: {msg}", param=loc[0] if loc else None) from None
     if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options: only allowed when stream is true",
-                       param="stream_options")
+        raise APIError(
+            400, "stream_options: only allowed when stream is true", param="stream_options"
+        )
     return req
 
 
-def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    max_model_len: int) -> SamplingParams:
+def sampling_params(
+    req: _SamplingFields, *, max_tokens: int, logprobs: int | None, max_model_len: int
+) -> SamplingParams:
     """The engine's SamplingParams for a request; APIError(400) names the field out of range."""
     if max_tokens > max_model_len:
-        field = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None
-                 else "max_tokens")
-        raise APIError(400, f"{field}: {max_tokens} exceeds the maximum context length "
-                            f"{max_model_len} of this model", param=field)
+        field = (
+            "max_completion_tokens"
+            if getattr(req, "max_completion_tokens", None) is not None
+            else "max_tokens"
+        )
+        raise APIError(
+            400,
+            f"{field}: {max_tokens} exceeds the maximum context length "
+            f"{max_model_len} of this model",
+            param=field,
+        )
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise APIError(400, f"seed: must be a 64-bit integer, got {req.seed}", param="seed")
     temperature = 1.0 if req.temperature is None else req.temperature
@@ -223,11 +254,17 @@ def sampling_params(req: _SamplingFields, *, max_tokens: int, logprobs: int | No
         temperature = 0.0
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature,
+            max_tokens=max_tokens,
+            temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
-            seed=req.seed, stop=list(req.stop or []), stop_token_ids=frozenset(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos, logprobs=logprobs, cache_salt=req.cache_salt)
+            seed=req.seed,
+            stop=list(req.stop or []),
+            stop_token_ids=frozenset(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            cache_salt=req.cache_salt,
+        )
     except SamplingError as e:
         raise APIError(400, str(e), param=e.field) from None
 
@@ -237,8 +274,10 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     2^64, the engine's seed range), so choices differ yet the whole answer is reproducible."""
     if n == 1:
         return [params]
-    return [dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**64)
-            for i in range(n)]
+    return [
+        dataclasses.replace(params, seed=None if params.seed is None else (params.seed + i) % 2**64)
+        for i in range(n)
+    ]
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -257,17 +296,24 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     adding special tokens; the fallback text gets the tokenizer's usual ones (BOS, if any).
     """
     if tokenizer is None:
-        raise APIError(400, "messages: this model has no tokenizer, so chat is not served; "
-                            "use /v1/completions with token ids", param="messages")
+        raise APIError(
+            400,
+            "messages: this model has no tokenizer, so chat is not served; "
+            "use /v1/completions with token ids",
+            param="messages",
+        )
     # "developer" is OpenAI's newer name for the system role; templates know "system".
-    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            for m in messages]
+    msgs = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+        for m in messages
+    ]
     if getattr(tokenizer, "chat_template", None):
         try:
             text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # jinja errors come in many types (TemplateError, ValueError, ...)
-            raise APIError(400, f"messages: the model's chat template rejected them: {e}",
-                           param="messages") from None
+            raise APIError(
+                400, f"messages: the model's chat template rejected them: {e}", param="messages"
+            ) from None
         return list(tokenizer.encode(text, add_special_tokens=False))
     text = "".join(f"{FALLBACK_ROLE_NAMES[m['role']]}: {m['content']}\n" for m in msgs)
     return list(tokenizer.encode(text + "Assistant:", add_special_tokens=True))

@@ -29,9 +29,12 @@ def usage(outs: list[RequestOutput], completion_tokens: list[int] | None = None)
     if completion_tokens is None:
         completion_tokens = [len(out.outputs[0].token_ids) for out in outs]
     completion = sum(completion_tokens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": outs[0].num_cached_tokens},
+    }
 
 
 @dataclass
@@ -57,8 +60,16 @@ class _Format:
     object = ""  # OpenAI object name of a full response
     chunk_object = ""  # and of a stream chunk
 
-    def __init__(self, request_id: str, model: str, created: int, tokenizer: Any, *,
-                 logprobs: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        tokenizer: Any,
+        *,
+        logprobs: bool,
+        include_usage: bool,
+    ) -> None:
         self.id = request_id
         self.model = model
         self.created = created  # s since the epoch, as OpenAI
@@ -72,8 +83,13 @@ class _Format:
         return self.tokenizer.decode([token_id])
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def chunk_envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = self._envelope(self.chunk_object, choices)
@@ -81,7 +97,9 @@ class _Format:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, outs: list[RequestOutput], completion_tokens: list[int]) -> dict[str, Any]:
+    def usage_chunk(
+        self, outs: list[RequestOutput], completion_tokens: list[int]
+    ) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object, []), "usage": usage(outs, completion_tokens)}
 
 
@@ -107,20 +125,40 @@ class CompletionFormat(_Format):
         for tid, (lp, top) in zip(d.token_ids, d.logprobs):
             # OpenAI always includes the sampled token, so up to logprobs + 1 entries
             tops.append({self.token_str(t): v for t, v in {**top, tid: lp}.items()})
-        return {"tokens": tokens, "token_logprobs": [lp for lp, _ in d.logprobs],
-                "top_logprobs": tops, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for lp, _ in d.logprobs],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
 
     def _choice(self, text: str, d: Delta, index: int) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": self._lp(d, index),
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self._lp(d, index),
+            "finish_reason": d.finish_reason,
+            "stop_reason": d.stop_reason,
+        }
 
     def opening(self, n: int = 1) -> list[dict[str, Any]]:
         """Chunks sent before any output: the echoed prompt of each choice, if asked."""
         if not self.echo:
             return []
-        return [self.chunk_envelope([{"index": i, "text": self.echo, "logprobs": None,
-                                      "finish_reason": None, "stop_reason": None}])
-                for i in range(n)]
+        return [
+            self.chunk_envelope(
+                [
+                    {
+                        "index": i,
+                        "text": self.echo,
+                        "logprobs": None,
+                        "finish_reason": None,
+                        "stop_reason": None,
+                    }
+                ]
+            )
+            for i in range(n)
+        ]
 
     def chunk(self, d: Delta, index: int = 0) -> dict[str, Any]:
         return self.chunk_envelope([self._choice(d.text, d, index)])
@@ -154,21 +192,45 @@ class ChatFormat(_Format):
 
     def opening(self, n: int = 1) -> list[dict[str, Any]]:
         """OpenAI's first chunk of each choice announces the role with empty content."""
-        return [self.chunk_envelope([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                for i in range(n)]
+        return [
+            self.chunk_envelope(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+            for i in range(n)
+        ]
 
     def chunk(self, d: Delta, index: int = 0) -> dict[str, Any]:
         delta = {"content": d.text} if d.text else {}
-        return self.chunk_envelope([{"index": index, "delta": delta, "logprobs": self._lp(d),
-                                     "finish_reason": d.finish_reason,
-                                     "stop_reason": d.stop_reason}])
+        return self.chunk_envelope(
+            [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": self._lp(d),
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+            ]
+        )
 
     def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outs):
             d = delta(out)
-            choices.append({"index": i, "message": {"role": "assistant", "content": d.text},
-                            "logprobs": self._lp(d), "finish_reason": d.finish_reason,
-                            "stop_reason": d.stop_reason})
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": d.text},
+                    "logprobs": self._lp(d),
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+            )
         return {**self._envelope(self.object, choices), "usage": usage(outs)}

@@ -62,9 +62,11 @@ def prepare_profile_dir(path: str | os.PathLike) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"--profile-dir {str(path)!r} is not a writable folder "
-                         f"({e.strerror or type(e).__name__}); pass a folder this process can "
-                         "write to") from None
+        raise ValueError(
+            f"--profile-dir {str(path)!r} is not a writable folder "
+            f"({e.strerror or type(e).__name__}); pass a folder this process can "
+            "write to"
+        ) from None
     return d.resolve()
 
 
@@ -103,8 +105,14 @@ class StepProfiler:
     """The engine thread's profiler state: idle, running, or stopped at the cap with its trace
     written and not yet handed out by `stop`. Every method runs on the engine thread."""
 
-    def __init__(self, directory: Path, timings: StepTimings, cuda: bool = False,
-                 max_steps: int = PROFILE_MAX_STEPS, keep: int = PROFILE_KEEP_TRACES) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        timings: StepTimings,
+        cuda: bool = False,
+        max_steps: int = PROFILE_MAX_STEPS,
+        keep: int = PROFILE_KEEP_TRACES,
+    ) -> None:
         self.directory = directory
         self.timings = timings
         self.cuda = cuda
@@ -145,8 +153,9 @@ class StepProfiler:
         self._steps = self.timings.recorded - self._first
         if self._steps >= self._limit:
             self._capped = self._finish(capped=True)
-            log.warning("profile stopped at its cap of %d steps; trace: %s", self._limit,
-                        self._capped.path)
+            log.warning(
+                "profile stopped at its cap of %d steps; trace: %s", self._limit, self._capped.path
+            )
 
     def stop(self) -> ProfileResult:
         """Stop and write the trace (or hand out the one written at the cap)."""
@@ -172,8 +181,9 @@ class StepProfiler:
         try:
             prof.export_chrome_trace(str(path))
         except OSError as e:
-            raise ProfileError(f"writing the trace {path.name} failed: "
-                               f"{e.strerror or type(e).__name__}") from None
+            raise ProfileError(
+                f"writing the trace {path.name} failed: {e.strerror or type(e).__name__}"
+            ) from None
         try:
             rotate_traces(self.directory, self.keep)
         except OSError:

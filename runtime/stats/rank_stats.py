@@ -72,10 +72,16 @@ def process_memory_bytes(device: torch.device) -> int | None:
     return rss_bytes()
 
 
-def publish_stats(store, rank: int, memory: int | None, comm_seconds: float, comm_calls: int) -> None:
+def publish_stats(
+    store, rank: int, memory: int | None, comm_seconds: float, comm_calls: int
+) -> None:
     """A worker's current numbers into the store (JSON: never pickle)."""
-    store.set(STATS_KEY.format(rank=rank), json.dumps(
-        {"memory_bytes": memory, "comm_seconds": comm_seconds, "comm_calls": comm_calls}))
+    store.set(
+        STATS_KEY.format(rank=rank),
+        json.dumps(
+            {"memory_bytes": memory, "comm_seconds": comm_seconds, "comm_calls": comm_calls}
+        ),
+    )
 
 
 def read_published(store, rank: int) -> dict:
@@ -94,13 +100,20 @@ def _int(value) -> int | None:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def worker_row(rank: int, ready: dict, published: dict, memory: int | None = None) -> RankStats | None:
+def worker_row(
+    rank: int, ready: dict, published: dict, memory: int | None = None
+) -> RankStats | None:
     """A worker's row from its ready message and published stats; `memory` (read by the driver
     itself) wins over the published one. None without the static numbers."""
     weights, kv = _int(ready.get("weight_bytes")), _int(ready.get("kv_cache_bytes"))
     if weights is None or kv is None:
         return None
     secs = published.get("comm_seconds")
-    return RankStats(rank, weights, kv, memory if memory is not None else _int(published.get("memory_bytes")),
-                     float(secs) if isinstance(secs, (int, float)) else None,
-                     _int(published.get("comm_calls")))
+    return RankStats(
+        rank,
+        weights,
+        kv,
+        memory if memory is not None else _int(published.get("memory_bytes")),
+        float(secs) if isinstance(secs, (int, float)) else None,
+        _int(published.get("comm_calls")),
+    )

@@ -45,20 +45,26 @@ class StepCost:
     per_context_token_s: float = 0.0
 
     def step_s(self, prefill_tokens: float, decode_seqs: float, context_tokens: float) -> float:
-        return (self.base_s + self.per_prefill_token_s * prefill_tokens
-                + self.per_decode_seq_s * decode_seqs + self.per_context_token_s * context_tokens)
+        return (
+            self.base_s
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_decode_seq_s * decode_seqs
+            + self.per_context_token_s * context_tokens
+        )
 
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in FIELDS}
 
     @classmethod
-    def from_dict(cls, body: Any) -> "StepCost | None":
+    def from_dict(cls, body: Any) -> StepCost | None:
         """The cost a replica reported; None unless every field is a finite number >= 0."""
         if not isinstance(body, dict):
             return None
         values = [body.get(name) for name in FIELDS]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                   and v >= 0 for v in values):
+        if not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+            for v in values
+        ):
             return None
         return cls(*map(float, values))
 
@@ -75,7 +81,9 @@ class StepCostFit:
         self._theta = np.zeros(4)  # scaled coefficients of the last solve
         self._estimate: StepCost | None = None
 
-    def add(self, seconds: float, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> None:
+    def add(
+        self, seconds: float, prefill_tokens: int, decode_seqs: int, context_tokens: int
+    ) -> None:
         x = np.array([1.0, prefill_tokens, decode_seqs, context_tokens]) / _SCALE
         self._a = self.forget * self._a + np.outer(x, x)
         self._b = self.forget * self._b + x * seconds

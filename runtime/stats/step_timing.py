@@ -43,9 +43,26 @@ from typing import Any
 PHASES = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
 RANGE_PREFIX = "slimserve."  # profiler range names: slimserve.step, slimserve.forward, ...
 # seconds per phase and step: 10 us .. 10 s, 1-2.5-5 per decade
-PHASE_BUCKETS = tuple(m * 10.0 ** e for e in range(-5, 1) for m in (1.0, 2.5, 5.0)) + (10.0,)
-PREFILL_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                         32768)  # prompt (or recomputed) tokens a step computes
+PHASE_BUCKETS = tuple(m * 10.0**e for e in range(-5, 1) for m in (1.0, 2.5, 5.0)) + (10.0,)
+PREFILL_TOKEN_BUCKETS = (
+    0,
+    1,
+    2,
+    4,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+)  # prompt (or recomputed) tokens a step computes
 DECODE_ROW_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # decoding sequences
 MAX_PENDING_EVENTS = 8  # CUDA steps whose events are unread at most; older ones use host times
 
@@ -104,8 +121,9 @@ class StepTimingSnapshot:
         return self.prefill_tokens.count
 
 
-def split_gpu_forward(host_forward: float, host_sample: float, gpu_forward: float
-                      ) -> tuple[float, float]:
+def split_gpu_forward(
+    host_forward: float, host_sample: float, gpu_forward: float
+) -> tuple[float, float]:
     """(forward, sample) seconds of a CUDA step: the forward takes the longer of its launches on
     the host and its run on the GPU; sample keeps what is left of the two host phases (>= 0)."""
     forward = max(host_forward, gpu_forward)
@@ -140,8 +158,9 @@ class StepTimings:
     makes one timing event (tests pass a fake; default `torch.cuda.Event(enable_timing=True)`).
     """
 
-    def __init__(self, cuda: bool = False, event_factory: Callable[[], Any] | None = None,
-                 device: Any = None) -> None:
+    def __init__(
+        self, cuda: bool = False, event_factory: Callable[[], Any] | None = None, device: Any = None
+    ) -> None:
         self.cuda = cuda
         self.device = device  # torch.device of the forward; None: the current device
         self.ranges = False  # profiler ranges around each phase (set by runtime/stats/profiler.py)
@@ -157,19 +176,22 @@ class StepTimings:
         self._pending: list[tuple[float, float, Any, Any]] = []
 
     @classmethod
-    def for_device(cls, device: Any) -> "StepTimings":
+    def for_device(cls, device: Any) -> StepTimings:
         """The timings of an engine whose model runs on `device` (a torch.device)."""
         cuda = device.type == "cuda"
         return cls(cuda=cuda, device=device if cuda else None)
 
-    def begin(self) -> "StepClock":
+    def begin(self) -> StepClock:
         """Start a step in its `schedule` phase."""
         return StepClock(self)
 
     def snapshot(self) -> StepTimingSnapshot:
         with self._lock:
-            return StepTimingSnapshot({p: h.data() for p, h in self._phases.items()},
-                                      self._prefill.data(), self._rows.data())
+            return StepTimingSnapshot(
+                {p: h.data() for p, h in self._phases.items()},
+                self._prefill.data(),
+                self._rows.data(),
+            )
 
     # -- engine thread ---------------------------------------------------------------------------
 
@@ -184,8 +206,9 @@ class StepTimings:
 
             event.record(torch.cuda.current_stream(self.device))
 
-    def _record(self, durations: list[float], prefill: int, rows: int,
-                events: tuple[Any, Any] | None) -> None:
+    def _record(
+        self, durations: list[float], prefill: int, rows: int, events: tuple[Any, Any] | None
+    ) -> None:
         self.recorded += 1
         ready = []
         if events is not None:

@@ -35,8 +35,9 @@ runtime/tune/runner.py supplies the real `measure` (a server per setting and rou
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from slimserve.runtime.serve_options import serve_default, tune_settings
 
@@ -63,8 +64,10 @@ class Setting:
     def label(self) -> str:
         """max_num_seqs/max_num_batched_tokens, then what differs from serve's defaults."""
         kv = "" if self.kv_cache_dtype == "auto" else f" kv {self.kv_cache_dtype}"
-        return (f"{self.max_num_seqs}/{self.max_num_batched_tokens}{kv}"
-                f"{'' if self.enable_prefix_caching else ' no-prefix-cache'}")
+        return (
+            f"{self.max_num_seqs}/{self.max_num_batched_tokens}{kv}"
+            f"{'' if self.enable_prefix_caching else ' no-prefix-cache'}"
+        )
 
 
 Metrics = Mapping[str, Any]  # at least "attainment" (0..1) and "request_throughput" (req/s)
@@ -136,8 +139,9 @@ class SearchResult:
         return [e for r in self.rounds for e in r]
 
 
-def plan_rounds(n_settings: int, num_prompts: int, steps: int, min_prompts: int = 8,
-                first_steps: int = 1) -> list[Round]:
+def plan_rounds(
+    n_settings: int, num_prompts: int, steps: int, min_prompts: int = 8, first_steps: int = 1
+) -> list[Round]:
     """Successive halving's rounds: the settings left, prompts per run and probes of each. The
     last round (two settings, or the only one) gets num_prompts and steps; each earlier round
     half the prompts of the next (at least min_prompts) and `first_steps` probes (round 0 after
@@ -148,9 +152,14 @@ def plan_rounds(n_settings: int, num_prompts: int, steps: int, min_prompts: int 
     while counts[-1] > 2:
         counts.append(math.ceil(counts[-1] / 2))
     last = len(counts) - 1
-    return [Round(c, max(min(min_prompts, num_prompts), num_prompts >> (last - i)),
-                  steps if i == last else min(steps, first_steps))
-            for i, c in enumerate(counts)]
+    return [
+        Round(
+            c,
+            max(min(min_prompts, num_prompts), num_prompts >> (last - i)),
+            steps if i == last else min(steps, first_steps),
+        )
+        for i, c in enumerate(counts)
+    ]
 
 
 def full_grid_runs(n_settings: int, steps: int) -> int:
@@ -163,8 +172,15 @@ def expected_runs(plan: Sequence[Round]) -> int:
     return sum(r.settings * (r.steps + (i == 0)) for i, r in enumerate(plan))
 
 
-def _probe(measure: Measure, setting: Setting, rate: float, n: int, target: float, rnd: int,
-           on_probe: Callable[[Probe], None] | None) -> Probe:
+def _probe(
+    measure: Measure,
+    setting: Setting,
+    rate: float,
+    n: int,
+    target: float,
+    rnd: int,
+    on_probe: Callable[[Probe], None] | None,
+) -> Probe:
     m = measure(setting, rate, n)
     att = float(m["attainment"])
     p = Probe(setting, rnd, rate, n, att, att >= target, m)
@@ -173,10 +189,19 @@ def _probe(measure: Measure, setting: Setting, rate: float, n: int, target: floa
     return p
 
 
-def find_goodput(measure: Measure, setting: Setting, *, num_prompts: int, target: float,
-                 steps: int, prior: Evaluation | None = None, inherit: bool = False,
-                 round_: int = 0, on_probe: Callable[[Probe], None] | None = None,
-                 max_probe_s: float | None = None) -> Evaluation:
+def find_goodput(
+    measure: Measure,
+    setting: Setting,
+    *,
+    num_prompts: int,
+    target: float,
+    steps: int,
+    prior: Evaluation | None = None,
+    inherit: bool = False,
+    round_: int = 0,
+    on_probe: Callable[[Probe], None] | None = None,
+    max_probe_s: float | None = None,
+) -> Evaluation:
     """The setting's goodput (module docstring): from scratch, a rate-inf run and `steps`
     bisection probes; after an earlier round's evaluation `prior`, `steps` probes that go on
     bisecting its bracket (`inherit`) or bracket anew around it. `max_probe_s`: no probe runs
@@ -191,8 +216,9 @@ def find_goodput(measure: Measure, setting: Setting, *, num_prompts: int, target
         top = float(first.metrics["request_throughput"])
         if first.passed or top <= 0:
             good = top if first.passed else 0.0
-            return Evaluation(setting, round_, num_prompts, 0, top, good, (good, good),
-                              first.passed, probes)
+            return Evaluation(
+                setting, round_, num_prompts, 0, top, good, (good, good), first.passed, probes
+            )
         lo, hi, guess, spread = 0.0, 2 * top, None, 0.0
     else:
         top = prior.max_throughput
@@ -226,8 +252,17 @@ def find_goodput(measure: Measure, setting: Setting, *, num_prompts: int, target
             spread *= 2
     while left > 0 and hi > floor:  # the floor failed: nothing slower is probed
         run((lo + hi) / 2)
-    return Evaluation(setting, round_, num_prompts, sum(math.isfinite(p.rate) for p in probes),
-                      top, lo, (lo, hi), False, probes)
+    return Evaluation(
+        setting,
+        round_,
+        num_prompts,
+        sum(math.isfinite(p.rate) for p in probes),
+        top,
+        lo,
+        (lo, hi),
+        False,
+        probes,
+    )
 
 
 def rank(evaluations: Sequence[Evaluation]) -> list[Evaluation]:
@@ -235,12 +270,19 @@ def rank(evaluations: Sequence[Evaluation]) -> list[Evaluation]:
     return sorted(evaluations, key=lambda e: (-e.goodput, -e.max_throughput, e.setting))
 
 
-def successive_halving(measure: Measure, settings: Sequence[Setting], *, target: float,
-                       num_prompts: int, steps: int, min_prompts: int = 8, first_steps: int = 1,
-                       on_probe: Callable[[Probe], None] | None = None,
-                       on_round: Callable[[int, Round, list[Setting]], None] | None = None,
-                       max_probe_s: float | None = None
-                       ) -> SearchResult:
+def successive_halving(
+    measure: Measure,
+    settings: Sequence[Setting],
+    *,
+    target: float,
+    num_prompts: int,
+    steps: int,
+    min_prompts: int = 8,
+    first_steps: int = 1,
+    on_probe: Callable[[Probe], None] | None = None,
+    on_round: Callable[[int, Round, list[Setting]], None] | None = None,
+    max_probe_s: float | None = None,
+) -> SearchResult:
     """Evaluate every setting cheaply, keep the better half with more prompts and a finer
     bracket, until the last round re-brackets two at full precision (module docstring)."""
     if not settings:
@@ -251,14 +293,26 @@ def successive_halving(measure: Measure, settings: Sequence[Setting], *, target:
     alive, previous = list(settings), {}
     rounds: list[list[Evaluation]] = []
     for i, rnd in enumerate(plan):
-        alive = alive[:rnd.settings]
+        alive = alive[: rnd.settings]
         if on_round is not None:
             on_round(i, rnd, alive)
-        ranked = rank([find_goodput(measure, s, num_prompts=rnd.num_prompts, target=target,
-                                    steps=rnd.steps, prior=previous.get(s),
-                                    inherit=i < len(plan) - 1, round_=i, on_probe=on_probe,
-                                    max_probe_s=max_probe_s)
-                       for s in alive])
+        ranked = rank(
+            [
+                find_goodput(
+                    measure,
+                    s,
+                    num_prompts=rnd.num_prompts,
+                    target=target,
+                    steps=rnd.steps,
+                    prior=previous.get(s),
+                    inherit=i < len(plan) - 1,
+                    round_=i,
+                    on_probe=on_probe,
+                    max_probe_s=max_probe_s,
+                )
+                for s in alive
+            ]
+        )
         rounds.append(ranked)
         previous = {e.setting: e for e in ranked}
         alive = [e.setting for e in ranked]

@@ -39,7 +39,10 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    ok = (
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    )
     if not ok:
         log.debug("mallopt refused the thresholds; the allocator keeps its defaults")
     return ok

@@ -46,8 +46,15 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
 class DecodeGraphs:
     """Static decode buffers and, on CUDA once `capture()` ran, one graph per bucket."""
 
-    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks: int, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        max_num_seqs: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.max_blocks, self.block_size = max_blocks, block_size
@@ -66,17 +73,28 @@ class DecodeGraphs:
     def view(self, size: int) -> BatchInputs:
         """The static buffers' first `size` rows as a decode-only batch."""
         return BatchInputs(
-            input_ids=self.input_ids[:size], positions=self.positions[:size],
-            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-            cu_seqlens_q=self.cu_seqlens_q[:size + 1], context_lens=self.context_lens[:size],
-            logits_indices=self.logits_indices[:size], max_q_len=1,
-            max_context_len=self.max_blocks * self.block_size, decode_only=True, num_decodes=size)
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            context_lens=self.context_lens[:size],
+            logits_indices=self.logits_indices[:size],
+            max_q_len=1,
+            max_context_len=self.max_blocks * self.block_size,
+            decode_only=True,
+            num_decodes=size,
+        )
 
     def can_run(self, batch: BatchInputs) -> bool:
         """A decode-only step whose every sequence samples, within the buffers' size."""
         n = batch.input_ids.shape[0]
-        return (batch.decode_only and n <= self.sizes[-1] and batch.logits_indices.shape[0] == n
-                and batch.block_tables.shape[1] <= self.max_blocks)
+        return (
+            batch.decode_only
+            and n <= self.sizes[-1]
+            and batch.logits_indices.shape[0] == n
+            and batch.block_tables.shape[1] <= self.max_blocks
+        )
 
     def fill(self, batch: BatchInputs) -> int:
         """Copy the step's rows into the static buffers, pad up to the bucket; the bucket size."""
@@ -114,8 +132,12 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch %s) in %.1f s", len(self.graphs),
-                 ",".join(map(str, self.sizes)), time.perf_counter() - t0)
+        log.info(
+            "captured %d decode CUDA graphs (batch %s) in %.1f s",
+            len(self.graphs),
+            ",".join(map(str, self.sizes)),
+            time.perf_counter() - t0,
+        )
 
     def run(self, batch: BatchInputs) -> torch.Tensor:
         """fp32 logits [n, vocab] of a decode-only step: the bucket's graph replayed, or (not

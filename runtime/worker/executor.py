@@ -37,8 +37,8 @@ import torch
 
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.distributed.group import TPGroup, create_store, timeout_s
-from slimserve.runtime.stats.rank_stats import RankStats, read_published, rss_bytes, worker_row
 from slimserve.runtime.distributed.signed_store import SignedStore, new_secret
+from slimserve.runtime.stats.rank_stats import RankStats, read_published, rss_bytes, worker_row
 from slimserve.runtime.worker.rank_process import HEADER, STOP, pack_batch, worker_main
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,13 @@ class MultiprocExecutor:
         self.procs, self.conns = [], []
         for rank in range(1, self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, name=f"slimserve-tp-rank{rank}", daemon=True,
-                            args=(rank, self.world, store.port, config, child, self.threads),
-                            kwargs={"secret": self.secret})
+            p = ctx.Process(
+                target=worker_main,
+                name=f"slimserve-tp-rank{rank}",
+                daemon=True,
+                args=(rank, self.world, store.port, config, child, self.threads),
+                kwargs={"secret": self.secret},
+            )
             p.start()
             child.close()
             self.procs.append(p)
@@ -190,7 +194,9 @@ class MultiprocExecutor:
         for rank in range(1, self.world):
             while not (got := self._messages(rank, wait_s=0.05)):
                 if self._exit_status(rank)[0] or time.monotonic() > deadline:
-                    raise self.failure(RuntimeError(f"tensor-parallel worker rank {rank} did not start"))
+                    raise self.failure(
+                        RuntimeError(f"tensor-parallel worker rank {rank} did not start")
+                    )
             kind, msg = got[0]
             if kind != "ready":
                 self.shutdown()
@@ -205,8 +211,12 @@ class MultiprocExecutor:
                 if self._closed or self._exit_status(rank)[0]:
                     continue  # a dead worker: no row
                 published = read_published(self.signed, rank)
-                row = worker_row(rank, self.ready_info.get(rank, {}), published,
-                                 self._worker_memory(rank, published))
+                row = worker_row(
+                    rank,
+                    self.ready_info.get(rank, {}),
+                    published,
+                    self._worker_memory(rank, published),
+                )
             except Exception:  # noqa: BLE001 (a scrape must not fail: the row is left out)
                 log.debug("stats of tensor-parallel rank %d unavailable", rank, exc_info=True)
                 continue

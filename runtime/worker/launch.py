@@ -23,10 +23,10 @@ from slimserve.runtime.artifact.importers import read_quant_config
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.pipeline import stage_layers
-from slimserve.runtime.worker.ray_executor import make_executor
 from slimserve.runtime.distributed.sharding import check_tensor_parallel
-from slimserve.runtime.worker.model_runner import ModelRunner
 from slimserve.runtime.models.llama import model_spec
+from slimserve.runtime.worker.model_runner import ModelRunner
+from slimserve.runtime.worker.ray_executor import make_executor
 
 
 def make_runner(config: EngineConfig) -> ModelRunner:

@@ -26,24 +26,29 @@ from slimserve.kernels import cpu_attention, cpu_layer_ops
 from slimserve.kernels._launch import kernel_backend
 from slimserve.runtime.batch import BatchInputs, BlockTableCache, StagingBuffer, prepare_batch
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.worker.cpu_malloc import keep_freed_memory
-from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.group import TPGroup
 from slimserve.runtime.distributed.loading import TensorShard
 from slimserve.runtime.distributed.pipeline import StageShard, pipeline_step, stage_layers
-from slimserve.runtime.stats.rank_stats import RankStats, model_bytes, process_memory_bytes
 from slimserve.runtime.dtypes import checkpoint_dtype, resolve_dtype
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import ops
 from slimserve.runtime.layers.cpu_linear import pack_linears, warm_up
 from slimserve.runtime.models.load import BuiltModel, build_model
+from slimserve.runtime.stats.rank_stats import RankStats, model_bytes, process_memory_bytes
+from slimserve.runtime.worker.cpu_malloc import keep_freed_memory
+from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger(__name__)
 
 
-def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype | list[torch.dtype]) -> int:
+def kv_block_bytes(
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype | list[torch.dtype],
+) -> int:
     """Bytes of one block across all layers, K and V; `dtype` one for all layers or one per layer."""
     dtypes = dtype if isinstance(dtype, list) else [dtype] * num_layers
     return 2 * block_size * num_kv_heads * head_dim * sum(d.itemsize for d in dtypes)
@@ -52,8 +57,13 @@ def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim
 class ModelRunner:
     """Loads the model, sizes and allocates the KV cache, executes batches."""
 
-    def __init__(self, config: EngineConfig, built: BuiltModel | None = None,
-                 group: TPGroup | None = None, executor=None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        built: BuiltModel | None = None,
+        group: TPGroup | None = None,
+        executor=None,
+    ):
         """group: this rank's communicator (all ranks) when the model is split over several
         (runtime/worker/launch.py makes rank 0's, runtime/worker/rank_process.py the others');
         executor: on rank 0, the executor that runs ranks 1.. (sent each step's batch)."""
@@ -67,10 +77,14 @@ class ModelRunner:
         self.tp_group: TPGroup | None = None  # a stage's own tensor-parallel group (tp and pp > 1)
         if tp * self.pp > 1:
             if built is not None:
-                raise ValueError("tensor/pipeline parallelism builds its own shards; pass no `built` model")
+                raise ValueError(
+                    "tensor/pipeline parallelism builds its own shards; pass no `built` model"
+                )
             if group is None:
-                raise ValueError("a tensor/pipeline-parallel runner needs its group; make the "
-                                 "engine's with runtime/worker/launch.py (make_runner)")
+                raise ValueError(
+                    "a tensor/pipeline-parallel runner needs its group; make the "
+                    "engine's with runtime/worker/launch.py (make_runner)"
+                )
             if self.device.type == "cuda":  # a rank's GPU is its group's (cuda:rank, or Ray's one)
                 self.device = group.device
         if self.device.type == "cuda" and self.device.index is not None:
@@ -84,18 +98,27 @@ class ModelRunner:
         clock = _Stopwatch()
         if built is None:
             dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model))
-            driver = self.group is None or self.group.rank == 0  # the manifest and gate: checked once
-            built = build_model(config.model, dtype, self.device, config.trust_remote_code,
-                                verify=config.verify if driver else "none",
-                                allow_failed_gate=config.allow_failed_gate or not driver,
-                                shard=self._shard())
+            driver = (
+                self.group is None or self.group.rank == 0
+            )  # the manifest and gate: checked once
+            built = build_model(
+                config.model,
+                dtype,
+                self.device,
+                config.trust_remote_code,
+                verify=config.verify if driver else "none",
+                allow_failed_gate=config.allow_failed_gate or not driver,
+                shard=self._shard(),
+            )
         self.built = built
         self.model, self.spec, self.dtype = built.model, built.spec, built.dtype
         clock.lap("load")
         self._prepare_weights()
         self.weight_bytes = model_bytes(self.model)  # this rank's, in their run-time form
         clock.lap("weights")
-        if self.device.type == "cpu" and warm_up(self.model, max(config.max_num_batched_tokens, config.max_num_seqs)):
+        if self.device.type == "cpu" and warm_up(
+            self.model, max(config.max_num_batched_tokens, config.max_num_seqs)
+        ):
             clock.lap("linear_warmup")  # oneDNN's GEMM primitives (runtime/layers/cpu_linear.py)
         self.kv_dtype = self._kv_dtype()
         self.kv_dtypes = self._kv_dtypes()  # per layer: kv_dtype, or unquantized where skipped
@@ -113,9 +136,14 @@ class ModelRunner:
         self._staging = StagingBuffer(self.device) if self.device.type != "cpu" else None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.device.type == "cuda" and self.group is None:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, config.max_num_seqs,
-                                       -(-self.max_model_len // self.block_size), self.block_size,
-                                       self.device)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                config.max_num_seqs,
+                -(-self.max_model_len // self.block_size),
+                self.block_size,
+                self.device,
+            )
             self.graphs.capture()
             clock.lap("cuda_graphs")
         self.startup = clock.laps  # seconds per start-up part, in order (the start-up log)
@@ -123,8 +151,13 @@ class ModelRunner:
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (num_blocks, self.block_size, self.kv_heads, self.spec.head_dim)
-        return [(torch.zeros(shape, dtype=dt, device=self.device), torch.zeros(shape, dtype=dt, device=self.device))
-                for dt in self.kv_dtypes]
+        return [
+            (
+                torch.zeros(shape, dtype=dt, device=self.device),
+                torch.zeros(shape, dtype=dt, device=self.device),
+            )
+            for dt in self.kv_dtypes
+        ]
 
     def profile_batch(self) -> tuple[BatchInputs, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The largest step the scheduler can make and a scratch KV cache just big enough for it:
@@ -140,8 +173,14 @@ class ModelRunner:
             blocks = max(1, -(-n // self.block_size))
             tables.append(list(range(used, used + blocks)))
             used += blocks
-        batch = prepare_batch([[0] * n for n in sizes], [0] * seqs, tables, [True] * seqs,
-                              self.block_size, self.device)
+        batch = prepare_batch(
+            [[0] * n for n in sizes],
+            [0] * seqs,
+            tables,
+            [True] * seqs,
+            self.block_size,
+            self.device,
+        )
         return batch, self._allocate_kv(used)
 
     def _profile_activations(self) -> int:
@@ -150,7 +189,11 @@ class ModelRunner:
         measured by running it; the KV cache is then sized from what is left after them. It also
         compiles the prefill kernels at their largest shapes before any request. 0 elsewhere and
         when --kv-cache-memory fixes the cache."""
-        if self.device.type != "cuda" or self.group is not None or self.config.kv_cache_memory is not None:
+        if (
+            self.device.type != "cuda"
+            or self.group is not None
+            or self.config.kv_cache_memory is not None
+        ):
             return 0
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -176,8 +219,12 @@ class ModelRunner:
         tensor = None
         if self.tp > 1:
             stage = self.group.rank // self.tp
-            self.tp_group = TPGroup(self.group.rank % self.tp, self.tp, self.group.device,
-                                    store=PrefixStore(f"tp-stage{stage}", self.group.store))
+            self.tp_group = TPGroup(
+                self.group.rank % self.tp,
+                self.tp,
+                self.group.device,
+                store=PrefixStore(f"tp-stage{stage}", self.group.store),
+            )
             tensor = TensorShard(self.tp_group)
         return StageShard(self.group.rank // self.tp, self.pp, tensor)
 
@@ -215,22 +262,33 @@ class ModelRunner:
         """Say which CPU path serves: the C kernels, or the torch twins and why (a machine
         without a C compiler runs ~1.3x slower, which should not go unnoticed)."""
         if ops.select(self.device) is ops.CPU:
-            log.info("CPU kernels: C (decode attention, RMSNorm, RoPE + KV-cache write), KV cache %s",
-                     str(self.kv_dtype).removeprefix("torch."))
+            log.info(
+                "CPU kernels: C (decode attention, RMSNorm, RoPE + KV-cache write), KV cache %s",
+                str(self.kv_dtype).removeprefix("torch."),
+            )
         elif kernel_backend() == "auto":
-            why = "; ".join(r for r in (cpu_attention.unavailable_reason(),
-                                        cpu_layer_ops.unavailable_reason()) if r)
-            log.warning("CPU C kernels unavailable (%s): the torch twins serve, slower; install a C "
-                        "compiler (cc/gcc/clang) or set CC", why or "not built")
+            why = "; ".join(
+                r
+                for r in (cpu_attention.unavailable_reason(), cpu_layer_ops.unavailable_reason())
+                if r
+            )
+            log.warning(
+                "CPU C kernels unavailable (%s): the torch twins serve, slower; install a C "
+                "compiler (cc/gcc/clang) or set CC",
+                why or "not built",
+            )
 
     def _kv_dtype(self) -> torch.dtype:
         """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV; else the
         unquantized cache dtype (`_plain_kv_dtype`)."""
-        if self.config.kv_cache_dtype == "fp8_e4m3" or (self.config.kv_cache_dtype == "auto"
-                                                        and self.built.has_kv_scales):
+        if self.config.kv_cache_dtype == "fp8_e4m3" or (
+            self.config.kv_cache_dtype == "auto" and self.built.has_kv_scales
+        ):
             if self.config.kv_cache_dtype == "fp8_e4m3" and not self.built.has_kv_scales:
-                log.warning("kv_cache_dtype fp8_e4m3 without calibrated scales: using scale 1.0 "
-                            "(run the kv_cache stage of `compress` for calibrated scales)")
+                log.warning(
+                    "kv_cache_dtype fp8_e4m3 without calibrated scales: using scale 1.0 "
+                    "(run the kv_cache stage of `compress` for calibrated scales)"
+                )
             return torch.float8_e4m3fn
         return self._plain_kv_dtype()
 
@@ -258,9 +316,15 @@ class ModelRunner:
         skip = set(self.built.kv_skip_layers if asked is None else asked)
         bad = sorted(i for i in skip if not 0 <= i < total)
         if bad:
-            raise ValueError(f"kv_cache_skip_layers: {bad} are not layers of this {total}-layer "
-                             f"model; use 0 to {total - 1}")
-        held = stage_layers(total, self.pp)[self.group.rank // self.tp] if self.pp > 1 else range(total)
+            raise ValueError(
+                f"kv_cache_skip_layers: {bad} are not layers of this {total}-layer "
+                f"model; use 0 to {total - 1}"
+            )
+        held = (
+            stage_layers(total, self.pp)[self.group.rank // self.tp]
+            if self.pp > 1
+            else range(total)
+        )
         local = {i - held.start for i in skip if i in held}
         plain = self._plain_kv_dtype()
         for i in local:
@@ -268,8 +332,12 @@ class ModelRunner:
             attn.k_scale.fill_(1.0)
             attn.v_scale.fill_(1.0)
         if skip:
-            log.info("KV cache: %s except layers %s (%s)", str(self.kv_dtype).removeprefix("torch."),
-                     ", ".join(map(str, sorted(skip))), str(plain).removeprefix("torch."))
+            log.info(
+                "KV cache: %s except layers %s (%s)",
+                str(self.kv_dtype).removeprefix("torch."),
+                ", ".join(map(str, sorted(skip))),
+                str(plain).removeprefix("torch."),
+            )
         return [plain if i in local else self.kv_dtype for i in range(n)]
 
     @property
@@ -288,8 +356,13 @@ class ModelRunner:
 
     def _block_bytes(self) -> int:
         """Bytes of one KV block across this runner's layers, K and V."""
-        return kv_block_bytes(self.model.spec.num_layers, self.block_size, self.kv_heads, self.spec.head_dim,
-                              self.kv_dtypes)
+        return kv_block_bytes(
+            self.model.spec.num_layers,
+            self.block_size,
+            self.kv_heads,
+            self.spec.head_dim,
+            self.kv_dtypes,
+        )
 
     def _num_blocks(self) -> int:
         per_block = self._block_bytes()
@@ -304,8 +377,10 @@ class ModelRunner:
         if self.group is not None:  # one block manager for all ranks: the smallest count
             blocks = self.group.min_int(blocks)
         if blocks < 2:
-            raise ValueError(f"kv_cache_memory: {budget} bytes hold {blocks} KV blocks of "
-                             f"{per_block} bytes; give at least {2 * per_block} bytes")
+            raise ValueError(
+                f"kv_cache_memory: {budget} bytes hold {blocks} KV blocks of "
+                f"{per_block} bytes; give at least {2 * per_block} bytes"
+            )
         return int(blocks)
 
     def _max_model_len(self) -> int:
@@ -316,11 +391,15 @@ class ModelRunner:
         asked = self.config.max_model_len
         if asked is not None:
             if asked > capacity:
-                raise ValueError(f"max_model_len: {asked} tokens do not fit the KV cache "
-                                 f"({capacity} tokens); raise --kv-cache-memory or lower it")
+                raise ValueError(
+                    f"max_model_len: {asked} tokens do not fit the KV cache "
+                    f"({capacity} tokens); raise --kv-cache-memory or lower it"
+                )
             if asked > limit:
-                raise ArtifactError(f"max_model_len: {asked} exceeds the model's limit of {limit} "
-                                    "positions (max_position_embeddings / sliding_window)")
+                raise ArtifactError(
+                    f"max_model_len: {asked} exceeds the model's limit of {limit} "
+                    "positions (max_position_embeddings / sliding_window)"
+                )
             return asked
         return min(limit, capacity)
 
@@ -329,8 +408,16 @@ class ModelRunner:
         return self.num_blocks * self.block_size
 
     def prepare(self, token_chunks, starts, block_tables, sample) -> BatchInputs:
-        return prepare_batch(token_chunks, starts, block_tables, sample, self.block_size,
-                             self.device, self._tables, self._staging)
+        return prepare_batch(
+            token_chunks,
+            starts,
+            block_tables,
+            sample,
+            self.block_size,
+            self.device,
+            self._tables,
+            self._staging,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: BatchInputs) -> torch.Tensor:
@@ -351,8 +438,15 @@ class ModelRunner:
 
     def _forward(self, batch: BatchInputs):
         if self.pp > 1:
-            return pipeline_step(self.model, batch, self.kv_caches, self.group, self.dtype,
-                                 self.spec.vocab_size, self.tp)
+            return pipeline_step(
+                self.model,
+                batch,
+                self.kv_caches,
+                self.group,
+                self.dtype,
+                self.spec.vocab_size,
+                self.tp,
+            )
         return self.model(batch, self.kv_caches)
 
     def comm_stats(self) -> dict:
@@ -360,16 +454,26 @@ class ModelRunner:
         if self.group is None:
             return {"steps": self.steps, "comm_s": 0.0, "comm_calls": 0}
         groups = [g for g in (self.group, self.tp_group) if g is not None]
-        return {"steps": self.steps, "comm_s": sum(g.comm_seconds for g in groups),
-                "comm_calls": sum(g.comm_calls for g in groups)}
+        return {
+            "steps": self.steps,
+            "comm_s": sum(g.comm_seconds for g in groups),
+            "comm_calls": sum(g.comm_calls for g in groups),
+        }
 
     def rank_stats(self) -> list[RankStats]:
         """Rank 0's row (this process) and every live worker's; one row without parallelism,
         whose collective counters are then None (no collective runs). Cheap: no worker is asked."""
         comm = self.comm_stats() if self.group is not None else None
-        rows = [RankStats(0 if self.group is None else self.group.rank, self.weight_bytes,
-                          self.kv_cache_bytes, process_memory_bytes(self.device),
-                          comm and comm["comm_s"], comm and comm["comm_calls"])]
+        rows = [
+            RankStats(
+                0 if self.group is None else self.group.rank,
+                self.weight_bytes,
+                self.kv_cache_bytes,
+                process_memory_bytes(self.device),
+                comm and comm["comm_s"],
+                comm and comm["comm_calls"],
+            )
+        ]
         if self.executor is not None:
             rows += self.executor.worker_stats()
         return rows

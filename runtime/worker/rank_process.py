@@ -26,13 +26,13 @@ from torch.distributed import DistError, DistStoreError
 from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.group import TPGroup
+from slimserve.runtime.distributed.signed_store import ForgedMessage, SignedStore
 from slimserve.runtime.stats.rank_stats import (
     IDLE_PUBLISH_S,
     PUBLISH_EVERY_S,
     process_memory_bytes,
     publish_stats,
 )
-from slimserve.runtime.distributed.signed_store import ForgedMessage, SignedStore
 from slimserve.runtime.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -44,20 +44,47 @@ HEADER = struct.Struct("<10q")
 def pack_batch(batch: BatchInputs) -> tuple[bytes, torch.Tensor]:
     """(header, int64 payload) of one step's batch."""
     b, w = batch.block_tables.shape
-    parts = [batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices,
-             batch.block_tables.reshape(-1), batch.cu_seqlens_q, batch.context_lens]
+    parts = [
+        batch.input_ids,
+        batch.positions,
+        batch.slot_mapping,
+        batch.logits_indices,
+        batch.block_tables.reshape(-1),
+        batch.cu_seqlens_q,
+        batch.context_lens,
+    ]
     payload = torch.cat([p.to(torch.int64) for p in parts])
-    header = HEADER.pack(STEP, batch.input_ids.numel(), b, w, batch.logits_indices.numel(),
-                         batch.max_q_len, batch.max_context_len, int(batch.decode_only),
-                         batch.num_decodes, payload.numel())
+    header = HEADER.pack(
+        STEP,
+        batch.input_ids.numel(),
+        b,
+        w,
+        batch.logits_indices.numel(),
+        batch.max_q_len,
+        batch.max_context_len,
+        int(batch.decode_only),
+        batch.num_decodes,
+        payload.numel(),
+    )
     return header, payload
 
 
 def unpack_batch(header: tuple, payload: torch.Tensor) -> BatchInputs:
     _, t, b, w, s, max_q, max_ctx, decode_only, num_decodes, _ = header
     ids, pos, slots, logits, tables, cu, ctx = payload.split([t, t, t, s, b * w, b + 1, b])
-    return BatchInputs(ids, pos, slots, tables.to(torch.int32).reshape(b, w), cu.to(torch.int32),
-                       ctx.to(torch.int32), logits, max_q, max_ctx, bool(decode_only), num_decodes)
+    return BatchInputs(
+        ids,
+        pos,
+        slots,
+        tables.to(torch.int32).reshape(b, w),
+        cu.to(torch.int32),
+        ctx.to(torch.int32),
+        logits,
+        max_q,
+        max_ctx,
+        bool(decode_only),
+        num_decodes,
+    )
 
 
 class StoreChannel:
@@ -98,9 +125,19 @@ class StoreChannel:
         self.sent += 1
 
 
-def worker_main(rank: int, world: int, port: int, config, conn, threads: int | None,
-                host: str = "127.0.0.1", cuda_index: int | None = None,
-                bind: str = "127.0.0.1", *, secret: bytes) -> None:
+def worker_main(
+    rank: int,
+    world: int,
+    port: int,
+    config,
+    conn,
+    threads: int | None,
+    host: str = "127.0.0.1",
+    cuda_index: int | None = None,
+    bind: str = "127.0.0.1",
+    *,
+    secret: bytes,
+) -> None:
     """Process entry (multiprocessing spawn, or a Ray actor); errors go back over `conn` as
     ("error", text). conn None: a `StoreChannel` over the group's store. host: where rank 0's
     store listens; cuda_index: this rank's GPU (default: cuda:rank); bind: the address this
@@ -119,8 +156,17 @@ def worker_main(rank: int, world: int, port: int, config, conn, threads: int | N
             conn = StoreChannel(signed, rank)
         runner = ModelRunner(config, group=group)
         _publish(runner, signed, rank)
-        conn.send(("ready", {"blocks": runner.num_blocks, "weight_bytes": runner.weight_bytes,
-                             "kv_cache_bytes": runner.kv_cache_bytes, "pid": os.getpid()}))
+        conn.send(
+            (
+                "ready",
+                {
+                    "blocks": runner.num_blocks,
+                    "weight_bytes": runner.weight_bytes,
+                    "kv_cache_bytes": runner.kv_cache_bytes,
+                    "pid": os.getpid(),
+                },
+            )
+        )
     except BaseException as e:  # noqa: BLE001 (any failure is reported to the driver, which names this rank)
         try:
             conn.send(("error", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
@@ -158,5 +204,6 @@ def _publish(runner: ModelRunner, store: SignedStore, rank: int) -> None:
     """This rank's process memory and collective counters into the store, for the driver's
     /metrics (runtime/stats/rank_stats.py)."""
     comm = runner.comm_stats()
-    publish_stats(store, rank, process_memory_bytes(runner.device), comm["comm_s"],
-                  comm["comm_calls"])
+    publish_stats(
+        store, rank, process_memory_bytes(runner.device), comm["comm_s"], comm["comm_calls"]
+    )

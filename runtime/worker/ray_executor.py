@@ -32,8 +32,10 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ValueError("distributed_executor_backend: 'ray' needs Ray; pip install -e \".[ray]\" "
-                         "(or use the default 'mp' on one machine)") from None
+        raise ValueError(
+            "distributed_executor_backend: 'ray' needs Ray; pip install -e \".[ray]\" "
+            "(or use the default 'mp' on one machine)"
+        ) from None
     return ray
 
 
@@ -43,9 +45,18 @@ class RayWorker:
     def run(self, rank, world, host, port, config, threads, cuda, secret):
         import ray
 
-        worker_main(rank, world, port, config, None, threads, host=host,
-                    cuda_index=0 if cuda else None, bind=ray.util.get_node_ip_address(),
-                    secret=secret)
+        worker_main(
+            rank,
+            world,
+            port,
+            config,
+            None,
+            threads,
+            host=host,
+            cuda_index=0 if cuda else None,
+            bind=ray.util.get_node_ip_address(),
+            secret=secret,
+        )
 
 
 class RayExecutor(MultiprocExecutor):
@@ -68,19 +79,29 @@ class RayExecutor(MultiprocExecutor):
         self.pg = placement_group([bundle] * self.world, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
         host = ray.util.get_node_ip_address()
-        actor = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else (self.threads or 1))(RayWorker)
+        actor = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else (self.threads or 1))(
+            RayWorker
+        )
         self.actors, self.runs, self._seen = [], [], {}
         for rank in range(1, self.world):
-            a = actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=rank)).remote()
+            a = actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=rank
+                )
+            ).remote()
             self.actors.append(a)
-            self.runs.append(a.run.remote(rank, self.world, host, store.port, config, self.threads,
-                                          cuda, self.secret))
+            self.runs.append(
+                a.run.remote(
+                    rank, self.world, host, store.port, config, self.threads, cuda, self.secret
+                )
+            )
 
     def _post(self, header: bytes) -> None:
         self.store.set(f"step/{self.steps}", header)  # one write, read by every worker
         if self.steps:
-            self.store.delete_key(f"step/{self.steps - 1}")  # every worker has read it: it ran that step
+            self.store.delete_key(
+                f"step/{self.steps - 1}"
+            )  # every worker has read it: it ran that step
         self.steps += 1
 
     def _messages(self, rank: int, wait_s: float = 0.0) -> list[tuple[str, str]]:
@@ -131,4 +152,8 @@ class RayExecutor(MultiprocExecutor):
 
 def make_executor(config, device: torch.device) -> MultiprocExecutor:
     """The executor `config.distributed_executor_backend` names."""
-    return RayExecutor(config, device) if config.distributed_executor_backend == "ray" else MultiprocExecutor(config, device)
+    return (
+        RayExecutor(config, device)
+        if config.distributed_executor_backend == "ray"
+        else MultiprocExecutor(config, device)
+    )

@@ -12,10 +12,19 @@ import pytest
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
 
 from slimserve.compress.mappings import ARCHITECTURES
-from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, candidate_scale, fake_quantize
+from slimserve.compress.quant.awq import (
+    awq_clip_search,
+    awq_search_scale,
+    candidate_scale,
+    fake_quantize,
+)
 from slimserve.compress.quant.smoothing import apply_smooth_scale
 from slimserve.compress.quant.smoothquant import smoothquant_scales
 from slimserve.kernels.reference import fake_quantize_per_token_int8
@@ -27,8 +36,15 @@ W8_CHANNEL = preset("W8A8").weights  # int8 symmetric per output channel
 
 
 def _layer(num_kv_heads: int) -> tuple[LlamaDecoderLayer, LlamaConfig]:
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=num_kv_heads,
-                      head_dim=16, num_hidden_layers=1, vocab_size=32)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=16,
+        num_hidden_layers=1,
+        vocab_size=32,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     layer = LlamaDecoderLayer(cfg, layer_idx=0).eval()
@@ -51,12 +67,17 @@ def test_apply_smooth_scale_leaves_layer_output_unchanged(mapping):
     layer, cfg = _layer(num_kv_heads=4)  # no GQA, so v_proj -> o_proj is a valid pair too
     h = torch.randn(2, 12, 64)
     ref = _run(layer, cfg, h)
-    prev, lins = layer.get_submodule(mapping.prev), [layer.get_submodule(r) for r in mapping.linears]
+    prev, lins = (
+        layer.get_submodule(mapping.prev),
+        [layer.get_submodule(r) for r in mapping.linears],
+    )
     s = torch.exp(0.5 * torch.randn(lins[0].in_features))
     before = lins[0].weight.clone()
     apply_smooth_scale(prev, lins, s)
     assert not torch.allclose(before, lins[0].weight)  # the weights did change...
-    torch.testing.assert_close(_run(layer, cfg, h), ref, rtol=1e-5, atol=1e-5)  # ...the function did not
+    torch.testing.assert_close(
+        _run(layer, cfg, h), ref, rtol=1e-5, atol=1e-5
+    )  # ...the function did not
 
 
 def test_apply_smooth_scale_refuses_gqa_value_to_output():
@@ -69,7 +90,11 @@ def test_apply_smooth_scale_refuses_gqa_value_to_output():
 
 def test_smooth_scale_linear_prev_divides_last_rows_and_bias():
     prev, nxt = nn.Linear(4, 6), nn.Linear(3, 2, bias=False)
-    w0, b0, n0 = prev.weight.detach().clone(), prev.bias.detach().clone(), nxt.weight.detach().clone()
+    w0, b0, n0 = (
+        prev.weight.detach().clone(),
+        prev.bias.detach().clone(),
+        nxt.weight.detach().clone(),
+    )
     s = torch.tensor([2.0, 4.0, 8.0])
     apply_smooth_scale(prev, [nxt], s)
     torch.testing.assert_close(prev.weight[:3], w0[:3])
@@ -111,7 +136,9 @@ def test_smoothquant_shrinks_w8a8_error_with_outlier_channels(alpha, bound):
     apply_smooth_scale(norm, [lin], s)
     torch.testing.assert_close(lin(norm(h)), y_ref, rtol=1e-5, atol=1e-5)  # still the same function
     smoothed = _w8a8_error(norm, lin, h, y_ref)
-    print(f"W8A8 rel error (alpha {alpha}): plain {plain:.4g}, smoothed {smoothed:.4g}, ratio {smoothed / plain:.3f}")
+    print(
+        f"W8A8 rel error (alpha {alpha}): plain {plain:.4g}, smoothed {smoothed:.4g}, ratio {smoothed / plain:.3f}"
+    )
     assert smoothed < bound * plain
 
 
@@ -151,7 +178,9 @@ def test_awq_scale_and_clip_beat_rtn_on_salient_channels():
     lim = max_val.repeat_interleave(128, dim=1)
     lin.weight.copy_(torch.clamp(lin.weight, -lim, lim))
     awq = _rel(x @ fake_quantize(lin.weight, W4_G128).T, y_ref)
-    print(f"W4 g128 rel output error: rtn {rtn:.4g}, awq {awq:.4g}, ratio {awq / rtn:.3f} (alpha {ratio:.3f})")
+    print(
+        f"W4 g128 rel output error: rtn {rtn:.4g}, awq {awq:.4g}, ratio {awq / rtn:.3f} (alpha {ratio:.3f})"
+    )
     assert 0.0 < ratio and awq < 0.7 * rtn  # measured 0.58-0.65 over seeds 0-3 (0.597 here)
 
 
@@ -164,7 +193,9 @@ def test_awq_grid_picks_ratio_zero_for_uniform_activations():
     def loss(s):
         return (x @ (fake_quantize(w * s, W4_G128) / s).T - y_ref).pow(2).mean().item()
 
-    s, ratio, losses = awq_search_scale(x.abs().mean(0), w, loss, n_grid=5, duo_scaling=False, group_size=128)
+    s, ratio, losses = awq_search_scale(
+        x.abs().mean(0), w, loss, n_grid=5, duo_scaling=False, group_size=128
+    )
     assert ratio == 0.0 and torch.equal(s, torch.ones(128)) and len(set(losses)) == 1
 
 
@@ -173,8 +204,13 @@ def test_awq_grid_covers_both_ends():
     w = torch.ones(2, 3)
     seen = []
     # A loss that prefers s proportional to x (ratio 1) ...
-    _, ratio, _ = awq_search_scale(x, w, lambda s: seen.append(s) or (s / x - (s / x).mean()).abs().sum().item(),
-                                   n_grid=3, duo_scaling=False)
+    _, ratio, _ = awq_search_scale(
+        x,
+        w,
+        lambda s: seen.append(s) or (s / x - (s / x).mean()).abs().sum().item(),
+        n_grid=3,
+        duo_scaling=False,
+    )
     assert ratio == 1.0 and len(seen) == 3
     torch.testing.assert_close(seen[1], candidate_scale(x, None, 0.5))
     # ... and one that prefers no scaling (ratio 0, s = 1) under duo scaling with flat weights.
@@ -210,7 +246,11 @@ def test_rescaled_layer_copy_is_independent():
     layer, _ = _layer(num_kv_heads=2)
     other = copy.deepcopy(layer)
     m = LLAMA_SMOOTH[2]  # post_attention_layernorm -> gate/up
-    apply_smooth_scale(layer.get_submodule(m.prev), [layer.get_submodule(r) for r in m.linears], torch.full((64,), 2.0))
+    apply_smooth_scale(
+        layer.get_submodule(m.prev),
+        [layer.get_submodule(r) for r in m.linears],
+        torch.full((64,), 2.0),
+    )
     torch.testing.assert_close(layer.mlp.down_proj.weight, other.mlp.down_proj.weight)
     torch.testing.assert_close(layer.self_attn.q_proj.weight, other.self_attn.q_proj.weight)
     torch.testing.assert_close(layer.mlp.gate_proj.weight, other.mlp.gate_proj.weight * 2)
@@ -218,7 +258,9 @@ def test_rescaled_layer_copy_is_independent():
 
 @torch.no_grad()
 @pytest.mark.parametrize("quantized_inputs", [True, False])
-def test_awq_stage_feeds_next_layer_quantized_outputs_and_restores_weights(tiny_checkpoint, quantized_inputs):
+def test_awq_stage_feeds_next_layer_quantized_outputs_and_restores_weights(
+    tiny_checkpoint, quantized_inputs
+):
     """quantized_inputs: layer 1 is searched on the outputs of layer 0 fake-quantized by the scheme
     (what rtn will make of it), yet every weight the stage hands on is unquantized."""
     from transformers import AutoModelForCausalLM
@@ -228,25 +270,36 @@ def test_awq_stage_feeds_next_layer_quantized_outputs_and_restores_weights(tiny_
     from slimserve.compress.stage import CompressionState
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
+    state = CompressionState(
+        model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids
+    )
     stage = AwqStage(AwqOptions(group_size=32, n_grid=3, quantized_inputs=quantized_inputs))
     seen = []  # layer 1's inputs during the stage (its first replay)
-    hook = model.model.layers[1].register_forward_pre_hook(lambda _m, a: seen.append(a[0].clone()) if not seen else None)
+    hook = model.model.layers[1].register_forward_pre_hook(
+        lambda _m, a: seen.append(a[0].clone()) if not seen else None
+    )
     stage.prepare(state)
     run_layerwise(state, stage)
     stage.finalize(state)
     hook.remove()
     args = stage.scheme.weights
     lins = {n: m for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)}
-    assert all(not torch.equal(fake_quantize(m.weight, args, torch.bfloat16), m.weight) for m in lins.values())
+    assert all(
+        not torch.equal(fake_quantize(m.weight, args, torch.bfloat16), m.weight)
+        for m in lins.values()
+    )
     # Recompute layer 0's output from the handed-on (scaled, clipped) weights, quantized or not.
     if quantized_inputs:
         for m in model.model.layers[0].modules():
             if isinstance(m, nn.Linear):
                 m.weight.copy_(fake_quantize(m.weight, args, torch.bfloat16))
     hidden = model(ids, output_hidden_states=True).hidden_states[1]
-    torch.testing.assert_close(seen[0], hidden, rtol=1e-5, atol=1e-5)  # fp32, same ops: replay-exact
+    torch.testing.assert_close(
+        seen[0], hidden, rtol=1e-5, atol=1e-5
+    )  # fp32, same ops: replay-exact
 
 
 @torch.no_grad()
@@ -260,14 +313,23 @@ def test_awq_stage_clip_search_sees_clip_tokens(tiny_checkpoint, monkeypatch):
 
     seen = []
     real = awq_stage.awq_clip_search
-    monkeypatch.setattr(awq_stage, "awq_clip_search", lambda w, x, *a: seen.append(x.shape[0]) or real(w, x, *a))
+    monkeypatch.setattr(
+        awq_stage, "awq_clip_search", lambda w, x, *a: seen.append(x.shape[0]) or real(w, x, *a)
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-    ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0)
+    )
     for clip_tokens, expect in ((40, 40), (4096, 4 * 32)):
         seen.clear()
-        state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
-        stage = awq_stage.AwqStage(awq_stage.AwqOptions(group_size=32, n_grid=2, clip_tokens=clip_tokens,
-                                                            clip_in_search=False))
+        state = CompressionState(
+            model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids
+        )
+        stage = awq_stage.AwqStage(
+            awq_stage.AwqOptions(
+                group_size=32, n_grid=2, clip_tokens=clip_tokens, clip_in_search=False
+            )
+        )
         stage.prepare(state)
         run_layerwise(state, stage)
         stage.finalize(state)
@@ -276,7 +338,9 @@ def test_awq_stage_clip_search_sees_clip_tokens(tiny_checkpoint, monkeypatch):
 
 @torch.no_grad()
 @pytest.mark.parametrize("clip_in_search,calls", [(False, 10), (True, 34)])
-def test_awq_stage_clip_in_search_scores_clipped_candidates(tiny_checkpoint, monkeypatch, clip_in_search, calls):
+def test_awq_stage_clip_in_search_scores_clipped_candidates(
+    tiny_checkpoint, monkeypatch, clip_in_search, calls
+):
     """clip_in_search: every scale candidate (and s = 1) is scored with its clip search applied to the
     mapping's clippable Linears: per layer 3 evaluations (s = 1 and n_grid=2) x (v + gate + up + down)
     = 12 searches, plus the 5 of the clip step itself; 2 layers."""
@@ -290,9 +354,15 @@ def test_awq_stage_clip_in_search_scores_clipped_candidates(tiny_checkpoint, mon
     real = awq_stage.awq_clip_search
     monkeypatch.setattr(awq_stage, "awq_clip_search", lambda *a: seen.append(1) or real(*a))
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
-    stage = awq_stage.AwqStage(awq_stage.AwqOptions(group_size=32, n_grid=2, clip_in_search=clip_in_search))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)
+    )
+    state = CompressionState(
+        model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids
+    )
+    stage = awq_stage.AwqStage(
+        awq_stage.AwqOptions(group_size=32, n_grid=2, clip_in_search=clip_in_search)
+    )
     stage.prepare(state)
     run_layerwise(state, stage)
     report = stage.finalize(state)

@@ -14,7 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from slimserve.compress.quant.awq import awq_clip_search, candidate_scale, fake_quantize, weight_group_absmean
+from slimserve.compress.quant.awq import (
+    awq_clip_search,
+    candidate_scale,
+    fake_quantize,
+    weight_group_absmean,
+)
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.runtime.artifact.scheme import QuantArgs
 
@@ -37,12 +42,18 @@ def _loop_clip_search(w, x, args, sdt, n_grid=20, max_shrink=0.5):
         q = _loop_fake_quantize(torch.clamp(w, -lim, lim), args, sdt).double()
         err = (torch.einsum("tgc,ngc->ntg", xg, q.reshape(n, k // g, g)) - ref).pow(2).mean(dim=1)
         better = err < best_err
-        best_err, best_max = torch.where(better, err, best_err), torch.where(better, max_val, best_max)
+        best_err, best_max = (
+            torch.where(better, err, best_err),
+            torch.where(better, max_val, best_max),
+        )
     return best_max
 
 
-ARGS = {"sym g32": QuantArgs(4, group_size=32), "asym g32": QuantArgs(4, group_size=32, symmetric=False),
-        "int8 channel": QuantArgs(8, strategy="channel", group_size=None)}
+ARGS = {
+    "sym g32": QuantArgs(4, group_size=32),
+    "asym g32": QuantArgs(4, group_size=32, symmetric=False),
+    "int8 channel": QuantArgs(8, strategy="channel", group_size=None),
+}
 
 
 @pytest.mark.parametrize("name", ARGS)
@@ -58,7 +69,9 @@ def test_batched_fake_quantize_is_bit_identical_to_quantize_weight(name, sdt):
 
 
 @pytest.mark.parametrize("name", ["sym g32", "asym g32"])
-@pytest.mark.parametrize("tokens", [16, 300])  # fewer tokens than a group's columns (X itself), and more (QR)
+@pytest.mark.parametrize(
+    "tokens", [16, 300]
+)  # fewer tokens than a group's columns (X itself), and more (QR)
 @pytest.mark.parametrize("seed", range(3))
 def test_vectorised_clip_search_picks_what_the_loop_picks(name, tokens, seed):
     args = ARGS[name]
@@ -87,14 +100,23 @@ def _loop_awq_layer(layer, h, kw, group_size, n_grid):
     every candidate's clipped, quantized weights are loaded and the inspected submodule replayed."""
     args = QuantArgs(4, group_size=group_size)
     sdt, ratios = torch.bfloat16, []
-    for prev_name, lin_names, inspect in (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
-                                                               "self_attn.v_proj"), "self_attn"),
-                                          ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
-                                          ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj")):
+    for prev_name, lin_names, inspect in (
+        (
+            "input_layernorm",
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn",
+        ),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+        ("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    ):
         prev, lins = layer.get_submodule(prev_name), [layer.get_submodule(r) for r in lin_names]
         mod, seen = layer.get_submodule(inspect), {}
-        hooks = [mod.register_forward_pre_hook(lambda _m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True),
-                 lins[0].register_forward_pre_hook(lambda _m, a: seen.update(x=a[0]))]
+        hooks = [
+            mod.register_forward_pre_hook(
+                lambda _m, a, k: seen.update(args=a, kwargs=k), with_kwargs=True
+            ),
+            lins[0].register_forward_pre_hook(lambda _m, a: seen.update(x=a[0])),
+        ]
         layer(h, **kw)
         for hk in hooks:
             hk.remove()
@@ -108,7 +130,9 @@ def _loop_awq_layer(layer, h, kw, group_size, n_grid):
             for lin, w, c in zip(lins, orig, clip):
                 ws = w * s
                 if c:
-                    lim = _loop_clip_search(ws, x / s, args, sdt).repeat_interleave(group_size, dim=1)
+                    lim = _loop_clip_search(ws, x / s, args, sdt).repeat_interleave(
+                        group_size, dim=1
+                    )
                     ws = torch.clamp(ws, -lim, lim)
                 lin.weight.copy_(_loop_fake_quantize(ws, args, sdt) / s)
             out = mod(*seen["args"], **seen["kwargs"])
@@ -120,16 +144,26 @@ def _loop_awq_layer(layer, h, kw, group_size, n_grid):
         before = loss(torch.ones_like(x_mean))
         losses = [loss(candidate_scale(x_mean, w_mean, i / (n_grid - 1))) for i in range(n_grid)]
         best = min(range(n_grid), key=lambda i: (losses[i], i))
-        ratios.append((best / (n_grid - 1), losses[best] < before, before, min(losses[best], before)))
+        ratios.append(
+            (best / (n_grid - 1), losses[best] < before, before, min(losses[best], before))
+        )
         if losses[best] < before:
             s = candidate_scale(x_mean, w_mean, best / (n_grid - 1))
-            prev.weight.copy_(prev.weight / s[:, None] if isinstance(prev, nn.Linear) else prev.weight / s)
+            prev.weight.copy_(
+                prev.weight / s[:, None] if isinstance(prev, nn.Linear) else prev.weight / s
+            )
             for lin in lins:
                 lin.weight.copy_(lin.weight * s)
     seen = {}
-    targets = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)
-               and not n.rsplit(".", 1)[-1].startswith(("q_", "k_"))}
-    hooks = [m.register_forward_pre_hook(lambda _m, a, n=n: seen.setdefault(n, a[0])) for n, m in targets.items()]
+    targets = {
+        n: m
+        for n, m in layer.named_modules()
+        if isinstance(m, nn.Linear) and not n.rsplit(".", 1)[-1].startswith(("q_", "k_"))
+    }
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, a, n=n: seen.setdefault(n, a[0]))
+        for n, m in targets.items()
+    ]
     layer(h, **kw)
     for hk in hooks:
         hk.remove()
@@ -148,14 +182,17 @@ def test_awq_stage_picks_the_scales_and_clips_of_plain_loops(tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
     from slimserve.compress.calibration import capture_first_layer_inputs
-    from slimserve.compress.stage import LayerContext
     from slimserve.compress.mappings import mapping_for
     from slimserve.compress.quant.awq_stage import AwqOptions, AwqStage
-    from slimserve.compress.stage import CompressionState
+    from slimserve.compress.stage import CompressionState, LayerContext
 
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0))
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0)
+    )
+    state = CompressionState(
+        model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids
+    )
     mapping = mapping_for(model)
     inputs = capture_first_layer_inputs(model, mapping, [ids], torch.device("cpu"))
     layer = model.model.layers[0]
@@ -164,9 +201,15 @@ def test_awq_stage_picks_the_scales_and_clips_of_plain_loops(tiny_checkpoint):
 
     stage = AwqStage(AwqOptions(group_size=32, n_grid=4, clip_tokens=4096, quantized_inputs=False))
     stage.prepare(state)
-    stage.compress_layer(LayerContext(0, "model.layers.0", layer, inputs, mapping, state, torch.device("cpu")))
+    stage.compress_layer(
+        LayerContext(0, "model.layers.0", layer, inputs, mapping, state, torch.device("cpu"))
+    )
     got = stage.report.details["mappings"]
-    assert [m["prev"] for m in got] == ["input_layernorm", "post_attention_layernorm", "mlp.up_proj"]
+    assert [m["prev"] for m in got] == [
+        "input_layernorm",
+        "post_attention_layernorm",
+        "mlp.up_proj",
+    ]
     assert any(r[1] for r in want) and any(r[0] > 0 for r in want)  # the case does rescale
     for m, (ratio, applied, before, after) in zip(got, want):
         assert (m["ratio"], m["applied"]) == (round(ratio, 4), applied)

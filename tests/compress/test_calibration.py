@@ -29,7 +29,9 @@ def test_layerwise_replay_matches_full_forward(tiny_checkpoint):
     ids = torch.randint(0, model.config.vocab_size, (5, 24))
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True).hidden_states  # embeddings, layer outputs...
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+    state = CompressionState(
+        model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids
+    )
     rec = _Recorder()
     run_layerwise(state, rec, batch_size=2)  # batches of 2, 2 and 1 sequences
     assert rec.prefixes == ["model.layers.0", "model.layers.1"]
@@ -56,8 +58,14 @@ class _StopAfterQkv(Stage):
 
     def compress_layer(self, ctx):
         attn = ctx.module("self_attn")
-        hooks = [attn.q_proj.register_forward_hook(lambda *a: self.calls.__setitem__("q", self.calls["q"] + 1)),
-                 attn.o_proj.register_forward_hook(lambda *a: self.calls.__setitem__("o", self.calls["o"] + 1))]
+        hooks = [
+            attn.q_proj.register_forward_hook(
+                lambda *a: self.calls.__setitem__("q", self.calls["q"] + 1)
+            ),
+            attn.o_proj.register_forward_hook(
+                lambda *a: self.calls.__setitem__("o", self.calls["o"] + 1)
+            ),
+        ]
         self.results.append(ctx.forward(stop_after=[attn.q_proj, attn.k_proj, attn.v_proj]))
         self.results.append(dict(self.calls))
         self.results.append(len(ctx.forward()))
@@ -68,7 +76,9 @@ class _StopAfterQkv(Stage):
 def test_stop_after_skips_the_rest_of_the_layer(tiny_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     ids = torch.randint(0, model.config.vocab_size, (5, 16))
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+    state = CompressionState(
+        model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids
+    )
     stage = _StopAfterQkv()
     run_layerwise(state, stage, batch_size=2)  # 3 batches per replay
     # layer 0: the stopped replay ran q_proj 3 times and never reached o_proj; the full one did
@@ -84,19 +94,30 @@ class _Search(Stage):
     name, layerwise = "search", True
 
 
-@pytest.mark.parametrize("setting,storage,device,stage,expected", [
-    ("auto", torch.bfloat16, "cpu", _Stats(), torch.bfloat16),  # statistics in the checkpoint's dtype
-    ("auto", torch.bfloat16, "cpu", _Search(), None),  # searches compare outputs in float32
-    ("auto", torch.float16, "cpu", _Stats(), None),  # fp16 matmuls are slow on CPUs
-    ("auto", torch.float16, "cuda", _Stats(), torch.float16),
-    ("auto", torch.float32, "cpu", _Stats(), None),
-    ("float16", torch.bfloat16, "cpu", _Search(), torch.float16),  # explicit: every stage
-    ("float32", torch.bfloat16, "cpu", _Stats(), None),
-])
+@pytest.mark.parametrize(
+    "setting,storage,device,stage,expected",
+    [
+        (
+            "auto",
+            torch.bfloat16,
+            "cpu",
+            _Stats(),
+            torch.bfloat16,
+        ),  # statistics in the checkpoint's dtype
+        ("auto", torch.bfloat16, "cpu", _Search(), None),  # searches compare outputs in float32
+        ("auto", torch.float16, "cpu", _Stats(), None),  # fp16 matmuls are slow on CPUs
+        ("auto", torch.float16, "cuda", _Stats(), torch.float16),
+        ("auto", torch.float32, "cpu", _Stats(), None),
+        ("float16", torch.bfloat16, "cpu", _Search(), torch.float16),  # explicit: every stage
+        ("float32", torch.bfloat16, "cpu", _Stats(), None),
+    ],
+)
 def test_replay_dtype(setting, storage, device, stage, expected):
     from slimserve.compress.calibration import replay_dtype
 
-    state = CompressionState(model=None, tokenizer=None, storage_dtype=storage, calibration_dtype=setting)
+    state = CompressionState(
+        model=None, tokenizer=None, storage_dtype=storage, calibration_dtype=setting
+    )
     assert replay_dtype(state, stage, torch.device(device)) is expected
 
 
@@ -105,15 +126,22 @@ def test_bf16_replay_tracks_the_fp32_one_and_restores_the_layers(tiny_checkpoint
     ids = torch.randint(0, model.config.vocab_size, (4, 24))
     outs = {}
     for setting in ("float32", "bfloat16"):
-        state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids,
-                                 calibration_dtype=setting)
+        state = CompressionState(
+            model=model,
+            tokenizer=None,
+            storage_dtype=torch.bfloat16,
+            calibration=ids,
+            calibration_dtype=setting,
+        )
         rec = _Recorder()
         run_layerwise(state, rec, batch_size=2)
         outs[setting] = rec.outputs[-1]
         assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert outs["bfloat16"].dtype == torch.bfloat16
     ref = outs["float32"]
-    torch.testing.assert_close(outs["bfloat16"].float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+    torch.testing.assert_close(
+        outs["bfloat16"].float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item()
+    )
 
 
 class _Writer(Stage):
@@ -130,8 +158,13 @@ class _Writer(Stage):
 def test_bf16_replay_writes_back_into_the_same_fp32_storage(tiny_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16,
-                             calibration=torch.randint(0, 100, (2, 8)), calibration_dtype="bfloat16")
+    state = CompressionState(
+        model=model,
+        tokenizer=None,
+        storage_dtype=torch.bfloat16,
+        calibration=torch.randint(0, 100, (2, 8)),
+        calibration_dtype="bfloat16",
+    )
     run_layerwise(state, _Writer())
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs  # no reallocation
     for layer in model.model.layers:
@@ -147,13 +180,20 @@ class _Registers(Stage):
     def compress_layer(self, ctx):
         attn = ctx.module("self_attn")
         ref = attn.q_proj.weight
-        attn.register_buffer("k_scale", torch.tensor([0.5], dtype=ref.dtype, device=ref.device), persistent=False)
+        attn.register_buffer(
+            "k_scale", torch.tensor([0.5], dtype=ref.dtype, device=ref.device), persistent=False
+        )
 
 
 def test_buffers_registered_in_a_replay_come_home(tiny_checkpoint):
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16,
-                             calibration=torch.randint(0, 100, (2, 8)), calibration_dtype="bfloat16")
+    state = CompressionState(
+        model=model,
+        tokenizer=None,
+        storage_dtype=torch.bfloat16,
+        calibration=torch.randint(0, 100, (2, 8)),
+        calibration_dtype="bfloat16",
+    )
     run_layerwise(state, _Registers())
     for layer in model.model.layers:
         b = layer.self_attn.k_scale

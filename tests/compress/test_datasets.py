@@ -155,7 +155,9 @@ def test_load_token_documents_is_the_encoded_dataset(tmp_path):
 
     f = write(tmp_path / "d.jsonl", '{"t": "ab"}\n{"t": "c"}\n')
     want = encode_documents(ByteTokenizer(), ["ab", "c"])
-    assert torch.equal(load_token_documents("jsonl:d.jsonl:t", ByteTokenizer(), base_dir=tmp_path), want)
+    assert torch.equal(
+        load_token_documents("jsonl:d.jsonl:t", ByteTokenizer(), base_dir=tmp_path), want
+    )
     assert torch.equal(load_token_documents(parse_dataset(f"jsonl:{f}:t"), ByteTokenizer()), want)
     with pytest.raises(DatasetError, match="dataset file not found"):
         load_token_documents("text:nope.txt", ByteTokenizer(), base_dir=tmp_path)
@@ -180,7 +182,9 @@ def test_calibration_stream_too_short(tmp_path):
     f = write(tmp_path / "s.txt", "abc")  # 3 bytes + EOS = 4 tokens
     with pytest.raises(DatasetError, match=r"4 tokens.*seq_len \+ 1 = 5"):
         calibration_batches(ByteTokenizer(), f"text:{f}", num_samples=1, seq_len=4, seed=0)
-    assert calibration_batches(ByteTokenizer(), f"text:{f}", num_samples=2, seq_len=3, seed=0).shape == (2, 3)
+    assert calibration_batches(
+        ByteTokenizer(), f"text:{f}", num_samples=2, seq_len=3, seed=0
+    ).shape == (2, 3)
 
 
 def test_wikitext2_load_failure_is_dataset_error(monkeypatch):
@@ -193,7 +197,9 @@ def test_wikitext2_load_failure_is_dataset_error(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     spec = parse_dataset("wikitext2")
     assert spec.eval_split == "test" and spec.for_calibration().split == "train"
-    with pytest.raises(DatasetError, match=r"could not load wikitext2 \(no network\?\): Couldn't reach.*stdlib"):
+    with pytest.raises(
+        DatasetError, match=r"could not load wikitext2 \(no network\?\): Couldn't reach.*stdlib"
+    ):
         load_texts(spec)
 
 

@@ -8,14 +8,27 @@ from slimserve.compress.errors import RecipeError
 from slimserve.compress.recipe import parse_recipe
 
 
-@pytest.mark.parametrize("name,expected", [("auto", None), ("cpu", torch.device("cpu")),
-                                           ("cuda", torch.device("cuda")), ("cuda:1", torch.device("cuda", 1))])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("auto", None),
+        ("cpu", torch.device("cpu")),
+        ("cuda", torch.device("cuda")),
+        ("cuda:1", torch.device("cuda", 1)),
+    ],
+)
 def test_parse_device(name, expected):
     assert parse_device(name, "device") == expected
 
 
-@pytest.mark.parametrize("name,needle", [("gpu", "'gpu' is not a device"), ("mps", "'mps' is not supported"),
-                                         ("cuda:x", "'cuda:x' is not a device")])
+@pytest.mark.parametrize(
+    "name,needle",
+    [
+        ("gpu", "'gpu' is not a device"),
+        ("mps", "'mps' is not supported"),
+        ("cuda:x", "'cuda:x' is not a device"),
+    ],
+)
 def test_bad_device_names_the_field(name, needle):
     with pytest.raises(RecipeError, match=f"stages.distill.device: {needle}"):
         parse_device(name, "stages.distill.device")
@@ -38,7 +51,9 @@ def test_resolve_device_auto_and_absent_cuda():
         with pytest.raises(RecipeError, match="only .* CUDA device"):
             resolve_device(f"cuda:{torch.cuda.device_count()}", "device")
     else:
-        with pytest.raises(RecipeError, match="^device: 'cuda' but no CUDA device is available; use auto or cpu"):
+        with pytest.raises(
+            RecipeError, match="^device: 'cuda' but no CUDA device is available; use auto or cpu"
+        ):
             resolve_device("cuda", "device")
 
 
@@ -52,7 +67,9 @@ def test_whole_model_evaluation_only_where_it_fits(monkeypatch, tiny_checkpoint)
     logits = 3 * 4 * 2 * 64 * model.config.vocab_size  # batch of 2 x 64 tokens
     cuda = torch.device("cuda")
     assert whole_model_shortfall(model, torch.device("cpu"), 2 * 64) == ""
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (int(1.2 * (weights + logits)), 2**40))
+    monkeypatch.setattr(
+        torch.cuda, "mem_get_info", lambda device: (int(1.2 * (weights + logits)), 2**40)
+    )
     assert whole_model_shortfall(model, cuda, 2 * 64) == ""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (weights, 2**40))
     assert "GiB free" in whole_model_shortfall(model, cuda, 2 * 64)

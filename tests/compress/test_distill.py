@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from slimserve.compress.distill.loop import HiddenMap, TrainConfig, distill, lr_at, sample_windows
-from slimserve.compress.distill.losses import LossWeights, ce_loss, distill_loss, hidden_loss, kl_loss
+from slimserve.compress.distill.losses import (
+    LossWeights,
+    ce_loss,
+    distill_loss,
+    hidden_loss,
+    kl_loss,
+)
 
 V = 50
 
@@ -24,7 +30,9 @@ def _logits(seed: int, shape=(2, 5, V), scale=3.0) -> torch.Tensor:
 def test_kl_is_zero_for_identical_models_and_positive_otherwise():
     t = _logits(0)
     assert kl_loss(t.clone(), t, temperature=1.0).abs() < 1e-6
-    assert kl_loss(t + 7.0, t, temperature=2.0).abs() < 1e-6  # a constant shift is the same distribution
+    assert (
+        kl_loss(t + 7.0, t, temperature=2.0).abs() < 1e-6
+    )  # a constant shift is the same distribution
     assert kl_loss(_logits(1), t) > 0.1
 
 
@@ -49,8 +57,14 @@ def test_kl_gradient_points_from_student_to_teacher():
 
 def test_temperature_scaling():
     s, t = _logits(3), _logits(4)
-    for T in (0.5, 2.0, 4.0):  # logits scaled by T at temperature T: the T=1 distributions, times T^2
-        torch.testing.assert_close(kl_loss(s * T, t * T, T), kl_loss(s, t, 1.0) * T * T, rtol=1e-5, atol=1e-6)
+    for T in (
+        0.5,
+        2.0,
+        4.0,
+    ):  # logits scaled by T at temperature T: the T=1 distributions, times T^2
+        torch.testing.assert_close(
+            kl_loss(s * T, t * T, T), kl_loss(s, t, 1.0) * T * T, rtol=1e-5, atol=1e-6
+        )
     # higher temperature softens both distributions: the un-scaled KL shrinks
     raw = [kl_loss(s, t, T) / (T * T) for T in (1.0, 2.0, 4.0)]
     assert raw[0] > raw[1] > raw[2]
@@ -62,7 +76,10 @@ def test_kl_refuses_different_vocabularies():
 
 
 def test_ce_loss_is_next_token_nll():
-    logits, ids = _logits(5), torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(0))
+    logits, ids = (
+        _logits(5),
+        torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(0)),
+    )
     logp = F.log_softmax(logits, -1)
     manual = -torch.stack([logp[b, i, ids[b, i + 1]] for b in range(2) for i in range(4)]).mean()
     torch.testing.assert_close(ce_loss(logits, ids), manual)
@@ -108,8 +125,16 @@ def test_sample_windows_are_slices_of_the_stream():
 
 def _pair():
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     teacher = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     student = copy.deepcopy(teacher).requires_grad_(True)
     with torch.no_grad():
@@ -131,11 +156,15 @@ def test_distill_loop_moves_the_student_towards_the_teacher():
 
     before = kl_now()
     seen = []
-    history = distill(student, teacher, stream, cfg, LossWeights(), on_step=lambda i, r: seen.append(i))
+    history = distill(
+        student, teacher, stream, cfg, LossWeights(), on_step=lambda i, r: seen.append(i)
+    )
     assert kl_now() < 0.5 * before
     assert seen == list(range(30)) and [r["step"] for r in history] == seen
     assert history[0]["lr"] == pytest.approx(1e-3) and "grad_norm" in history[0]
-    assert all(torch.equal(frozen[k], v) for k, v in teacher.state_dict().items())  # teacher untouched
+    assert all(
+        torch.equal(frozen[k], v) for k, v in teacher.state_dict().items()
+    )  # teacher untouched
     assert all(p.grad is None for p in teacher.parameters())
     assert not student.training  # the caller's mode comes back
 
@@ -147,7 +176,14 @@ def test_hidden_term_and_gradient_checkpointing():
     weights = LossWeights(kl=1.0, hidden=1.0)
     hidden = HiddenMap((0, 1), (0, 1), None)
     plain = distill(copy.deepcopy(student), teacher, stream, cfg, weights, hidden)
-    ckpt = distill(copy.deepcopy(student), teacher, stream, replace(cfg, gradient_checkpointing=True), weights, hidden)
+    ckpt = distill(
+        copy.deepcopy(student),
+        teacher,
+        stream,
+        replace(cfg, gradient_checkpointing=True),
+        weights,
+        hidden,
+    )
     assert plain[0]["hidden"] > 0
     assert ckpt[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-5)
 

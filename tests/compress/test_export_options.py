@@ -22,8 +22,15 @@ def tiny_llama():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
@@ -35,8 +42,10 @@ def test_of_takes_an_export_options_or_its_fields():
     model, manifest = object(), ArtifactManifest(base_model="t")
     opts = ExportOptions(model, None, {}, Path("out"), manifest, kv_scales={"a": (1.0, 1.0)})
     assert ExportOptions.of(opts) is opts
-    assert ExportOptions.of(model, None, {}, Path("out"), manifest,
-                            kv_scales={"a": (1.0, 1.0)}) == opts
+    assert (
+        ExportOptions.of(model, None, {}, Path("out"), manifest, kv_scales={"a": (1.0, 1.0)})
+        == opts
+    )
     assert ExportOptions.of(**{f: getattr(opts, f) for f in FIELDS}) == opts
     with pytest.raises(TypeError):
         ExportOptions.of(model, None, {}, Path("out"), manifest, kv_scale={})
@@ -47,11 +56,22 @@ def test_of_takes_an_export_options_or_its_fields():
 def test_each_entry_point_writes_the_same_artifact_from_each_form(tmp_path, entry, how):
     """One dense export per form; before_move (an optional field) is honoured in each."""
     moved = []
-    opts = ExportOptions(tiny_llama(), None, {}, tmp_path / "art", ArtifactManifest(base_model="t"),
-                         before_move=moved.append)
-    args = {"options": ((opts,), {}),
-            "positional": ((opts.model, None, {}, opts.out_dir, opts.manifest), {"before_move": moved.append}),
-            "keywords": ((), {f: getattr(opts, f) for f in FIELDS})}[how]
+    opts = ExportOptions(
+        tiny_llama(),
+        None,
+        {},
+        tmp_path / "art",
+        ArtifactManifest(base_model="t"),
+        before_move=moved.append,
+    )
+    args = {
+        "options": ((opts,), {}),
+        "positional": (
+            (opts.model, None, {}, opts.out_dir, opts.manifest),
+            {"before_move": moved.append},
+        ),
+        "keywords": ((), {f: getattr(opts, f) for f in FIELDS}),
+    }[how]
     if entry == "export_artifact":
         out = export_artifact(COMPRESSED_TENSORS, *args[0], **args[1])
     else:
@@ -69,4 +89,6 @@ def test_no_export_function_lists_the_export_parameters_again():
                 a = node.args
                 names = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs}
                 again = names & set(FIELDS)
-                assert len(again) <= 2, f"{path.name}:{node.lineno} {node.name} takes {sorted(again)}"
+                assert len(again) <= 2, (
+                    f"{path.name}:{node.lineno} {node.name} takes {sorted(again)}"
+                )

@@ -20,8 +20,15 @@ def tiny_llama():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
@@ -95,7 +102,9 @@ def test_export_modes_follow_umask(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     files = [p for p in out.rglob("*") if p.is_file()]
-    assert files and {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o644 for p in files}
+    assert files and {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {
+        p.name: 0o644 for p in files
+    }
     old = os.umask(0o077)
     try:
         out = _export(tmp_path / "private")
@@ -129,7 +138,9 @@ def test_export_fsyncs_every_file_before_the_rename(tmp_path, monkeypatch):
 
 
 def _recipe(tmp_path, model, output):
-    text = f"model: {model}\noutput: {output}\nstages:\n  - rtn: {{scheme: W4A16, group_size: 32}}\n"
+    text = (
+        f"model: {model}\noutput: {output}\nstages:\n  - rtn: {{scheme: W4A16, group_size: 32}}\n"
+    )
     return parse_recipe(text, tmp_path / "r.yaml")
 
 
@@ -142,8 +153,14 @@ def model_dir(tmp_path):
     return m
 
 
-@pytest.mark.parametrize("output,words", [(".", "is the model folder"), ("sub/art", "is inside the model folder"),
-                                          ("..", "contains the model folder")])
+@pytest.mark.parametrize(
+    "output,words",
+    [
+        (".", "is the model folder"),
+        ("sub/art", "is inside the model folder"),
+        ("..", "contains the model folder"),
+    ],
+)
 def test_output_and_model_overlap_refused(tmp_path, model_dir, output, words):
     recipe = _recipe(tmp_path, model_dir, model_dir / output)
     with pytest.raises(RecipeError, match=words):

@@ -42,13 +42,17 @@ def data():
     return _data()
 
 
-@pytest.mark.parametrize("args", [
-    QuantArgs(4, group_size=128),
-    QuantArgs(4, symmetric=False, group_size=128),
-    QuantArgs(3, group_size=128),
-    QuantArgs(4, strategy="channel", group_size=None),
-    QuantArgs(8, strategy="channel", group_size=None),
-], ids=["w4g128", "w4g128-asym", "w3g128", "w4-channel", "w8-channel"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        QuantArgs(4, group_size=128),
+        QuantArgs(4, symmetric=False, group_size=128),
+        QuantArgs(3, group_size=128),
+        QuantArgs(4, strategy="channel", group_size=None),
+        QuantArgs(8, strategy="channel", group_size=None),
+    ],
+    ids=["w4g128", "w4g128-asym", "w3g128", "w4-channel", "w8-channel"],
+)
 def test_gptq_beats_rtn_in_output_space(data, args):
     w, _, h = data
     qw, loss = gptq_quantize(w, h, args, torch.float32)
@@ -64,7 +68,9 @@ def test_hessian_running_mean_is_two_xtx_over_tokens(data):
     _, x, h = data
     h2, n = torch.zeros(K, K), 0
     for chunk in x.split(100):  # uneven last chunk
-        n = accumulate_hessian(h2, chunk.reshape(4, -1, K), n)  # [batch, seq, K] inputs are flattened
+        n = accumulate_hessian(
+            h2, chunk.reshape(4, -1, K), n
+        )  # [batch, seq, K] inputs are flattened
     assert n == x.shape[0]
     # fp32 sums of 1024 products of O(10) values: 1e-4 relative is ~100x the rounding error.
     assert torch.allclose(h2, 2 * x.T @ x / x.shape[0], rtol=1e-4, atol=1e-3)
@@ -73,12 +79,16 @@ def test_hessian_running_mean_is_two_xtx_over_tokens(data):
 
 def test_output_loss_is_twice_output_mse(data):
     w, x, h = data
-    w_hat = quantize_weight(w, QuantArgs(4, group_size=128), torch.float32).dequantize(torch.float32)
+    w_hat = quantize_weight(w, QuantArgs(4, group_size=128), torch.float32).dequantize(
+        torch.float32
+    )
     mse = ((x @ (w - w_hat).T) ** 2).mean().item()  # per output element, over calibration tokens
     assert output_loss(w, w_hat, h) == pytest.approx(2 * mse, rel=1e-3)
     # max_rows: the mean over every ceil(N / max_rows)-th row (N = 64: rows 0, 3, ..., 63 for 22).
     rows = torch.arange(0, N, 3)
-    assert output_loss(w, w_hat, h, max_rows=22) == pytest.approx(output_loss(w[rows], w_hat[rows], h), rel=1e-12)
+    assert output_loss(w, w_hat, h, max_rows=22) == pytest.approx(
+        output_loss(w[rows], w_hat[rows], h), rel=1e-12
+    )
     assert output_loss(w, w_hat, h, max_rows=N) == output_loss(w, w_hat, h)
 
 
@@ -105,15 +115,21 @@ def test_group_actorder_g_idx(data):
     perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
     assert torch.equal(g_idx[perm].long(), torch.arange(K) // 32)
     # dequantize() with g_idx reproduces the loss the loop computed from its own values.
-    assert res.loss == pytest.approx(output_loss(w, res.qweight.dequantize(torch.float32), h), rel=1e-5)
+    assert res.loss == pytest.approx(
+        output_loss(w, res.qweight.dequantize(torch.float32), h), rel=1e-5
+    )
     assert res.loss < 0.8 * _rtn_loss(w, h, args)
 
 
-@pytest.mark.parametrize("args", [
-    QuantArgs(4, group_size=32, actorder="group"),
-    QuantArgs(3, symmetric=False, group_size=64, actorder="static"),
-    QuantArgs(4, strategy="channel", group_size=None),
-], ids=["w4g32-group", "w3g64-asym-static", "w4-channel"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        QuantArgs(4, group_size=32, actorder="group"),
+        QuantArgs(3, symmetric=False, group_size=64, actorder="static"),
+        QuantArgs(4, strategy="channel", group_size=None),
+    ],
+    ids=["w4g32-group", "w3g64-asym-static", "w4-channel"],
+)
 def test_dequantize_reconstructs_the_loop(data, args):
     """GPTQ's per-column errors sum exactly to tr((W-Q) H_damped (W-Q)^T): the loop's own sum
     matches the one computed from dequantize() (scales, zero points, g_idx, un-permutation)."""
@@ -135,8 +151,10 @@ def test_group_actorder_without_error_feedback_is_rtn_in_permuted_groups(data):
     perm = torch.argsort(diag, descending=True)
     expected = torch.empty_like(w)
     for j in range(K // 32):
-        cols = perm[j * 32:(j + 1) * 32]
-        rtn = quantize_weight(w[:, cols], QuantArgs(4, strategy="channel", group_size=None), torch.float32)
+        cols = perm[j * 32 : (j + 1) * 32]
+        rtn = quantize_weight(
+            w[:, cols], QuantArgs(4, strategy="channel", group_size=None), torch.float32
+        )
         expected[:, cols] = rtn.dequantize(torch.float32)
     assert torch.equal(qw.dequantize(torch.float32), expected)
 
@@ -178,7 +196,9 @@ def test_dead_columns(data):
         assert loss == pytest.approx(output_loss(w, deq, h), rel=1e-5)
         # A dead input gets no error from other columns: it is plain rounding with its group's scale.
         s = qw.scale.float()[:, qw.group_index()[dead]]
-        assert torch.equal(qw.codes[:, dead], torch.round(torch.clamp(w[:, dead] / s, -8, 7)).to(torch.int8))
+        assert torch.equal(
+            qw.codes[:, dead], torch.round(torch.clamp(w[:, dead] / s, -8, 7)).to(torch.int8)
+        )
 
 
 def test_zero_hessian_is_rtn(data):
@@ -220,12 +240,16 @@ def test_bad_inputs_named():
         gptq(torch.randn(8, 64), torch.eye(64), args, torch.float32, block_size=0)
 
 
-@pytest.mark.parametrize("args", [
-    QuantArgs(4, group_size=32, actorder="static"),
-    QuantArgs(4, symmetric=False, group_size=64, actorder="group"),
-    QuantArgs(3, group_size=128),
-    QuantArgs(8, strategy="channel", group_size=None),
-], ids=["w4g32-static", "w4g64-asym-group", "w3g128", "w8-channel"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        QuantArgs(4, group_size=32, actorder="static"),
+        QuantArgs(4, symmetric=False, group_size=64, actorder="group"),
+        QuantArgs(3, group_size=128),
+        QuantArgs(8, strategy="channel", group_size=None),
+    ],
+    ids=["w4g32-static", "w4g64-asym-group", "w3g128", "w8-channel"],
+)
 def test_shared_hessian_equals_one_module_at_a_time(data, args):
     """gptq_shared (q/k/v, gate/up: one H, one factorization, one loop over the stacked rows) gives
     every Linear what gptq gives it alone: the per-row arithmetic is the same, only the lazy-update
@@ -243,7 +267,9 @@ def test_shared_hessian_equals_one_module_at_a_time(data, args):
         assert (a.scale == b.scale).float().mean() >= 0.99
         assert (a.zero_point is None) == (b.zero_point is None)
         assert a.zero_point is None or (a.zero_point == b.zero_point).float().mean() >= 0.99
-        assert (a.g_idx is None) == (b.g_idx is None) and (a.g_idx is None or torch.equal(a.g_idx, b.g_idx))
+        assert (a.g_idx is None) == (b.g_idx is None) and (
+            a.g_idx is None or torch.equal(a.g_idx, b.g_idx)
+        )
         assert res.loss == pytest.approx(alone.loss, rel=1e-3) and res.damp == alone.damp
         assert res.loop_loss == pytest.approx(alone.loop_loss, rel=1e-3)
         assert res.loss == pytest.approx(output_loss(wi, b.dequantize(torch.float32), h), rel=1e-5)
@@ -260,7 +286,9 @@ def test_factor_hessian_is_what_gptq_uses(data):
     damped = hp + 0.01 * torch.diagonal(hp).mean() * torch.eye(K, dtype=torch.float64)
     u = f.u.double()
     assert torch.equal(u, torch.triu(u)) and f.fallback is None and f.damp == 0.01
-    torch.testing.assert_close(u.T @ u, torch.linalg.inv(damped), rtol=1e-4, atol=1e-6 * float(u.abs().max()) ** 2)
+    torch.testing.assert_close(
+        u.T @ u, torch.linalg.inv(damped), rtol=1e-4, atol=1e-6 * float(u.abs().max()) ** 2
+    )
     natural = factor_hessian(h, QuantArgs(4, group_size=32, actorder=None), 0.01)
     assert torch.equal(natural.perm, torch.arange(K))
 
@@ -295,4 +323,6 @@ def test_float32_factor_above_float64_max_k(data, monkeypatch):
     torch.testing.assert_close(f32.u, f64.u, rtol=1e-3, atol=1e-4 * float(f64.u.abs().max()))
     # GPTQ is greedy: float32 rounding flips a few codes (loss ratio 0.995-1.012 over 6 seeds x 2 schemes).
     assert res32.loss == pytest.approx(res64.loss, rel=3e-2)
-    assert res32.loss == pytest.approx(output_loss(w, res32.qweight.dequantize(torch.float32), h), rel=1e-5)
+    assert res32.loss == pytest.approx(
+        output_loss(w, res32.qweight.dequantize(torch.float32), h), rel=1e-5
+    )

@@ -9,8 +9,16 @@ from slimserve.compress.errors import RecipeError
 from slimserve.compress.quant.kv_cache import KvCacheOptions, KvCacheStage, candidate_scales
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.stage import CompressionState
-from slimserve.runtime.artifact.compressed_tensors import kv_cache_scheme, kv_tensors, quantization_config
-from slimserve.runtime.artifact.kv_scales import FP8_E4M3_MAX, fp8_e4m3_roundtrip, kv_scale_from_absmax
+from slimserve.runtime.artifact.compressed_tensors import (
+    kv_cache_scheme,
+    kv_tensors,
+    quantization_config,
+)
+from slimserve.runtime.artifact.kv_scales import (
+    FP8_E4M3_MAX,
+    fp8_e4m3_roundtrip,
+    kv_scale_from_absmax,
+)
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.loading.hf_fp8kv import (
     fp8kv_attention_forward,
@@ -31,7 +39,9 @@ def test_roundtrip_is_torch_cast_bit_exact():
     torch.manual_seed(0)
     x = torch.cat([torch.randn(4096) * 100, torch.randn(4096) * 1e-3, _fp8_grid()])
     inside = x.abs() <= FP8_E4M3_MAX
-    assert torch.equal(fp8_e4m3_roundtrip(x[inside], 1.0), x[inside].to(torch.float8_e4m3fn).float())
+    assert torch.equal(
+        fp8_e4m3_roundtrip(x[inside], 1.0), x[inside].to(torch.float8_e4m3fn).float()
+    )
     grid = _fp8_grid()
     assert torch.equal(fp8_e4m3_roundtrip(grid, 1.0), grid)  # representable values are fixed points
     # With a power-of-two scale the division is exact, so the grid scales with it.
@@ -71,7 +81,9 @@ def test_options_refuse_other_dtypes_listing_supported():
     assert KvCacheOptions().dtype == "fp8_e4m3"
     with pytest.raises(ValidationError, match="'int8' is not supported; supported: fp8_e4m3"):
         KvCacheOptions(dtype="int8")
-    with pytest.raises(RecipeError, match=r"stages\[0\].kv_cache.dtype: dtype 'fp8_e5m2'.*fp8_e4m3"):
+    with pytest.raises(
+        RecipeError, match=r"stages\[0\].kv_cache.dtype: dtype 'fp8_e5m2'.*fp8_e4m3"
+    ):
         parse_recipe("model: x\noutput: y\nstages:\n  - kv_cache: {dtype: fp8_e5m2}\n")
 
 
@@ -80,7 +92,9 @@ def test_options_headroom_and_search_bounds():
     assert (opts.headroom, opts.scale_search) == (2.0, 8)
     with pytest.raises(ValidationError, match="headroom 0.5 is out of range; use 1 to 64"):
         KvCacheOptions(headroom=0.5)
-    with pytest.raises(ValidationError, match="scale_search 0 is out of range; use 1 .no search. to 32"):
+    with pytest.raises(
+        ValidationError, match="scale_search 0 is out of range; use 1 .no search. to 32"
+    ):
         KvCacheOptions(scale_search=0)
     with pytest.raises(RecipeError, match=r"stages\[0\].kv_cache.headroom"):
         parse_recipe("model: x\noutput: y\nstages:\n  - kv_cache: {headroom: 100}\n")
@@ -89,12 +103,19 @@ def test_options_headroom_and_search_bounds():
 def test_candidate_scales_span_one_binade_above_the_headroom():
     grid = candidate_scales(10.0, 2.0, 8, torch.float32)
     assert len(grid) == 8 and grid == sorted(grid)
-    assert grid[0] == pytest.approx(2 * 10.0 / 448) and grid[-1] == pytest.approx(2 * 10.0 / 448 * 2 ** (7 / 8))
+    assert grid[0] == pytest.approx(2 * 10.0 / 448) and grid[-1] == pytest.approx(
+        2 * 10.0 / 448 * 2 ** (7 / 8)
+    )
     assert grid[-1] < 2 * grid[0]  # 2 x the first scale gives the first one's grid again
     # Rounded to the storage dtype: the scale tried is the scale stored.
-    assert all(s == torch.tensor(s, dtype=torch.bfloat16).item() for s in candidate_scales(10.0, 2.0, 8, torch.bfloat16))
+    assert all(
+        s == torch.tensor(s, dtype=torch.bfloat16).item()
+        for s in candidate_scales(10.0, 2.0, 8, torch.bfloat16)
+    )
     # headroom 1, no search: the plain absmax / 448 scale
-    assert candidate_scales(10.0, 1.0, 1, torch.float16) == [torch.tensor(10.0 / 448, dtype=torch.float16).item()]
+    assert candidate_scales(10.0, 1.0, 1, torch.float16) == [
+        torch.tensor(10.0 / 448, dtype=torch.float16).item()
+    ]
 
 
 def _attn_inputs(seed=0, b=2, heads=4, kv_heads=2, s=37, d=32):
@@ -111,25 +132,28 @@ def test_fp8_attention_close_to_unquantized_with_calibrated_scales():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     module, q, k, v = _attn_inputs()
-    ref, _ = sdpa_attention_forward(module, q, k, v, None, scaling=32 ** -0.5)
-    same, _ = fp8kv_attention_forward(module, q, k, v, None, scaling=32 ** -0.5)
+    ref, _ = sdpa_attention_forward(module, q, k, v, None, scaling=32**-0.5)
+    same, _ = fp8kv_attention_forward(module, q, k, v, None, scaling=32**-0.5)
     assert torch.equal(same, ref)  # no k_scale/v_scale buffers yet: plain sdpa
     module.register_buffer("k_scale", torch.tensor([kv_scale_from_absmax(k.abs().max().item())]))
     module.register_buffer("v_scale", torch.tensor([kv_scale_from_absmax(v.abs().max().item())]))
-    out, _ = fp8kv_attention_forward(module, q, k, v, None, scaling=32 ** -0.5)
+    out, _ = fp8kv_attention_forward(module, q, k, v, None, scaling=32**-0.5)
     rel = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
     # e4m3 keeps 3 mantissa bits: each K/V element is off by at most 2^-4 relative (half an ulp),
     # about 2^-4/sqrt(3) ~ 3.6% rms. The output mixes V rows (errors average out) and the
     # logits' error is damped by the softmax, so the output's relative error stays below 2^-4.
-    assert 0 < rel < 2 ** -4
+    assert 0 < rel < 2**-4
     # K and V already on the fp8 grid of their scales: the round trip is exact, so is the output.
     kq, vq = fp8_e4m3_roundtrip(k, module.k_scale), fp8_e4m3_roundtrip(v, module.v_scale)
-    exact, _ = fp8kv_attention_forward(module, q, kq, vq, None, scaling=32 ** -0.5)
-    torch.testing.assert_close(exact, sdpa_attention_forward(module, q, kq, vq, None, scaling=32 ** -0.5)[0],
-                               rtol=0, atol=0)
+    exact, _ = fp8kv_attention_forward(module, q, kq, vq, None, scaling=32**-0.5)
+    torch.testing.assert_close(
+        exact, sdpa_attention_forward(module, q, kq, vq, None, scaling=32**-0.5)[0], rtol=0, atol=0
+    )
 
 
-_SEEN: dict[int, tuple[float, float]] = {}  # layer index -> (K absmax, V absmax) as attention saw them
+_SEEN: dict[
+    int, tuple[float, float]
+] = {}  # layer index -> (K absmax, V absmax) as attention saw them
 
 
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
@@ -146,8 +170,16 @@ def _tiny(arch: str):
 
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[arch]
     torch.manual_seed(0)
-    cfg = cls(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    cfg = cls(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     if arch == "qwen3":  # non-trivial k_norm weights, so skipping k_norm would show
         for layer in model.model.layers:
@@ -167,6 +199,7 @@ def _run_recording(model, ids, name: str, attention, store: list) -> None:
         model(input_ids=ids[:2], use_cache=False)
         model(input_ids=ids[2:], use_cache=False)
 
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_stage_measures_k_after_norm_and_rope(arch):
 
@@ -175,7 +208,9 @@ def test_stage_measures_k_after_norm_and_rope(arch):
     _run_recording(model, ids, "test_capture_kv", _capture_attention, _SEEN)
     k_ref, v_ref = _SEEN[0]  # layer 0 sees the same inputs with and without fp8 KV upstream
 
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids)
+    state = CompressionState(
+        model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids
+    )
     stage = KvCacheStage(KvCacheOptions(headroom=1.0, scale_search=1))
     stage.prepare(state)
     run_layerwise(state, stage, batch_size=2)
@@ -185,7 +220,9 @@ def test_stage_measures_k_after_norm_and_rope(arch):
     assert layer0["v_absmax"] == pytest.approx(v_ref, rel=1e-6)
     assert sorted(state.kv_scales) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     k_scale, v_scale = state.kv_scales["model.layers.0.self_attn"]
-    assert k_scale == torch.tensor(k_ref / 448, dtype=torch.bfloat16).item()  # rounded to storage dtype
+    assert (
+        k_scale == torch.tensor(k_ref / 448, dtype=torch.bfloat16).item()
+    )  # rounded to storage dtype
     assert (layer0["k_scale"], layer0["v_scale"]) == (k_scale, v_scale)
     attn = model.model.layers[0].self_attn
     assert attn.k_scale.shape == (1,) and attn.k_scale.item() == k_scale
@@ -195,8 +232,9 @@ def test_stage_measures_k_after_norm_and_rope(arch):
 def test_kv_only_config_block_and_tensors():
     from compressed_tensors.quantization import QuantizationConfig
 
-    qc = quantization_config({}, {"model.layers.0.mlp.up_proj": "Linear", "lm_head": "Linear"},
-                             kv_cache_scheme())
+    qc = quantization_config(
+        {}, {"model.layers.0.mlp.up_proj": "Linear", "lm_head": "Linear"}, kv_cache_scheme()
+    )
     assert qc["config_groups"] == {} and qc["format"] == "dense" and qc["ignore"] == []
     parsed = QuantizationConfig.model_validate(qc)
     assert parsed.kv_cache_scheme.type == "float" and parsed.kv_cache_scheme.num_bits == 8
@@ -209,7 +247,9 @@ def test_kv_only_config_block_and_tensors():
 def test_loader_kv_scale_errors(tmp_path):
     model = _tiny("llama")
     qc = {"kv_cache_scheme": kv_cache_scheme()}
-    tensors = kv_tensors({f"model.layers.{i}.self_attn": (0.5, 0.25) for i in range(2)}, torch.bfloat16)
+    tensors = kv_tensors(
+        {f"model.layers.{i}.self_attn": (0.5, 0.25) for i in range(2)}, torch.bfloat16
+    )
     tensors["other"] = torch.zeros(1)
     scales = pop_kv_scales(model, qc, tensors, tmp_path)
     assert scales["model.layers.1.self_attn"] == (0.5, 0.25) and list(tensors) == ["other"]
@@ -217,7 +257,9 @@ def test_loader_kv_scale_errors(tmp_path):
     partial = kv_tensors({"model.layers.0.self_attn": (0.5, 0.25)}, torch.bfloat16)
     with pytest.raises(ArtifactError, match=r"model.layers.1.self_attn.k_scale is missing"):
         pop_kv_scales(model, qc, partial, tmp_path)
-    with pytest.raises(ArtifactError, match="kv_cache_scheme .* not supported; supported: static fp8"):
+    with pytest.raises(
+        ArtifactError, match="kv_cache_scheme .* not supported; supported: static fp8"
+    ):
         pop_kv_scales(model, {"kv_cache_scheme": kv_cache_scheme() | {"type": "int"}}, {}, tmp_path)
 
 
@@ -243,10 +285,14 @@ def test_stage_search_keeps_the_scale_with_least_attention_error():
     def error(k_scale=None, v_scale=None) -> float:  # independent of the stage's code path
         total = 0.0
         for q, k, v in _QKV:
-            ref = sdpa_attention_forward(attn, q, k, v, None, scaling=attn.scaling, is_causal=True)[0]
+            ref = sdpa_attention_forward(attn, q, k, v, None, scaling=attn.scaling, is_causal=True)[
+                0
+            ]
             kq = fp8_e4m3_roundtrip(k, k_scale) if k_scale else k
             vq = fp8_e4m3_roundtrip(v, v_scale) if v_scale else v
-            out = sdpa_attention_forward(attn, q, kq, vq, None, scaling=attn.scaling, is_causal=True)[0]
+            out = sdpa_attention_forward(
+                attn, q, kq, vq, None, scaling=attn.scaling, is_causal=True
+            )[0]
             total += (out - ref).square().sum().item()
         return total
 
@@ -256,7 +302,9 @@ def test_stage_search_keeps_the_scale_with_least_attention_error():
     v_grid = candidate_scales(v_absmax, 2.0, 8, torch.float32)
     k_errs, v_errs = [error(k_scale=s) for s in k_grid], [error(v_scale=s) for s in v_grid]
 
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.float32, calibration=ids)
+    state = CompressionState(
+        model=model, tokenizer=None, storage_dtype=torch.float32, calibration=ids
+    )
     stage = KvCacheStage(KvCacheOptions())
     stage.prepare(state)
     run_layerwise(state, stage, batch_size=2)

@@ -19,14 +19,23 @@ def _model(layers: int = 4):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 def _calibrate(model, options: KvCacheOptions, ids):
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.float32, calibration=ids,
-                             progress=False)
+    state = CompressionState(
+        model=model, tokenizer=None, storage_dtype=torch.float32, calibration=ids, progress=False
+    )
     stage = KvCacheStage(options)
     stage.prepare(state)
     run_layerwise(state, stage, batch_size=2)
@@ -78,13 +87,20 @@ def test_skip_sensitive_keeps_the_layer_with_the_largest_end_to_end_kl():
     first, second = sorted(ref.values())[-1:-3:-1]
     assert first > 1.01 * second and first > 3 * min(ref.values())  # a clear choice, not a tie
     top = max(ref, key=ref.get)
-    assert sens["chosen"] == [top] and state.kv_skip_layers == [top] and report.details["skip_layers"] == [top]
+    assert (
+        sens["chosen"] == [top]
+        and state.kv_skip_layers == [top]
+        and report.details["skip_layers"] == [top]
+    )
     assert report.details["vllm"] == f"--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers {top}"
     # every layer keeps calibrated scales for the artifact; only the skipped one attends exactly
     assert len(state.kv_scales) == 4
     for i, layer in enumerate(model.model.layers):
         assert hasattr(layer.self_attn, "k_scale") == (i != top)
-    assert model.model.layers[0].self_attn.k_scale.item() == state.kv_scales["model.layers.0.self_attn"][0]
+    assert (
+        model.model.layers[0].self_attn.k_scale.item()
+        == state.kv_scales["model.layers.0.self_attn"][0]
+    )
 
 
 def test_explicit_skip_layers_attend_exactly_while_calibrating():
@@ -93,28 +109,41 @@ def test_explicit_skip_layers_attend_exactly_while_calibrating():
     state, report = _calibrate(model, KvCacheOptions(skip_layers=[1, 1, 3], scale_search=1), ids)
     assert state.kv_skip_layers == [1, 3] and "sensitivity" not in report.details
     assert sorted(decoder_layer_index(n) for n in state.kv_scales) == [0, 1, 2, 3]
-    assert [hasattr(layer.self_attn, "k_scale") for layer in model.model.layers] == [True, False, True, False]
+    assert [hasattr(layer.self_attn, "k_scale") for layer in model.model.layers] == [
+        True,
+        False,
+        True,
+        False,
+    ]
 
 
 def test_no_skip_means_no_skip_details():
     model = _model(layers=2)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
     state, report = _calibrate(model, KvCacheOptions(scale_search=1), ids)
-    assert state.kv_skip_layers == [] and report.details["skip_layers"] == [] and "vllm" not in report.details
+    assert (
+        state.kv_skip_layers == []
+        and report.details["skip_layers"] == []
+        and "vllm" not in report.details
+    )
 
 
 def test_skip_options_are_checked_before_any_work():
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(num_hidden_layers=4)
-    with pytest.raises(RecipeError, match=r"skip_layers: \[4, 9\] are not layers of this 4-layer model; use 0 to 3"):
+    with pytest.raises(
+        RecipeError, match=r"skip_layers: \[4, 9\] are not layers of this 4-layer model; use 0 to 3"
+    ):
         KvCacheStage(KvCacheOptions(skip_layers=[0, 4, 9])).preflight(cfg)
     with pytest.raises(RecipeError, match="leave none of the 4 layers in fp8; skip fewer"):
         KvCacheStage(KvCacheOptions(skip_layers=[0, 1], skip_sensitive=2)).preflight(cfg)
     assert KvCacheStage(KvCacheOptions(skip_layers=[3], skip_sensitive=2)).preflight(cfg) is None
-    for bad, match in (("skip_layers: [-1]", "layer indices start at 0"),
-                       ("skip_sensitive: -2", "give a number of layers >= 0"),
-                       ("sensitivity_samples: 0", "at least 1 calibration window")):
+    for bad, match in (
+        ("skip_layers: [-1]", "layer indices start at 0"),
+        ("skip_sensitive: -2", "give a number of layers >= 0"),
+        ("sensitivity_samples: 0", "at least 1 calibration window"),
+    ):
         with pytest.raises(RecipeError, match=match):
             parse_recipe(f"model: x\noutput: y\nstages:\n  - kv_cache: {{{bad}}}\n")
 
@@ -125,7 +154,11 @@ def test_skip_options_keep_the_pipeline_layer_by_layer(tmp_path):
     cfg = LlamaConfig(num_hidden_layers=4)
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    for stages in ("[{gptq: {scheme: W4A16}}, {kv_cache: {skip_layers: [1]}}]",
-                   "[{gptq: {scheme: W4A16}}, {kv_cache: {skip_sensitive: 1}}]"):
-        recipe = parse_recipe(f"model: {folder}\noutput: y\nstages: {stages}\n", tmp_path / "r.yaml")
+    for stages in (
+        "[{gptq: {scheme: W4A16}}, {kv_cache: {skip_layers: [1]}}]",
+        "[{gptq: {scheme: W4A16}}, {kv_cache: {skip_sensitive: 1}}]",
+    ):
+        recipe = parse_recipe(
+            f"model: {folder}\noutput: y\nstages: {stages}\n", tmp_path / "r.yaml"
+        )
         assert memory_plan(recipe, [spec.build() for spec in recipe.stages], str(folder), cfg) == ""

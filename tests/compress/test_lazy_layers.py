@@ -23,7 +23,6 @@ from slimserve.runtime.corpus import read_texts
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.loading.lazy_weights import CheckpointTensors
 from slimserve.runtime.loading.loader import load_model, load_skeleton
-
 from tests.helpers.tiny_model import save_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,26 +67,39 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def _run(model: Path, calib: Path, out: Path, stages: str, fmt: str, memory: str, logs: list[str]):
     text = RECIPE.format(model=model, out=out, calib=calib, stages=stages, fmt=fmt)
-    return run_recipe(parse_recipe(text, out.parent / "r.yaml"), log=logs.append, progress=False, memory=memory)
+    return run_recipe(
+        parse_recipe(text, out.parent / "r.yaml"), log=logs.append, progress=False, memory=memory
+    )
 
 
 CASES = {
     "gptq": ("  - gptq: {scheme: W4A16, group_size: 32}", "compressed-tensors"),
     "gptq-format-asym": ("  - gptq: {scheme: W4A16_ASYM, group_size: 32, actorder: group}", "gptq"),
-    "awq+gptq": ("  - awq: {scheme: W4A16, group_size: 32, n_grid: 4}\n"
-                 "  - gptq: {scheme: W4A16, group_size: 32}", "awq"),
-    "smoothquant+gptq-w8a8+kv": ("  - smoothquant: {alpha: 0.8}\n  - gptq: {scheme: W8A8}\n"
-                                 "  - kv_cache: {dtype: fp8_e4m3}", "compressed-tensors"),
-    "gptq+kv-skip-sensitive": ("  - gptq: {scheme: W4A16, group_size: 32}\n"
-                               "  - kv_cache: {dtype: fp8_e4m3, skip_sensitive: 1, sensitivity_samples: 2}",
-                               "compressed-tensors"),
+    "awq+gptq": (
+        "  - awq: {scheme: W4A16, group_size: 32, n_grid: 4}\n"
+        "  - gptq: {scheme: W4A16, group_size: 32}",
+        "awq",
+    ),
+    "smoothquant+gptq-w8a8+kv": (
+        "  - smoothquant: {alpha: 0.8}\n  - gptq: {scheme: W8A8}\n  - kv_cache: {dtype: fp8_e4m3}",
+        "compressed-tensors",
+    ),
+    "gptq+kv-skip-sensitive": (
+        "  - gptq: {scheme: W4A16, group_size: 32}\n"
+        "  - kv_cache: {dtype: fp8_e4m3, skip_sensitive: 1, sensitivity_samples: 2}",
+        "compressed-tensors",
+    ),
 }
 
 
-@pytest.mark.parametrize("case,tied", [(c, False) for c in CASES] + [("gptq", True)],
-                         ids=[*CASES, "gptq-tied-embeddings"])
-def test_layers_and_whole_paths_write_the_same_artifact(case, tied, tiny_checkpoint, tied_checkpoint, calib,
-                                                         tmp_path):
+@pytest.mark.parametrize(
+    "case,tied",
+    [(c, False) for c in CASES] + [("gptq", True)],
+    ids=[*CASES, "gptq-tied-embeddings"],
+)
+def test_layers_and_whole_paths_write_the_same_artifact(
+    case, tied, tiny_checkpoint, tied_checkpoint, calib, tmp_path
+):
     stages, fmt = CASES[case]
     model = tied_checkpoint if tied else tiny_checkpoint
     logs_l: list[str] = []
@@ -99,15 +111,23 @@ def test_layers_and_whole_paths_write_the_same_artifact(case, tied, tiny_checkpo
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
     # small: one file, byte for byte what the whole path writes
-    assert (lazy.artifact / "model.safetensors").read_bytes() == (whole.artifact / "model.safetensors").read_bytes()
+    assert (lazy.artifact / "model.safetensors").read_bytes() == (
+        whole.artifact / "model.safetensors"
+    ).read_bytes()
     ca, cb = (json.loads((p / "config.json").read_text()) for p in (lazy.artifact, whole.artifact))
     assert ca == cb
     for key in ("baseline", "final"):
         assert lazy.summary[key]["ppl"] == whole.summary[key]["ppl"]
         assert lazy.summary[key]["size_bytes"] == whole.summary[key]["size_bytes"]
     assert [s["ppl"] for s in lazy.summary["stages"]] == [s["ppl"] for s in whole.summary["stages"]]
-    ma, mb = (json.loads((p / "slimserve.json").read_text()) for p in (lazy.artifact, whole.artifact))
-    assert set(ma) == set(mb) and ma["files"] == mb["files"] and ma["partial_groups"] == mb["partial_groups"]
+    ma, mb = (
+        json.loads((p / "slimserve.json").read_text()) for p in (lazy.artifact, whole.artifact)
+    )
+    assert (
+        set(ma) == set(mb)
+        and ma["files"] == mb["files"]
+        and ma["partial_groups"] == mb["partial_groups"]
+    )
     assert ma["kv_cache_skip_layers"] == mb["kv_cache_skip_layers"]
     if "skip-sensitive" in case:  # the per-layer KL, carried through skeleton layers, is the same
         sa, sb = (r.summary["stages"][-1]["details"]["sensitivity"] for r in (lazy, whole))
@@ -117,12 +137,18 @@ def test_layers_and_whole_paths_write_the_same_artifact(case, tied, tiny_checkpo
     assert loaded.quantized
 
 
-def test_whole_model_stage_takes_the_whole_path_and_layers_refuses_it(tiny_checkpoint, calib, tmp_path):
+def test_whole_model_stage_takes_the_whole_path_and_layers_refuses_it(
+    tiny_checkpoint, calib, tmp_path
+):
     stages = "  - rtn: {scheme: W4A16, group_size: 32}"
     logs: list[str] = []
     _run(tiny_checkpoint, calib, tmp_path / "a", stages, "compressed-tensors", "auto", logs)
-    assert any("whole model is held in float32 (stage rtn works on the whole model)" in m for m in logs), logs
-    with pytest.raises(RecipeError, match="cannot be compressed layer by layer: stage rtn works on the whole"):
+    assert any(
+        "whole model is held in float32 (stage rtn works on the whole model)" in m for m in logs
+    ), logs
+    with pytest.raises(
+        RecipeError, match="cannot be compressed layer by layer: stage rtn works on the whole"
+    ):
         _run(tiny_checkpoint, calib, tmp_path / "b", stages, "compressed-tensors", "layers", [])
 
 
@@ -131,7 +157,10 @@ def test_skeleton_holds_only_the_trunk(tiny_checkpoint, tied_checkpoint):
     m = sk.model
     assert sk.dtype == torch.bfloat16
     assert all(p.device.type == "meta" for p in m.model.layers.parameters())
-    assert m.model.embed_tokens.weight.device.type == "cpu" and m.lm_head.weight.dtype == torch.bfloat16
+    assert (
+        m.model.embed_tokens.weight.device.type == "cpu"
+        and m.lm_head.weight.dtype == torch.bfloat16
+    )
     ref = load_file(str(tiny_checkpoint / "model.safetensors"))
     assert torch.equal(m.lm_head.weight, ref["lm_head.weight"])
     assert m.model.rotary_emb.inv_freq.device.type == "cpu"  # built at construction, not meta
@@ -148,7 +177,9 @@ def test_skeleton_refuses_a_checkpoint_without_the_models_tensor_names(tiny_chec
     tensors = load_file(str(tiny_checkpoint / "model.safetensors"))
     tensors["renamed.norm.weight"] = tensors.pop("model.norm.weight")
     save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(ArtifactError, match="no tensor model.norm.weight under the model's own names"):
+    with pytest.raises(
+        ArtifactError, match="no tensor model.norm.weight under the model's own names"
+    ):
         load_skeleton(bad, "model.layers")
 
 
@@ -160,18 +191,29 @@ def test_store_loads_spills_exactly_and_keeps_quantized_data_on_disk(tiny_checkp
         layer = store.load(0)
         assert layer.mlp.up_proj.weight.dtype == torch.float32
         ref = load_file(str(tiny_checkpoint / "model.safetensors"))
-        assert torch.equal(layer.mlp.up_proj.weight, ref["model.layers.0.mlp.up_proj.weight"].float())
-        layer.input_layernorm.weight.data.mul_(1 / 3)  # not exact in bf16: must come back as float32
+        assert torch.equal(
+            layer.mlp.up_proj.weight, ref["model.layers.0.mlp.up_proj.weight"].float()
+        )
+        layer.input_layernorm.weight.data.mul_(
+            1 / 3
+        )  # not exact in bf16: must come back as float32
         kept = layer.input_layernorm.weight.detach().clone()
         n = layer.mlp.up_proj.weight.shape
-        qw = QuantizedWeight(torch.ones(n, dtype=torch.int8), torch.full((n[0], 1), 0.5, dtype=torch.bfloat16),
-                             None, None, preset("W8A8").weights)
+        qw = QuantizedWeight(
+            torch.ones(n, dtype=torch.int8),
+            torch.full((n[0], 1), 0.5, dtype=torch.bfloat16),
+            None,
+            None,
+            preset("W8A8").weights,
+        )
         quantized["model.layers.0.mlp.up_proj"] = qw
         store.done(0)
         assert layer.mlp.up_proj.weight.device.type == "cpu"  # held until the next layer is done
         store.load(1)
         store.done(1)
-        assert layer.mlp.up_proj.weight.device.type == "meta" and is_meta(quantized["model.layers.0.mlp.up_proj"])
+        assert layer.mlp.up_proj.weight.device.type == "meta" and is_meta(
+            quantized["model.layers.0.mlp.up_proj"]
+        )
         store.finish()
         back = store.load(0)
         assert torch.equal(back.input_layernorm.weight, kept)  # float32 spill: exact
@@ -187,7 +229,10 @@ def test_concatenate_shards_and_index(tmp_path):
     parts = []
     ref = {}
     for j in range(3):
-        t = {f"p{j}.a": torch.arange(10, dtype=torch.float32) + j, f"p{j}.b": torch.full((3, 2), j, dtype=torch.bfloat16)}
+        t = {
+            f"p{j}.a": torch.arange(10, dtype=torch.float32) + j,
+            f"p{j}.b": torch.full((3, 2), j, dtype=torch.bfloat16),
+        }
         ref.update(t)
         parts.append(tmp_path / f"part{j}.safetensors")
         save_file(t, str(parts[-1]))
@@ -206,7 +251,9 @@ def test_concatenate_shards_and_index(tmp_path):
     assert set(CheckpointTensors(many).keys()) == set(ref)
 
 
-def test_a_layerwise_run_holds_at_most_two_decoder_layers(tiny_checkpoint, calib, tmp_path, monkeypatch):
+def test_a_layerwise_run_holds_at_most_two_decoder_layers(
+    tiny_checkpoint, calib, tmp_path, monkeypatch
+):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     deep = tmp_path / "deep"
@@ -220,7 +267,11 @@ def test_a_layerwise_run_holds_at_most_two_decoder_layers(tiny_checkpoint, calib
 
     def counting_load(self, i, dtype=torch.float32):
         layer = load(self, i, dtype)
-        real = [j for j, lay in enumerate(self.layers) if lay.self_attn.q_proj.weight.device.type != "meta"]
+        real = [
+            j
+            for j, lay in enumerate(self.layers)
+            if lay.self_attn.q_proj.weight.device.type != "meta"
+        ]
         held.append(len(real))
         return layer
 
@@ -240,7 +291,9 @@ def test_cycling_layers_through_the_store_does_not_grow_the_resident_set(tiny_ch
     from slimserve.eval.bench_memory import model_config, write_checkpoint
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    write_checkpoint(tmp_path / "ck", model_config(16, len(tok), tok.eos_token_id), tok)  # demo width
+    write_checkpoint(
+        tmp_path / "ck", model_config(16, len(tok), tok.eos_token_id), tok
+    )  # demo width
     sk = load_skeleton(tmp_path / "ck", "model.layers")
     store = LayerStore(sk.model, mapping_for(sk.model), sk.checkpoint, {}, spill_dir=tmp_path)
 

@@ -18,14 +18,23 @@ def model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
 def tokens():
-    return torch.randint(0, 256, (5 * SEQ + 7,), generator=torch.Generator().manual_seed(1))  # 7 dropped
+    return torch.randint(
+        0, 256, (5 * SEQ + 7,), generator=torch.Generator().manual_seed(1)
+    )  # 7 dropped
 
 
 def reference_nll(model, tokens, seq_len, windows):
@@ -40,7 +49,9 @@ def reference_nll(model, tokens, seq_len, windows):
 
 
 def test_matches_hand_computed_nll(model, tokens):
-    res = evaluate_perplexity(model, tokens, seq_len=SEQ, batch_size=2, progress=False, dataset="toy")
+    res = evaluate_perplexity(
+        model, tokens, seq_len=SEQ, batch_size=2, progress=False, dataset="toy"
+    )
     ref = reference_nll(model, tokens, SEQ, 5)
     # fp32 log-softmax over V=256 summed over 75 tokens: agreement to ~1e-6 relative; 1e-5 is slack
     assert res.nll_mean == pytest.approx(ref, rel=1e-5)
@@ -50,7 +61,9 @@ def test_matches_hand_computed_nll(model, tokens):
 
 
 def test_max_windows_takes_first_windows(model, tokens):
-    res = evaluate_perplexity(model, tokens, seq_len=SEQ, max_windows=2, batch_size=8, progress=False)
+    res = evaluate_perplexity(
+        model, tokens, seq_len=SEQ, max_windows=2, batch_size=8, progress=False
+    )
     assert (res.windows, res.tokens) == (2, 2 * (SEQ - 1))
     assert res.nll_mean == pytest.approx(reference_nll(model, tokens, SEQ, 2), rel=1e-5)
     more = evaluate_perplexity(model, tokens, seq_len=SEQ, max_windows=99, progress=False)
@@ -69,8 +82,14 @@ def test_bf16_model_keeps_dtype_and_mode(tokens):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+    )
     m = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
     res = evaluate_perplexity(m, tokens, seq_len=SEQ, progress=False)
     assert math.isfinite(res.ppl)
@@ -109,7 +128,9 @@ def test_to_dict_and_perplexity_on(model, tmp_path):
 
     f = tmp_path / "t.txt"
     f.write_text("the quick brown fox jumps over the lazy dog " * 3)
-    res = perplexity_on(model, ByteTokenizer(), f"text:{f}", seq_len=SEQ, max_windows=3, progress=False)
+    res = perplexity_on(
+        model, ByteTokenizer(), f"text:{f}", seq_len=SEQ, max_windows=3, progress=False
+    )
     assert isinstance(res, PerplexityResult) and res.windows == 3
     d = res.to_dict()
     assert set(d) == {"ppl", "nll_mean", "tokens", "windows", "seconds", "dataset", "seq_len"}

@@ -18,7 +18,9 @@ def test_symmetric_int4_worked_example():
 
 
 def test_asymmetric_int4_worked_example():
-    qw = quantize_weight(W, QuantArgs(4, symmetric=False, strategy="channel", group_size=None), torch.float32)
+    qw = quantize_weight(
+        W, QuantArgs(4, symmetric=False, strategy="channel", group_size=None), torch.float32
+    )
     assert qw.codes.tolist() == [[-8, 0, 7, -3]]
     assert (qw.codes.int() + 8).tolist() == [[0, 8, 15, 5]]  # stored unsigned codes
     assert qw.zero_point.item() == -2 and qw.zero_point.item() + 8 == 6

@@ -37,7 +37,10 @@ def test_output_override(tmp_path: Path):
 
 
 def test_hub_id_kept_when_no_local_folder():
-    assert parse_recipe(GOOD.replace("demo-model", "meta-llama/Llama-3.1-8B")).model == "meta-llama/Llama-3.1-8B"
+    assert (
+        parse_recipe(GOOD.replace("demo-model", "meta-llama/Llama-3.1-8B")).model
+        == "meta-llama/Llama-3.1-8B"
+    )
 
 
 @pytest.mark.parametrize(
@@ -45,7 +48,11 @@ def test_hub_id_kept_when_no_local_folder():
     [
         ("group_size: 64", "bitz: 4", "stages[0].rtn.bitz: unknown key; did you mean 'bits'?"),
         ("eval:", "evl:", "evl: unknown key; did you mean 'eval'?"),
-        ("max_ppl_increase", "max_ppl_increse", "eval.max_ppl_increse: unknown key; did you mean 'max_ppl_increase'?"),
+        (
+            "max_ppl_increase",
+            "max_ppl_increse",
+            "eval.max_ppl_increse: unknown key; did you mean 'max_ppl_increase'?",
+        ),
         ("rtn:", "rnt:", "stages[0].rnt: unknown stage; did you mean 'rtn'?"),
         ("scheme: W4A16", "scheme: W5A16", "stages[0].rtn: unknown scheme 'W5A16'"),
         ("group_size: 64", "group_size: 100", "group_size=100 is invalid"),

@@ -19,10 +19,19 @@ def summary(passed: bool) -> dict:
         "baseline": {"ppl": 10.0, "size_bytes": 18_000_000},
         "stages": [
             {"name": "awq", "ppl": 10.2, "seconds": 3.5, "size_bytes": 18_000_000},
-            {"name": "gptq", "ppl": 10.6 if passed else 12.5, "seconds": 12.0, "size_bytes": 5_000_000},
+            {
+                "name": "gptq",
+                "ppl": 10.6 if passed else 12.5,
+                "seconds": 12.0,
+                "size_bytes": 5_000_000,
+            },
         ],
         "final": {"ppl": 10.6 if passed else 12.5, "size_bytes": 5_000_000},
-        "gate": {"max_ppl_increase": 0.10, "ppl_increase": 0.06 if passed else 0.25, "passed": passed},
+        "gate": {
+            "max_ppl_increase": 0.10,
+            "ppl_increase": 0.06 if passed else 0.25,
+            "passed": passed,
+        },
     }
 
 

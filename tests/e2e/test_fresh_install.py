@@ -56,7 +56,9 @@ def _run_at_root(args: list[str], pythonpath: Path | None = None, timeout: float
     env = dict(os.environ)
     env.pop("PYTHONSAFEPATH", None)  # the root must be on sys.path, as for a user typing there
     if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(pythonpath), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(pythonpath), env.get("PYTHONPATH")) if p
+        )
     return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -73,7 +75,8 @@ def test_installed_packages_win_over_the_layer_folders(standins):
     for name, file in files.items():
         assert file is not None and not _in_a_layer_folder(file), (
             f"`import {name}` from the repository root resolved to {file}: the layer folder "
-            "shadows the installed package")
+            "shadows the installed package"
+        )
 
 
 def test_transformers_llama_and_hub_kernels_import_from_the_root(standins):
@@ -99,8 +102,21 @@ def test_hf_kernels_is_the_installed_one_from_the_root():
 def test_python_m_child_at_the_root_loads_a_model(standins):
     """A `python -m slimserve...` child from the root (as `runtime bench`, the tune runner,
     replicas and ranks start theirs) imports transformers' Llama and scores the demo model."""
-    r = _run_at_root([sys.executable, "-m", "slimserve.compress.cli", "eval", "recipes/demo-model",
-                      "--dataset", "stdlib", "--max-windows", "2", "--json"], standins)
+    r = _run_at_root(
+        [
+            sys.executable,
+            "-m",
+            "slimserve.compress.cli",
+            "eval",
+            "recipes/demo-model",
+            "--dataset",
+            "stdlib",
+            "--max-windows",
+            "2",
+            "--json",
+        ],
+        standins,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
     assert json.loads(r.stdout)["ppl"] > 1
 
@@ -109,11 +125,33 @@ def test_readme_bench_with_hf_baseline_at_the_root(tmp_path):
     """The README's `runtime bench recipes/demo-model --baseline hf`, typed at the root (the
     bench starts `runtime serve` as a `python -m` child there, and HF generate in-process)."""
     out = tmp_path / "bench.json"
-    r = _run_at_root([str(BIN / "runtime"), "bench", "recipes/demo-model", "--baseline", "hf",
-                      "--num-prompts", "4", "--input-len-min", "16", "--input-len-median", "32",
-                      "--input-len-max", "48", "--output-len-min", "4", "--output-len-median", "8",
-                      "--output-len-max", "12", "--no-progress", "--json-out", str(out)],
-                     timeout=400)
+    r = _run_at_root(
+        [
+            str(BIN / "runtime"),
+            "bench",
+            "recipes/demo-model",
+            "--baseline",
+            "hf",
+            "--num-prompts",
+            "4",
+            "--input-len-min",
+            "16",
+            "--input-len-median",
+            "32",
+            "--input-len-max",
+            "48",
+            "--output-len-min",
+            "4",
+            "--output-len-median",
+            "8",
+            "--output-len-max",
+            "12",
+            "--no-progress",
+            "--json-out",
+            str(out),
+        ],
+        timeout=400,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     result = json.loads(out.read_text())
     run, hf = result["runs"][0], result["baseline"]

@@ -23,9 +23,14 @@ def test_demo_model_is_plain_transformers():
     params = sum(p.numel() for p in model.parameters())
     assert 5e6 <= params <= 10e6
     cfg = model.config
-    assert cfg.num_attention_heads % cfg.num_key_value_heads == 0 and cfg.num_key_value_heads < cfg.num_attention_heads
+    assert (
+        cfg.num_attention_heads % cfg.num_key_value_heads == 0
+        and cfg.num_key_value_heads < cfg.num_attention_heads
+    )
     assert not cfg.tie_word_embeddings and cfg.intermediate_size % 128 == 0
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "hi" in chat and chat.endswith("assistant\n")
 
 
@@ -33,9 +38,18 @@ def test_demo_model_is_plain_transformers():
 def quickstart(tmp_path_factory):
     out = tmp_path_factory.mktemp("qs") / "artifact"
     r = subprocess.run(
-        [sys.executable, "-m", "slimserve.compress.cli", "run", str(REPO / "recipes" / "quickstart.yaml"),
-         "--output", str(out), "--no-progress"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "slimserve.compress.cli",
+            "run",
+            str(REPO / "recipes" / "quickstart.yaml"),
+            "--output",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
     )
     return r, out
 
@@ -76,8 +90,8 @@ def test_runtime_serves_the_quickstart_artifact_to_the_openai_client(quickstart)
     import openai
     import uvicorn
 
-    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.config import EngineConfig
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.server.app import build_app
 
     r, out = quickstart
@@ -93,17 +107,29 @@ def test_runtime_serves_the_quickstart_artifact_to_the_openai_client(quickstart)
         while not srv.started:
             assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.05)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="sk-qs")
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="sk-qs"
+        )
         assert [m.id for m in client.models.list().data] == [out.name]
-        plain = client.completions.create(model=out.name, prompt="def fibonacci(n):\n",
-                                          max_tokens=24, temperature=0)
+        plain = client.completions.create(
+            model=out.name, prompt="def fibonacci(n):\n", max_tokens=24, temperature=0
+        )
         assert plain.usage.completion_tokens == 24 or plain.choices[0].finish_reason == "stop"
-        streamed = "".join(c.choices[0].text for c in client.completions.create(
-            model=out.name, prompt="def fibonacci(n):\n", max_tokens=24, temperature=0, stream=True)
-            if c.choices)
+        streamed = "".join(
+            c.choices[0].text
+            for c in client.completions.create(
+                model=out.name,
+                prompt="def fibonacci(n):\n",
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+            )
+            if c.choices
+        )
         assert streamed == plain.choices[0].text and len(streamed) > 10
-        chat = client.chat.completions.create(model=out.name, max_tokens=8,
-                                              messages=[{"role": "user", "content": "hi"}])
+        chat = client.chat.completions.create(
+            model=out.name, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
         assert chat.choices[0].message.role == "assistant"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=client.base_url, api_key="wrong").models.list()

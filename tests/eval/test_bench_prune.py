@@ -8,7 +8,15 @@ import pytest
 import yaml
 
 from slimserve.compress.recipe import parse_recipe
-from slimserve.eval.bench_prune import CONFIGS, Row, bench_recipe, check_bars, format_table, recovery, row_from_report
+from slimserve.eval.bench_prune import (
+    CONFIGS,
+    Row,
+    bench_recipe,
+    check_bars,
+    format_table,
+    recovery,
+    row_from_report,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,25 +50,44 @@ def test_bench_recipes_are_the_shipped_ones_and_validate(tmp_path):
 
 
 def _report(prune_ppl, distill_ppl=None) -> dict:
-    stages = [{"name": "prune", "ppl": prune_ppl, "seconds": 3.0,
-               "details": {"dims_after": {"intermediate_size": 704}, "method": "activation"}}]
+    stages = [
+        {
+            "name": "prune",
+            "ppl": prune_ppl,
+            "seconds": 3.0,
+            "details": {"dims_after": {"intermediate_size": 704}, "method": "activation"},
+        }
+    ]
     if distill_ppl is not None:
         stages.append({"name": "distill", "ppl": distill_ppl, "seconds": 400.0, "details": {}})
     final = distill_ppl if distill_ppl is not None else prune_ppl
-    return {"baseline": {"ppl": 13.0}, "final": {"ppl": final, "size_bytes": 16e6, "params": 7.97e6},
-            "gate": {"passed": True}, "tokens": 1000, "stages": stages}
+    return {
+        "baseline": {"ppl": 13.0},
+        "final": {"ppl": final, "size_bytes": 16e6, "params": 7.97e6},
+        "gate": {"passed": True},
+        "tokens": 1000,
+        "stages": stages,
+    }
 
 
 def test_table_and_bars():
     main = row_from_report(Row(CONFIGS[0].label, CONFIGS[0].recipe), _report(15.0, 13.8))
     control = row_from_report(Row(CONFIGS[1].label, CONFIGS[1].recipe, control=True), _report(16.0))
     failed = Row(CONFIGS[2].label, CONFIGS[2].recipe, status="failed", note="exit 2: boom")
-    assert main.recovered == pytest.approx(0.6) and control.ppl_distill is None and main.distill_s == 400.0
-    meta = {"hardware": {"cpu": "cpu", "cores": 2, "gpu": "none", "torch": "x", "python": "3"},
-            "model": {"name": "demo-model", "params": 9.44e6, "dtype": "bfloat16", "path": "p"},
-            "workload": {"quick": False, "tokens": 1000}}
+    assert (
+        main.recovered == pytest.approx(0.6)
+        and control.ppl_distill is None
+        and main.distill_s == 400.0
+    )
+    meta = {
+        "hardware": {"cpu": "cpu", "cores": 2, "gpu": "none", "torch": "x", "python": "3"},
+        "model": {"name": "demo-model", "params": 9.44e6, "dtype": "bfloat16", "path": "p"},
+        "workload": {"quick": False, "tokens": 1000},
+    }
     text = format_table(meta, [main, control, failed])
-    assert "60%" in text and "failed: exit 2: boom" in text and "15.000" in text and "control" in text
+    assert (
+        "60%" in text and "failed: exit 2: boom" in text and "15.000" in text and "control" in text
+    )
     bars = check_bars([main, control])
     assert bars[0].startswith("bar 1 PASS") and bars[1].startswith("bar 2 PASS")
     slow = row_from_report(Row(CONFIGS[0].label, CONFIGS[0].recipe), _report(15.0, 14.5))

@@ -31,9 +31,17 @@ def test_skewed_workload_shape():
 
 
 def test_interference_workload_shape():
-    args = argparse.Namespace(seed=0, num_short=50, short_rate=2.0, short_chars=200,
-                              short_tokens=32, num_long=10, long_rate=0.5, long_chars=3200,
-                              long_tokens=4)
+    args = argparse.Namespace(
+        seed=0,
+        num_short=50,
+        short_rate=2.0,
+        short_chars=200,
+        short_tokens=32,
+        num_long=10,
+        long_rate=0.5,
+        long_chars=3200,
+        long_tokens=4,
+    )
     reqs = interference_workload(args)
     assert [r["at"] for r in reqs] == sorted(r["at"] for r in reqs)
     short = [r for r in reqs if r["kind"] == "short"]
@@ -45,13 +53,23 @@ def test_interference_workload_shape():
 
 def _res(kind, ttft, e2e, tokens, error=None):
     tpot = (e2e - ttft) / (tokens - 1) if tokens > 1 else None
-    return {"kind": kind, "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e, "tokens": tokens,
-            "error": error}
+    return {
+        "kind": kind,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "e2e_s": e2e,
+        "tokens": tokens,
+        "error": error,
+    }
 
 
 def test_summary_and_verdicts():
-    results = [_res("short", 0.1, 3.2, 32), _res("short", 0.2, 1.75, 32), _res("long", 1.0, 1.3, 4),
-               _res("short", None, 5.0, 0, error="HTTP 502: x")]
+    results = [
+        _res("short", 0.1, 3.2, 32),
+        _res("short", 0.2, 1.75, 32),
+        _res("long", 1.0, 1.3, 4),
+        _res("short", None, 5.0, 0, error="HTTP 502: x"),
+    ]
     s = summarize(results, duration=10.0)
     assert s["completed"] == 3 and s["errors"] == ["HTTP 502: x"]
     assert s["output_tokens_per_s"] == pytest.approx(6.8)
@@ -62,11 +80,14 @@ def test_summary_and_verdicts():
     slow = dict(s, config="colocated", tpot_ms={"p99": 90.0, "median": 45.0})
     ll = dict(s, ttft_ms={"p99": 300.0}, output_tokens_per_s=100.0)
     rr = dict(s, ttft_ms={"p99": 400.0}, output_tokens_per_s=90.0)
-    lines = verdicts({"disaggregated": [fast], "colocated": [slow], "least-latency": [ll],
-                      "round-robin": [rr]})
-    assert lines[0].startswith("skewed: P99 TTFT least-latency 300 vs round-robin 400 -> "
-                               "least-latency wins; throughput least-latency 100.0 vs "
-                               "round-robin 90.0 -> least-latency wins")
+    lines = verdicts(
+        {"disaggregated": [fast], "colocated": [slow], "least-latency": [ll], "round-robin": [rr]}
+    )
+    assert lines[0].startswith(
+        "skewed: P99 TTFT least-latency 300 vs round-robin 400 -> "
+        "least-latency wins; throughput least-latency 100.0 vs "
+        "round-robin 90.0 -> least-latency wins"
+    )
     assert "P99 TPOT disaggregated 50.0 vs colocated 90.0 -> disaggregated wins" in lines[1]
     assert "colocated wins" in verdicts({"disaggregated": [slow], "colocated": [fast]})[0]
 

@@ -15,19 +15,29 @@ pytestmark = pytest.mark.timeout(400)
 def test_dry_run_measures_every_configuration(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, "-m", "slimserve.eval.gpu_check", "--dry-run",
-                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=380)
+    proc = subprocess.run(
+        [sys.executable, "-m", "slimserve.eval.gpu_check", "--dry-run", "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=380,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] and report["steps"]["kernels"].startswith("ok")
     configs = {(r["weights"], r["kv"], r["graphs"]) for r in report["decode"]}
-    assert configs == {(w, kv, g) for w in ("bf16", "W4A16", "W8A8") for kv in ("bf16", "fp8")
-                       for g in ("off", "static")}  # "static": graph buffers, not captured (CPU)
+    assert configs == {
+        (w, kv, g)
+        for w in ("bf16", "W4A16", "W8A8")
+        for kv in ("bf16", "fp8")
+        for g in ("off", "static")
+    }  # "static": graph buffers, not captured (CPU)
     for r in report["decode"]:
         assert r["tok_s"] > 0 and 0 < r["roofline_share"] < 1, r
-    assert [r["batch"] for r in report["transformers"]] == [2] and report["transformers"][0]["tok_s"] > 0
+    assert [r["batch"] for r in report["transformers"]] == [2] and report["transformers"][0][
+        "tok_s"
+    ] > 0
     assert "| weights | KV | batch | graphs |" in proc.stdout
     assert (tmp_path / "kernel_bench.json").exists()
     tp = report["tensor_parallel"]  # TP=1 from the decode rows, TP=2 over two CPU processes
@@ -41,9 +51,15 @@ def test_dry_run_measures_every_configuration(tmp_path):
 def test_one_gpu_tensor_parallel_entry_is_tp1_only_and_says_so():
     from slimserve.eval.gpu_check import _tp_table, tp1_rows, tp_note
 
-    decode = [{"weights": w, "kv": kv, "graphs": g, "batch": 16, "tok_s": t, "step_ms": 1.0}
-              for w, kv, g, t in (("bf16", "bf16", "off", 100.0), ("bf16", "bf16", "on", 150.0),
-                                  ("W4A16", "bf16", "off", 200.0), ("bf16", "fp8", "off", 120.0))]
+    decode = [
+        {"weights": w, "kv": kv, "graphs": g, "batch": 16, "tok_s": t, "step_ms": 1.0}
+        for w, kv, g, t in (
+            ("bf16", "bf16", "off", 100.0),
+            ("bf16", "bf16", "on", 150.0),
+            ("W4A16", "bf16", "off", 200.0),
+            ("bf16", "fp8", "off", 120.0),
+        )
+    ]
     decode.append({"weights": "bf16", "kv": "bf16", "graphs": "off", "error": "boom"})
     rows = tp1_rows(decode)
     assert [(r["tp"], r["tok_s"]) for r in rows] == [(1, 100.0)]  # bf16 weights and KV, eager
@@ -67,9 +83,17 @@ def test_step_bytes_count_the_w4a16_kernel_repack():
     from slimserve.runtime.layers.quant_linear import QuantLinear
     from slimserve.runtime.models.load import random_model
 
-    spec = replace(SHAPES["demo"], vocab_size=512, hidden_size=256, intermediate_size=512,
-                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
-                   inv_freq=SHAPES["demo"].inv_freq[:32])
+    spec = replace(
+        SHAPES["demo"],
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        inv_freq=SHAPES["demo"].inv_freq[:32],
+    )
     model = random_model(spec, torch.bfloat16, torch.device("cpu"))
     quantize_randomly(model)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
@@ -79,5 +103,7 @@ def test_step_bytes_count_the_w4a16_kernel_repack():
         m.prepare_kernel(release=True)
     assert all(m.weight_packed.numel() == 0 for m in linears)
     after = sum(t.nbytes for t in held_tensors(model))
-    assert after >= before - int4 // 8 and after - sum(
-        t.nbytes for t in [*model.parameters(), *model.buffers()]) >= int4
+    assert (
+        after >= before - int4 // 8
+        and after - sum(t.nbytes for t in [*model.parameters(), *model.buffers()]) >= int4
+    )

@@ -8,7 +8,6 @@ import pytest
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
 from slimserve.eval.interop_check import check_artifact, main, reference_ppl
-
 from tests.helpers.tiny_model import save_tiny_llama
 
 RECIPE = """\

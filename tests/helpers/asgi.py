@@ -22,17 +22,36 @@ class Reply:
         return json.loads(self.text)
 
 
-async def call(app, path: str, body: dict | None, *, method: str = "POST",
-               send_body: bool = True, read_chunks: int | None = None) -> Reply:
+async def call(
+    app,
+    path: str,
+    body: dict | None,
+    *,
+    method: str = "POST",
+    send_body: bool = True,
+    read_chunks: int | None = None,
+) -> Reply:
     """One request. send_body=False: the body never arrives (the client sends headers only).
     read_chunks=k: the client takes k body messages, then never reads again (each later send
     blocks forever, as when its TCP window is full)."""
     raw = json.dumps(body).encode() if body is not None else b""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
-             "headers": [(b"content-type", b"application/json"),
-                         (b"content-length", str(len(raw)).encode())]}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 8000),
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(raw)).encode()),
+        ],
+    }
     forever = asyncio.Event()
     reply, got = Reply(), []
 

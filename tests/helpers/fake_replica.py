@@ -8,7 +8,6 @@ import sys
 import uvicorn
 
 from slimserve.runtime.server.app import build_app
-
 from tests.helpers.server_fakes import FakeEngine
 
 if __name__ == "__main__":

@@ -13,19 +13,31 @@ from pathlib import Path
 import numpy as np
 
 _LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight"}
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 CONTROL, NORMAL = 3, 1  # gguf TokenType values
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's rotary row order for q (n_head heads) or k (n_kv_head heads)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def _gguf_name(name: str) -> str:
@@ -35,8 +47,13 @@ def _gguf_name(name: str) -> str:
     return f"blk.{i}.{_LAYER[rest.removesuffix('.weight')]}.weight"
 
 
-def write_gguf(checkpoint: Path, out: Path, weight_type: str = "F32", architecture: str = "llama",
-               tokenizer: bool = True) -> Path:
+def write_gguf(
+    checkpoint: Path,
+    out: Path,
+    weight_type: str = "F32",
+    architecture: str = "llama",
+    tokenizer: bool = True,
+) -> Path:
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer

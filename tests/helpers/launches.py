@@ -28,15 +28,46 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 
 # aten overload packets that launch no kernel: views and metadata changes, uninitialized memory
-METADATA_OPS = frozenset({
-    aten.view, aten._unsafe_view, aten._reshape_alias, aten.as_strided, aten.slice, aten.select,
-    aten.expand, aten.t, aten.transpose, aten.permute, aten.unsqueeze, aten.squeeze,
-    aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.detach, aten.alias,
-    aten.view_as, aten.lift_fresh, aten.empty, aten.empty_like, aten.empty_strided,
-    aten.new_empty, aten.new_empty_strided, aten.unflatten, aten.flatten,
-    aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.is_contiguous,
-    aten.dim, aten.size, aten.stride, aten.numel,
-})
+METADATA_OPS = frozenset(
+    {
+        aten.view,
+        aten._unsafe_view,
+        aten._reshape_alias,
+        aten.as_strided,
+        aten.slice,
+        aten.select,
+        aten.expand,
+        aten.t,
+        aten.transpose,
+        aten.permute,
+        aten.unsqueeze,
+        aten.squeeze,
+        aten.split,
+        aten.split_with_sizes,
+        aten.chunk,
+        aten.unbind,
+        aten.detach,
+        aten.alias,
+        aten.view_as,
+        aten.lift_fresh,
+        aten.empty,
+        aten.empty_like,
+        aten.empty_strided,
+        aten.new_empty,
+        aten.new_empty_strided,
+        aten.unflatten,
+        aten.flatten,
+        aten.sym_size,
+        aten.sym_stride,
+        aten.sym_numel,
+        aten.sym_storage_offset,
+        aten.is_contiguous,
+        aten.dim,
+        aten.size,
+        aten.stride,
+        aten.numel,
+    }
+)
 
 # second passes of split-K GEMMs and split-context attention: outside the per-layer budget
 REDUCTION_KERNELS = frozenset({"triton._splitk_reduce_kernel", "triton._reduce_kernel"})
@@ -87,8 +118,10 @@ def budget_launches(ops: list[str]) -> int:
 
 def table(ops: list[str]) -> str:
     """One line per launch, in order, reduction passes marked."""
-    return "\n".join(f"  {i:2d}. {op}{'  (reduction pass, not budgeted)' if op in REDUCTION_KERNELS else ''}"
-                     for i, op in enumerate(ops, 1))
+    return "\n".join(
+        f"  {i:2d}. {op}{'  (reduction pass, not budgeted)' if op in REDUCTION_KERNELS else ''}"
+        for i, op in enumerate(ops, 1)
+    )
 
 
 @contextlib.contextmanager
@@ -98,11 +131,13 @@ def count_launches(model: torch.nn.Module):
     counter = LaunchCounter()
     handles = []
     for i, layer in enumerate(model.model.layers):
+
         def pre(_m, _a, i=i):
             counter.scope = f"layer{i}"
 
         def post(_m, _a, _o):
             counter.scope = "model"
+
         handles.append(layer.register_forward_pre_hook(pre))
         handles.append(layer.register_forward_hook(post))
 
@@ -119,6 +154,7 @@ def count_launches(model: torch.nn.Module):
                 return orig(self, *args, **kwargs)
             finally:
                 counter._in_kernel -= 1
+
         cls.run = run
         patched.append((cls, orig))
 

@@ -14,14 +14,15 @@ import time
 from dataclasses import dataclass
 
 from slimserve.runtime.engine.async_engine import EngineLoad
-from slimserve.runtime.stats.rank_stats import RankStats
+from slimserve.runtime.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from slimserve.runtime.engine.stops import StopHoldBack
 from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.stats.profiler import ProfilingDisabled
-from slimserve.runtime.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from slimserve.runtime.stats.rank_stats import RankStats
 from slimserve.runtime.stats.step_timing import StepTimings
-from slimserve.runtime.engine.stops import StopHoldBack
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
 
 @dataclass
 class FakeStats:
@@ -94,7 +95,9 @@ class FakeEngine:
         return FakeStats(num_running=len(self._aborts), num_waiting=self.waiting)
 
     def load(self):
-        return EngineLoad(sum(self._prefill.values()), 64, len(self.requests), step_time_s=self.delay)
+        return EngineLoad(
+            sum(self._prefill.values()), 64, len(self.requests), step_time_s=self.delay
+        )
 
     def health_problem(self):
         return "fake engine died" if self.dead else self.unhealthy
@@ -104,8 +107,16 @@ class FakeEngine:
 
     def rank_stats(self):
         """One process: rank 0's memory, no collectives."""
-        return [RankStats(0, weight_bytes=2**20, kv_cache_bytes=2**19, memory_bytes=2**26,
-                          comm_seconds=None, comm_calls=None)]
+        return [
+            RankStats(
+                0,
+                weight_bytes=2**20,
+                kv_cache_bytes=2**19,
+                memory_bytes=2**26,
+                comm_seconds=None,
+                comm_calls=None,
+            )
+        ]
 
     async def reset_prefix_cache(self):
         if self.dead:
@@ -124,9 +135,14 @@ class FakeEngine:
             self._aborts[request_id].set()
 
     def _output(self, rid, prompt, ids, text, lps, reason, stop, t, error=None) -> RequestOutput:
-        return RequestOutput(rid, prompt, [CompletionOutput(0, text, list(ids), lps and list(lps),
-                                                            reason, stop)], reason is not None,
-                             metrics=t, error=error)
+        return RequestOutput(
+            rid,
+            prompt,
+            [CompletionOutput(0, text, list(ids), lps and list(lps), reason, stop)],
+            reason is not None,
+            metrics=t,
+            error=error,
+        )
 
     async def generate(self, prompt, params, request_id):
         if self.dead:
@@ -149,8 +165,17 @@ class FakeEngine:
 
         def delta(text, reason, stop=None, error=None):
             nonlocal sent
-            d = self._output(request_id, ids, out_ids[sent:], hold.take(text, reason is not None),
-                             lps[sent:] if lps is not None else None, reason, stop, t, error)
+            d = self._output(
+                request_id,
+                ids,
+                out_ids[sent:],
+                hold.take(text, reason is not None),
+                lps[sent:] if lps is not None else None,
+                reason,
+                stop,
+                t,
+                error,
+            )
             sent = len(out_ids)
             return d
 
@@ -170,7 +195,7 @@ class FakeEngine:
                 out_ids.append(tok)
                 if lps is not None:
                     top = {tok: -0.5, tok + 1: -1.5, tok + 2: -2.5}
-                    lps.append((-0.5, dict(list(top.items())[:params.logprobs])))
+                    lps.append((-0.5, dict(list(top.items())[: params.logprobs])))
                 if self.fail_request_after is not None and i >= self.fail_request_after:
                     finished = True
                     yield delta(self.tokenizer.decode(out_ids), "error", error="logits are NaN")
@@ -199,16 +224,14 @@ class FakeEngine:
                 self.closed_early.append(request_id)
 
 
-
 def events(text: str) -> list:
     """The JSON objects of an SSE body, and the final '[DONE]' as a string."""
     out = []
     for block in text.strip().split("\n\n"):
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     return out
-
 
 
 def chat_messages(content="hi"):

@@ -23,9 +23,16 @@ def tiny_tokenizer(texts: list[str], vocab_size: int = 512):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=2,
+            special_tokens=[EOS, "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS)
     hf.chat_template = CHAT_TEMPLATE
     hf.model_max_length = 1024
@@ -41,9 +48,17 @@ def save_tiny_llama(out: Path) -> Path:
     tok = tiny_tokenizer(read_texts("validation")[:6])
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        tie_word_embeddings=False, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
     )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)

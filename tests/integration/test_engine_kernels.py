@@ -7,9 +7,8 @@ import torch
 from slimserve.eval.engine_bench import quantize_randomly
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.engine.llm_engine import LLMEngine
-from slimserve.runtime.worker.model_runner import ModelRunner
 from slimserve.runtime.engine.sequence import SamplingParams
-
+from slimserve.runtime.worker.model_runner import ModelRunner
 from tests.helpers import DEMO_MODEL
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n\n\ndef main():\n", "x = ["]
@@ -17,8 +16,16 @@ PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n\n\ndef main():
 
 def _greedy(backend, monkeypatch, **kw):
     monkeypatch.setenv("SLIMSERVE_KERNELS", backend)
-    engine = LLMEngine(EngineConfig(model=str(DEMO_MODEL), dtype="float16", block_size=16,
-                                    max_num_batched_tokens=12, kv_cache_memory="8MiB", **kw))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(DEMO_MODEL),
+            dtype="float16",
+            block_size=16,
+            max_num_batched_tokens=12,
+            kv_cache_memory="8MiB",
+            **kw,
+        )
+    )
     for i, p in enumerate(PROMPTS):
         engine.add_request(str(i), p, SamplingParams(max_tokens=6, temperature=0))
     done = {}
@@ -38,8 +45,12 @@ def test_kernel_path_generates_the_torch_paths_tokens(monkeypatch):
 
 def _logits(backend, monkeypatch, kv_cache_dtype, scheme="W4A16"):
     monkeypatch.setenv("SLIMSERVE_KERNELS", backend)
-    config = EngineConfig(model=str(DEMO_MODEL), dtype="float16", kv_cache_memory="4MiB",
-                          kv_cache_dtype=kv_cache_dtype)
+    config = EngineConfig(
+        model=str(DEMO_MODEL),
+        dtype="float16",
+        kv_cache_memory="4MiB",
+        kv_cache_dtype=kv_cache_dtype,
+    )
     runner = ModelRunner(config)
     torch.manual_seed(0)
     quantize_randomly(runner.model, group_size=128, seed=1, scheme_name=scheme)
@@ -48,15 +59,20 @@ def _logits(backend, monkeypatch, kv_cache_dtype, scheme="W4A16"):
         layer.self_attn.v_scale.fill_(0.02)
     runner._prepare_weights()
     table = [[3, 1], [0, 2]]
-    prefill = runner.prepare([[5, 9, 100, 7, 42, 3, 8, 11, 12], [17, 4]], [0, 0], table, [True, True])
+    prefill = runner.prepare(
+        [[5, 9, 100, 7, 42, 3, 8, 11, 12], [17, 4]], [0, 0], table, [True, True]
+    )
     first = runner.execute(prefill)
     decode = runner.prepare([[77], [78]], [9, 2], table, [True, True])
     return first, runner.execute(decode)
 
 
-@pytest.mark.parametrize("kv_cache_dtype,scheme", [("auto", "W4A16"), ("fp8_e4m3", "W4A16"),
-                                                   ("auto", "W8A8")])
-def test_kernel_path_logits_match_torch_path_with_quantized_weights(monkeypatch, kv_cache_dtype, scheme):
+@pytest.mark.parametrize(
+    "kv_cache_dtype,scheme", [("auto", "W4A16"), ("fp8_e4m3", "W4A16"), ("auto", "W8A8")]
+)
+def test_kernel_path_logits_match_torch_path_with_quantized_weights(
+    monkeypatch, kv_cache_dtype, scheme
+):
     got = _logits("triton", monkeypatch, kv_cache_dtype, scheme)
     want = _logits("torch", monkeypatch, kv_cache_dtype, scheme)
     for g, w in zip(got, want):
@@ -74,13 +90,16 @@ def test_w4a16_layers_are_repacked_at_load_and_hold_their_weights_once(monkeypat
     from slimserve.runtime.layers.quant_linear import QuantLinear
 
     monkeypatch.setenv("SLIMSERVE_KERNELS", "triton")
-    runner = ModelRunner(EngineConfig(model=str(DEMO_MODEL), dtype="float16", kv_cache_memory="4MiB"))
+    runner = ModelRunner(
+        EngineConfig(model=str(DEMO_MODEL), dtype="float16", kv_cache_memory="4MiB")
+    )
     quantize_randomly(runner.model, group_size=128, seed=1, scheme_name="W4A16")
     layers = [m for m in runner.model.modules() if isinstance(m, QuantLinear)]
     before = sum(m.weight_packed.numel() for m in layers)
     runner._prepare_weights()
-    assert before > 0 and all(m.weight_packed.numel() == 0 and m.weight_scale.numel() == 0
-                              for m in layers)
+    assert before > 0 and all(
+        m.weight_packed.numel() == 0 and m.weight_scale.numel() == 0 for m in layers
+    )
     assert all(m._prepared.qweight.numel() * 8 >= m.in_features * m.out_features for m in layers)
     with pytest.raises(RuntimeError, match="released after the W4A16 repack"):
         layers[0].dequantized_weight(torch.float16)

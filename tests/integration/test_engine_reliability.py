@@ -12,13 +12,12 @@ import time
 
 import pytest
 
-from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.engine.llm_engine import LLMEngine
-from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.engine.sequence import OutputAccumulator, SamplingParams
+from slimserve.runtime.errors import EngineDeadError, RequestError
 from slimserve.runtime.stats.step_cost import MIN_STEPS
-
 from tests.helpers import DEMO_MODEL
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,8 +40,10 @@ def _drain(engine: LLMEngine) -> dict:
 def test_delta_outputs_add_up_to_the_cumulative_output(engine_config):
     engine = LLMEngine(engine_config)
     # "self" appears in the demo model's greedy continuation: a stop string that ends the text
-    params = [SamplingParams(max_tokens=40, temperature=0, logprobs=2),
-              SamplingParams(max_tokens=40, temperature=0, logprobs=2, stop=["self", "zzzz"])]
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, logprobs=2),
+        SamplingParams(max_tokens=40, temperature=0, logprobs=2, stop=["self", "zzzz"]),
+    ]
     cumulative = {}
     for i, p in enumerate(params):
         engine.add_request(f"c{i}", PROMPT, p)
@@ -68,7 +69,9 @@ def test_delta_outputs_add_up_to_the_cumulative_output(engine_config):
 
 def test_a_request_with_non_finite_logits_fails_alone(engine_config, monkeypatch):
     engine = LLMEngine(engine_config)
-    engine.add_request("alone", PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    engine.add_request(
+        "alone", PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
     alone = _drain(engine)["alone"][-1].outputs[0].token_ids
 
     execute, schedule = engine.runner.execute, engine.scheduler.schedule
@@ -88,8 +91,12 @@ def test_a_request_with_non_finite_logits_fails_alone(engine_config, monkeypatch
 
     monkeypatch.setattr(engine.scheduler, "schedule", schedule_spy)
     monkeypatch.setattr(engine.runner, "execute", execute_with_nan)
-    engine.add_request("good", PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    engine.add_request("bad", PROMPT, SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True))
+    engine.add_request(
+        "good", PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    )
+    engine.add_request(
+        "bad", PROMPT, SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
+    )
     outs: dict[str, list] = {}
     while engine.has_unfinished():
         state["poison"] = len(outs.get("good", [])) >= 3  # a few tokens in, then NaN
@@ -107,8 +114,9 @@ def test_a_stalled_consumer_holds_one_merged_output(engine_config):
     async def run():
         engine = AsyncEngine.from_config(engine_config)
         await engine.start()
-        gen = engine.generate(PROMPT, SamplingParams(max_tokens=60, temperature=0,
-                                                     ignore_eos=True), "r")
+        gen = engine.generate(
+            PROMPT, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True), "r"
+        )
         first = await gen.__anext__()
         while "r" in engine.engine.requests:  # the consumer reads nothing while it all runs
             await asyncio.sleep(0.05)
@@ -184,8 +192,9 @@ def test_a_step_past_the_watchdog_makes_the_engine_unhealthy(engine_config, monk
     assert seen[0] is None  # healthy before the step had run long
 
 
-def test_prompts_are_tokenized_off_the_event_loop_and_oversized_ones_not_at_all(engine_config,
-                                                                                 monkeypatch):
+def test_prompts_are_tokenized_off_the_event_loop_and_oversized_ones_not_at_all(
+    engine_config, monkeypatch
+):
     async def run():
         engine = AsyncEngine.from_config(engine_config)
         await engine.start()
@@ -217,6 +226,7 @@ def test_prompts_are_tokenized_off_the_event_loop_and_oversized_ones_not_at_all(
 
 def test_load_reports_queued_prefill_and_measured_step_times(engine_config):
     """AsyncEngine.load(), what GET /state serves to the router (runtime/router/policy.py)."""
+
     async def run():
         engine = AsyncEngine.from_config(engine_config)
         fresh = engine.load()
@@ -245,5 +255,7 @@ def test_load_reports_queued_prefill_and_measured_step_times(engine_config):
     assert after.num_decoding == 0 and after.decoding_context_tokens == 0  # finished
     cost = after.step_cost
     assert cost is not None and cost.per_prefill_token_s > 0
-    assert after.step_time_s == cost.base_s and after.prefill_s_per_token == cost.per_prefill_token_s
+    assert (
+        after.step_time_s == cost.base_s and after.prefill_s_per_token == cost.per_prefill_token_s
+    )
     assert after.chars_per_token == pytest.approx(len(PROMPT * 4) / n_tokens)

@@ -56,7 +56,11 @@ def build(base, tok, out, fmt: str, args: QuantArgs, mode: str | None):
             if isinstance(mod, torch.nn.Linear) and name != "lm_head":
                 if mode == "zero0" and name.endswith("0.self_attn.q_proj"):
                     mod.weight.abs_()
-                qw = act_order(mod.weight, args, i) if mode == "act_order" else quantize_weight(mod.weight, args)
+                qw = (
+                    act_order(mod.weight, args, i)
+                    if mode == "act_order"
+                    else quantize_weight(mod.weight, args)
+                )
                 quantized[name], fake[name] = qw, qw.dequantize(torch.bfloat16)
                 mod.weight.copy_(fake[name])
     path = export_artifact(fmt, model, tok, quantized, out, ArtifactManifest(base_model="tiny"))
@@ -79,18 +83,31 @@ def test_artifact_layout(artifacts, name):
     path, _, fake = artifacts[name]
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     tensors = load_file(path / "model.safetensors")
-    suffixes = {"gptq": {"qweight", "qzeros", "scales", "g_idx"}, "awq": {"qweight", "qzeros", "scales"}}[fmt]
+    suffixes = {
+        "gptq": {"qweight", "qzeros", "scales", "g_idx"},
+        "awq": {"qweight", "qzeros", "scales"},
+    }[fmt]
     for n in fake:
         assert {k.removeprefix(n + ".") for k in tensors if k.startswith(n + ".")} == suffixes, n
     assert "lm_head.weight" in tensors
     if fmt == "gptq":
         assert qc["quant_method"] == "gptq"
         assert qc["checkpoint_format"] == ("gptq_v2" if mode == "zero0" else "gptq")
-        assert qc["desc_act"] is (mode == "act_order") and qc["sym"] is args.symmetric and qc["group_size"] == 32
+        assert (
+            qc["desc_act"] is (mode == "act_order")
+            and qc["sym"] is args.symmetric
+            and qc["group_size"] == 32
+        )
         assert json.loads((path / "quantize_config.json").read_text()) == qc
     else:
-        assert qc == {"quant_method": "awq", "zero_point": True, "group_size": 32, "bits": 4,
-                      "version": "gemm", "modules_to_not_convert": ["lm_head"]}
+        assert qc == {
+            "quant_method": "awq",
+            "zero_point": True,
+            "group_size": 32,
+            "bits": 4,
+            "version": "gemm",
+            "modules_to_not_convert": ["lm_head"],
+        }
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -104,7 +121,9 @@ def test_loader_reads_back_bit_for_bit(artifacts, name):
         assert torch.equal(layer.dequantized_weight(torch.bfloat16), w), n
     if CASES[name][2] == "act_order":
         assert all(loaded.model.get_submodule(n).weight_g_idx is not None for n in fake)
-    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         assert torch.equal(loaded.model(ids).logits, model(ids).logits)
 
@@ -113,13 +132,17 @@ def test_loader_reads_back_bit_for_bit(artifacts, name):
 def test_transformers_reads_our_artifacts(artifacts, name):
     missing = [m for m in ("gptqmodel", "optimum") if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"transformers loads gptq/awq checkpoints only through {', '.join(missing)} "
-                    "(not installed in the project venv, on purpose)")
+        pytest.skip(
+            f"transformers loads gptq/awq checkpoints only through {', '.join(missing)} "
+            "(not installed in the project venv, on purpose)"
+        )
     from transformers import AutoModelForCausalLM
 
     path, model, _ = artifacts[name]
     hf = AutoModelForCausalLM.from_pretrained(path, device_map="cpu").eval()
-    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         ours, theirs = model(ids).logits.float(), hf(ids).logits.float()
     # their kernels compute in fp16 with fp16 accumulation paths: bf16/fp16-level agreement
@@ -130,16 +153,28 @@ def test_export_refuses_partial_gptq_and_mixed_schemes(tiny_checkpoint, tmp_path
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16)
-    q = {"model.layers.0.self_attn.q_proj": quantize_weight(model.model.layers[0].self_attn.q_proj.weight, W4)}
+    q = {
+        "model.layers.0.self_attn.q_proj": quantize_weight(
+            model.model.layers[0].self_attn.q_proj.weight, W4
+        )
+    }
     with pytest.raises(SchemeError, match="is not quantized.*gptq loaders"):
         export_artifact("gptq", model, None, q, tmp_path / "a", ArtifactManifest(base_model="t"))
-    q["model.layers.0.self_attn.k_proj"] = quantize_weight(model.model.layers[0].self_attn.k_proj.weight,
-                                                           W4.with_(group_size=64))
+    q["model.layers.0.self_attn.k_proj"] = quantize_weight(
+        model.model.layers[0].self_attn.k_proj.weight, W4.with_(group_size=64)
+    )
     with pytest.raises(SchemeError, match="one scheme for all Linears"):
         export_artifact("awq", model, None, q, tmp_path / "b", ArtifactManifest(base_model="t"))
     with pytest.raises(SchemeError, match="KV-cache"):
-        export_artifact("awq", model, None, q, tmp_path / "c", ArtifactManifest(base_model="t"),
-                        kv_scales={"model.layers.0.self_attn": (1.0, 1.0)})
+        export_artifact(
+            "awq",
+            model,
+            None,
+            q,
+            tmp_path / "c",
+            ArtifactManifest(base_model="t"),
+            kv_scales={"model.layers.0.self_attn": (1.0, 1.0)},
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -155,7 +190,9 @@ export: {{format: {fmt}}}
 
 def test_pipeline_exports_gptq_and_refuses_early(tiny_checkpoint, tmp_path):
     def recipe(scheme, fmt):
-        text = RECIPE.format(model=tiny_checkpoint, out=tmp_path / f"{fmt}-{scheme}", scheme=scheme, fmt=fmt)
+        text = RECIPE.format(
+            model=tiny_checkpoint, out=tmp_path / f"{fmt}-{scheme}", scheme=scheme, fmt=fmt
+        )
         return parse_recipe(text, tmp_path / "r.yaml")
 
     logs = []
@@ -163,5 +200,10 @@ def test_pipeline_exports_gptq_and_refuses_early(tiny_checkpoint, tmp_path):
         run_recipe(recipe("W8A8", "awq"), log=logs.append, progress=False)
     assert logs == []  # refused before the baseline perplexity, the first expensive step
     res = run_recipe(recipe("W4A16", "gptq"), log=lambda m: None, progress=False)
-    assert json.loads((res.artifact / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+    assert (
+        json.loads((res.artifact / "config.json").read_text())["quantization_config"][
+            "quant_method"
+        ]
+        == "gptq"
+    )
     assert load_model(res.artifact).quantized

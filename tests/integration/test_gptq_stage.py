@@ -31,7 +31,9 @@ def gptq_run(request, tiny_checkpoint, tmp_path_factory):
     # A 100 kB slice of the stdlib train split: `dataset: stdlib` tokenizes all 10.8 MB of it
     # (~20 s here), which would dominate the test; the windows come from the same text.
     (tmp / "calib.txt").write_text("\n\n".join(read_texts("train")[:16])[:100_000])
-    text = RECIPE.format(model=tiny_checkpoint, out=tmp / "art", extra=f", actorder: {request.param}")
+    text = RECIPE.format(
+        model=tiny_checkpoint, out=tmp / "art", extra=f", actorder: {request.param}"
+    )
     res = run_recipe(parse_recipe(text, tmp / "r.yaml"), log=lambda m: None, progress=False)
     return request.param, res
 
@@ -63,7 +65,9 @@ def test_gptq_artifact_loads(gptq_run):
         g_idx_key = "model.layers.0.mlp.down_proj.weight_g_idx"
         if actorder == "group":  # groups formed in act-order: each column names its group
             g_idx = f.get_tensor(g_idx_key)
-            assert g_idx.shape == (256,) and torch.equal(torch.bincount(g_idx.long()), torch.full((8,), 32))
+            assert g_idx.shape == (256,) and torch.equal(
+                torch.bincount(g_idx.long()), torch.full((8,), 32)
+            )
         else:  # static groups are the contiguous blocks: nothing extra on disk
             assert not any(k.endswith("weight_g_idx") for k in keys)
     # The loaded model computes what the pipeline measured (fake-quant weights == dequantized).
@@ -89,8 +93,13 @@ def _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype="auto", **opt
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (4, 32))
-    state = CompressionState(model=model, tokenizer=None, storage_dtype=torch.bfloat16, calibration=ids,
-                             calibration_dtype=calibration_dtype)
+    state = CompressionState(
+        model=model,
+        tokenizer=None,
+        storage_dtype=torch.bfloat16,
+        calibration=ids,
+        calibration_dtype=calibration_dtype,
+    )
     log = []  # (group collected, modules already quantized at that moment)
     real = gptq_stage._collect_hessians
 
@@ -109,8 +118,11 @@ def test_true_sequential_and_outside_linears(tiny_checkpoint, monkeypatch):
     state, stage, log = _stage_on_tiny(tiny_checkpoint, monkeypatch, group_size=32, ignore=[])
     groups = [g for g, _ in log]
     assert groups[:4] == [
-        [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"], ["model.layers.0.self_attn.o_proj"],
-        ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], ["model.layers.0.mlp.down_proj"]]
+        [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"],
+        ["model.layers.0.self_attn.o_proj"],
+        ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
+        ["model.layers.0.mlp.down_proj"],
+    ]
     for group, done in log:  # each group's H is collected after every earlier group was quantized
         earlier = [n for g, _ in log[: log.index((group, done))] for n in g]
         assert set(earlier) <= done and not set(group) & done
@@ -127,7 +139,7 @@ def test_w8a8_attaches_input_quant(tiny_checkpoint, monkeypatch):
     report = stage.finalize(state)
     qw = state.quantized["model.layers.1.mlp.down_proj"]
     assert qw.args.strategy == "channel" and qw.args.actorder is None and qw.scale.shape == (128, 1)
-    assert getattr(state.model.model.layers[1].mlp.down_proj, "_slimserve_input_quant") is not None
+    assert state.model.model.layers[1].mlp.down_proj._slimserve_input_quant is not None
     assert report.details["loss_ratio"]["not_worse"] == 14
 
 
@@ -161,16 +173,20 @@ def test_shared_input_hessians_and_bf16_replay(tiny_checkpoint, monkeypatch):
     torch.testing.assert_close(h16[q], h32[q], rtol=0.02, atol=0.02 * h32[q].abs().max().item())
 
 
-@pytest.mark.parametrize("calibration_dtype, scheme", [("float32", "W4A16"), ("auto", "W4A16"), ("float32", "W8A8")])
-def test_layer_outputs_from_kept_down_proj_inputs(tiny_checkpoint, monkeypatch, calibration_dtype, scheme):
+@pytest.mark.parametrize(
+    "calibration_dtype, scheme", [("float32", "W4A16"), ("auto", "W4A16"), ("float32", "W8A8")]
+)
+def test_layer_outputs_from_kept_down_proj_inputs(
+    tiny_checkpoint, monkeypatch, calibration_dtype, scheme
+):
     """After down_proj, the layer's outputs come from down_proj's kept inputs plus the residual
     (no replay of the layer): bit-identical to replaying the quantized layer, in the replay's
     dtype, so the whole run is the one without the shortcut (ArchMapping.mlp_residual None)."""
     from dataclasses import replace
 
     from slimserve.compress import mappings
-    from slimserve.compress.stage import LayerContext
     from slimserve.compress.quant import gptq_stage
+    from slimserve.compress.stage import LayerContext
 
     compared = []
     real = gptq_stage.GptqStage.compress_layer
@@ -185,15 +201,21 @@ def test_layer_outputs_from_kept_down_proj_inputs(tiny_checkpoint, monkeypatch, 
         compared.append(ctx.index)
 
     monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", check)
-    options = {"group_size": 32} if scheme == "W4A16" else {"scheme": scheme}  # W8A8: input quant hooks too
+    options = (
+        {"group_size": 32} if scheme == "W4A16" else {"scheme": scheme}
+    )  # W8A8: input quant hooks too
     with_shortcut, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, **options)
     assert compared == [0, 1]
     monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", real)
-    monkeypatch.setitem(mappings.ARCHITECTURES, "llama", replace(mappings.ARCHITECTURES["llama"], mlp_residual=None))
+    monkeypatch.setitem(
+        mappings.ARCHITECTURES, "llama", replace(mappings.ARCHITECTURES["llama"], mlp_residual=None)
+    )
     without, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, **options)
     assert with_shortcut.quantized.keys() == without.quantized.keys()
     for name, qw in with_shortcut.quantized.items():
-        assert torch.equal(qw.codes, without.quantized[name].codes) and torch.equal(qw.scale, without.quantized[name].scale)
+        assert torch.equal(qw.codes, without.quantized[name].codes) and torch.equal(
+            qw.scale, without.quantized[name].scale
+        )
 
 
 def test_no_shortcut_when_kept_inputs_would_not_fit(tiny_checkpoint, monkeypatch):

@@ -12,14 +12,17 @@ import torch
 
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
-from slimserve.runtime.llm import LLM
 from slimserve.runtime.engine.sequence import SamplingParams
-
+from slimserve.runtime.llm import LLM
 from tests.helpers import DEMO_MODEL
 
 pytestmark = pytest.mark.gpu
 
-PROMPTS = ["def add(a, b):\n    return", "class Point:\n    def __init__(self, x, y):\n", "for i in range(10):\n"]
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "class Point:\n    def __init__(self, x, y):\n",
+    "for i in range(10):\n",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +51,10 @@ def test_cuda_graph_replay_gives_the_eager_tokens():
     assert sorted(llm.engine.runner.graphs.graphs) == [1, 2, 4, 6]
     params = SamplingParams(max_tokens=24, temperature=0.0)
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    eager = [o.outputs[0].token_ids for o in LLM(str(DEMO_MODEL), **kw).generate(PROMPTS, params, use_tqdm=False)]
+    eager = [
+        o.outputs[0].token_ids
+        for o in LLM(str(DEMO_MODEL), **kw).generate(PROMPTS, params, use_tqdm=False)
+    ]
     assert graphed == eager
 
 
@@ -63,10 +69,14 @@ def test_mixed_kv_cache_on_the_kernel_path():
 
     plain = tokens(LLM(str(DEMO_MODEL), **kw))
     layers = ",".join(map(str, range(4)))  # the demo model's 4 layers
-    assert tokens(LLM(str(DEMO_MODEL), kv_cache_dtype="fp8_e4m3", kv_cache_skip_layers=layers, **kw)) == plain
+    assert (
+        tokens(LLM(str(DEMO_MODEL), kv_cache_dtype="fp8_e4m3", kv_cache_skip_layers=layers, **kw))
+        == plain
+    )
     mixed = LLM(str(DEMO_MODEL), kv_cache_dtype="fp8_e4m3", kv_cache_skip_layers="1", **kw)
     assert [k.dtype for k, _ in mixed.engine.runner.kv_caches] == [
-        torch.float16 if i == 1 else torch.float8_e4m3fn for i in range(4)]
+        torch.float16 if i == 1 else torch.float8_e4m3fn for i in range(4)
+    ]
     assert all(len(t) == 24 for t in tokens(mixed))
 
 

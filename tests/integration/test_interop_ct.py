@@ -26,8 +26,18 @@ from slimserve.runtime.loading.loader import load_model
 ct = pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
 
-CT_012_ARG_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure",
-                   "dynamic", "actorder", "observer", "observer_kwargs"}
+CT_012_ARG_KEYS = {
+    "num_bits",
+    "type",
+    "symmetric",
+    "group_size",
+    "strategy",
+    "block_structure",
+    "dynamic",
+    "actorder",
+    "observer",
+    "observer_kwargs",
+}
 W4 = QuantArgs(4, group_size=32)
 W4_ASYM = W4.with_(symmetric=False)
 W8_CH = QuantArgs(8, strategy="channel", group_size=None)
@@ -35,14 +45,30 @@ W8_CH_ASYM = W8_CH.with_(symmetric=False)
 W3_NAIVE = QuantArgs(3, symmetric=False, group_size=32)
 # suffix of a decoder Linear -> its args, per artifact
 LAYOUTS = {
-    "mixed": {"q_proj": W4, "k_proj": W4, "v_proj": W4_ASYM, "o_proj": W4_ASYM,
-              "gate_proj": W8_CH, "up_proj": W8_CH_ASYM, "down_proj": W3_NAIVE},
+    "mixed": {
+        "q_proj": W4,
+        "k_proj": W4,
+        "v_proj": W4_ASYM,
+        "o_proj": W4_ASYM,
+        "gate_proj": W8_CH,
+        "up_proj": W8_CH_ASYM,
+        "down_proj": W3_NAIVE,
+    },
     # transformers 5.24 + compressed-tensors 0.20.1 cannot load *packed* asymmetric zero points
     # (CT's meta-device compress path leaves them unpacked, so the shapes mismatch); vLLM and
     # CT's decompressor read them, which (a) checks. (b) therefore uses symmetric packed layers.
-    "hf_mixed": {"q_proj": W4, "k_proj": W4, "v_proj": W8_CH, "o_proj": W8_CH,
-                 "gate_proj": W4, "up_proj": W4, "down_proj": W3_NAIVE},
-    "single": {s: W4 for s in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")},
+    "hf_mixed": {
+        "q_proj": W4,
+        "k_proj": W4,
+        "v_proj": W8_CH,
+        "o_proj": W8_CH,
+        "gate_proj": W4,
+        "up_proj": W4,
+        "down_proj": W3_NAIVE,
+    },
+    "single": {
+        s: W4 for s in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    },
 }
 
 
@@ -58,9 +84,15 @@ def tiny_tokenizer():
 def build_artifact(out, layout: dict[str, QuantArgs]):
     """(artifact path, fake-quantized model, {module name: fake-quantized weight}, quantized)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     quantized, fake = {}, {}
     with torch.no_grad():
@@ -82,7 +114,9 @@ def artifacts(tmp_path_factory):
 
 
 def _ct_scheme(qconfig, name):
-    return next(s for s in qconfig.config_groups.values() if name in s.targets or "Linear" in s.targets)
+    return next(
+        s for s in qconfig.config_groups.values() if name in s.targets or "Linear" in s.targets
+    )
 
 
 def test_compressed_tensors_decompresses_to_our_fake_quant(artifacts):
@@ -90,12 +124,16 @@ def test_compressed_tensors_decompresses_to_our_fake_quant(artifacts):
     from compressed_tensors.quantization import QuantizationConfig
 
     path, _, fake, quantized = artifacts["mixed"]
-    qconfig = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
+    qconfig = QuantizationConfig.model_validate(
+        json.loads((path / "config.json").read_text())["quantization_config"]
+    )
     tensors = load_file(path / "model.safetensors")
     for name, w_fq in fake.items():
         scheme = _ct_scheme(qconfig, name)
-        compressor = BaseCompressor.get_value_from_registry(getattr(scheme.format, "value", scheme.format))
-        ours = {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        compressor = BaseCompressor.get_value_from_registry(
+            getattr(scheme.format, "value", scheme.format)
+        )
+        ours = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
         assert torch.equal(compressor.decompress(ours, scheme)["weight"], w_fq), name
         qw = quantized[name]
         # fp32 weight: CT re-quantizes in the weight's dtype, and bf16 w / s is not exact for
@@ -106,7 +144,9 @@ def test_compressed_tensors_decompresses_to_our_fake_quant(artifacts):
         theirs = compressor.compress(state, scheme)
         assert set(theirs) == set(ours), name
         for key in ours:
-            assert theirs[key].dtype == ours[key].dtype and torch.equal(theirs[key], ours[key]), f"{name}.{key}"
+            assert theirs[key].dtype == ours[key].dtype and torch.equal(theirs[key], ours[key]), (
+                f"{name}.{key}"
+            )
 
 
 @pytest.mark.parametrize("name", ["hf_mixed", "single"])
@@ -140,12 +180,18 @@ def test_tampered_weights_are_refused(artifacts, tmp_path):
 
 
 def test_config_has_only_ct012_keys_and_no_symmetric_zero_points(artifacts):
-    for name, (path, _, fake, quantized) in artifacts.items():
+    for name, (path, _, _fake, quantized) in artifacts.items():
         text = (path / "config.json").read_text()
         assert "zp_dtype" not in text and "scale_dtype" not in text
         qc = json.loads(text)["quantization_config"]
         for group in qc["config_groups"].values():
-            assert set(group) <= {"targets", "weights", "input_activations", "output_activations", "format"}
+            assert set(group) <= {
+                "targets",
+                "weights",
+                "input_activations",
+                "output_activations",
+                "format",
+            }
             assert set(group["weights"]) == CT_012_ARG_KEYS
         keys = set(load_file(path / "model.safetensors"))
         for module, qw in quantized.items():

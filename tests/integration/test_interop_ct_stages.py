@@ -63,8 +63,14 @@ def artifacts(tiny_checkpoint, tmp_path_factory):
         out = {}
         for name, stages in STAGES.items():
             text = RECIPE.format(model=tiny_checkpoint, out=tmp / name, cal=cal, stages=stages)
-            res = run_recipe(parse_recipe(text, tmp / f"{name}.yaml"), log=lambda m: None, progress=False)
-            out[name] = (res.artifact, load_model(res.artifact).model, load_file(res.artifact / "model.safetensors"))
+            res = run_recipe(
+                parse_recipe(text, tmp / f"{name}.yaml"), log=lambda m: None, progress=False
+            )
+            out[name] = (
+                res.artifact,
+                load_model(res.artifact).model,
+                load_file(res.artifact / "model.safetensors"),
+            )
     finally:
         torch.set_num_threads(threads)
     return out
@@ -82,7 +88,7 @@ def _quant_linears(model) -> dict[str, QuantLinear]:
 
 def _module_tensors(tensors: dict, name: str) -> dict[str, torch.Tensor]:
     """`<name>.<key>` tensors as CT's per-module state dict ({key: tensor})."""
-    return {k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")}
+    return {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
 
 
 def test_gptq_group_actorder_is_refused_by_ct_configs(artifacts):
@@ -99,7 +105,12 @@ def test_gptq_group_actorder_ct_unpack_and_dequantize_match_our_loader(artifacts
     (group,) = _quant_config(path)["config_groups"].values()
     # The same args without the act-order CT 0.20 refuses; group dequantization does not read it.
     args = QuantizationArgs.model_validate({**group["weights"], "actorder": None})
-    assert (args.num_bits, args.group_size, args.strategy, args.symmetric) == (4, GROUP, "group", True)
+    assert (args.num_bits, args.group_size, args.strategy, args.symmetric) == (
+        4,
+        GROUP,
+        "group",
+        True,
+    )
     permuted = 0
     for name, lin in _quant_linears(model).items():
         t = _module_tensors(tensors, name)
@@ -107,10 +118,14 @@ def test_gptq_group_actorder_ct_unpack_and_dequantize_match_our_loader(artifacts
         g_idx = t["weight_g_idx"].long()
         n, k = t["weight_shape"].tolist()
         # Every act-order group is full, so sorting the columns by group makes groups contiguous.
-        assert torch.equal(torch.bincount(g_idx, minlength=k // GROUP), torch.full((k // GROUP,), GROUP)), name
+        assert torch.equal(
+            torch.bincount(g_idx, minlength=k // GROUP), torch.full((k // GROUP,), GROUP)
+        ), name
         order = torch.argsort(g_idx, stable=True)
         permuted += not torch.equal(order, torch.arange(k))
-        codes = unpack_from_int32(t["weight_packed"], args.num_bits, t["weight_shape"])  # CT's unpacking
+        codes = unpack_from_int32(
+            t["weight_packed"], args.num_bits, t["weight_shape"]
+        )  # CT's unpacking
         sorted_w = dequantize(codes[:, order], t["weight_scale"], None, args)  # CT's dequantization
         theirs = torch.empty_like(sorted_w)
         theirs[:, order] = sorted_w
@@ -127,13 +142,28 @@ def test_smoothquant_w8a8_ct_decompresses_to_our_loader(artifacts, tiny_checkpoi
     (scheme,) = qconfig.config_groups.values()
     assert isinstance(scheme, QuantizationScheme) and scheme.targets == ["Linear"]
     w, a = scheme.weights, scheme.input_activations
-    assert (w.num_bits, w.type, w.strategy, w.symmetric, w.dynamic) == (8, "int", "channel", True, False)
-    assert (a.num_bits, a.type, a.strategy, a.symmetric, a.dynamic) == (8, "int", "token", True, True)
+    assert (w.num_bits, w.type, w.strategy, w.symmetric, w.dynamic) == (
+        8,
+        "int",
+        "channel",
+        True,
+        False,
+    )
+    assert (a.num_bits, a.type, a.strategy, a.symmetric, a.dynamic) == (
+        8,
+        "int",
+        "token",
+        True,
+        True,
+    )
     compressor = BaseCompressor.get_value_from_registry(scheme.format or qconfig.format)
     for name, lin in _quant_linears(model).items():
         t = _module_tensors(tensors, name)
         assert set(t) == {"weight", "weight_scale"}, name  # symmetric: no zero point on disk
-        assert t["weight"].dtype == torch.int8 and t["weight_scale"].shape == (t["weight"].shape[0], 1), name
+        assert t["weight"].dtype == torch.int8 and t["weight_scale"].shape == (
+            t["weight"].shape[0],
+            1,
+        ), name
         theirs = compressor.decompress(t, scheme)["weight"]
         ours = lin.dequantized_weight(lin.storage_dtype)
         assert theirs.dtype == ours.dtype == torch.bfloat16, name

@@ -37,9 +37,12 @@ def _run(tmp_path, model, stages: list[str], name: str, dtype: str = "auto"):
     # A few stdlib train documents: tokenizing the whole 10 MB train split would dominate the test.
     calib = tmp_path / "calib.txt"
     calib.write_text("\n".join(read_texts("train")[:8]))
-    text = RECIPE.format(model=model, out=tmp_path / name, stages="\n".join(stages), dtype=dtype,
-                         calib=calib)
-    return run_recipe(parse_recipe(text, tmp_path / f"{name}.yaml"), log=lambda m: None, progress=False)
+    text = RECIPE.format(
+        model=model, out=tmp_path / name, stages="\n".join(stages), dtype=dtype, calib=calib
+    )
+    return run_recipe(
+        parse_recipe(text, tmp_path / f"{name}.yaml"), log=lambda m: None, progress=False
+    )
 
 
 def _reload_ppl(artifact) -> float:
@@ -93,7 +96,7 @@ def test_kv_cache_only_artifact(tmp_path, tiny_checkpoint):
     layer1 = res.summary["stages"][0]["details"]["layers"]["model.layers.1.self_attn"]
     k_scale = tensors["model.layers.1.self_attn.k_scale"]
     assert k_scale.dtype == torch.bfloat16 and k_scale.item() == layer1["k_scale"]
-    assert layer1["k_scale"] == pytest.approx(layer1["k_absmax"] / 448, rel=2 ** -8)  # bf16 rounding
+    assert layer1["k_scale"] == pytest.approx(layer1["k_absmax"] / 448, rel=2**-8)  # bf16 rounding
     loaded = load_model(res.artifact, dtype=torch.float32)
     assert loaded.model.model.layers[1].self_attn.v_scale.shape == (1,)
     assert _reload_ppl(res.artifact) == pytest.approx(res.summary["final"]["ppl"], rel=1e-5)
@@ -112,17 +115,21 @@ def test_skipped_layer_is_recorded_and_every_loader_keeps_it_exact(tmp_path, tin
     assert len(chosen) == 1 and details["skip_layers"] == chosen
     assert read_manifest(res.artifact).kv_cache_skip_layers == chosen
     assert (res.artifact / "report-kv_cache.png").stat().st_size > 0
-    assert (f"fp8 K/V in 1 of 2 layers; layers {chosen[0]} keep the model dtype (vLLM: `--kv-cache-dtype fp8 "
-            f"--kv-cache-dtype-skip-layers {chosen[0]}`") in (res.artifact / "report.md").read_text()
+    assert (
+        f"fp8 K/V in 1 of 2 layers; layers {chosen[0]} keep the model dtype (vLLM: `--kv-cache-dtype fp8 "
+        f"--kv-cache-dtype-skip-layers {chosen[0]}`"
+    ) in (res.artifact / "report.md").read_text()
     tensors = load_file(str(res.artifact / "model.safetensors"))
     assert all(f"model.layers.{i}.self_attn.{kv}_scale" in tensors for i in range(2) for kv in "kv")
 
     loaded = load_model(res.artifact, dtype=torch.float32)
-    assert [hasattr(layer.self_attn, "k_scale") for layer in loaded.model.model.layers] == \
-        [i not in chosen for i in range(2)]
+    assert [hasattr(layer.self_attn, "k_scale") for layer in loaded.model.model.layers] == [
+        i not in chosen for i in range(2)
+    ]
     assert _reload_ppl(res.artifact) == pytest.approx(res.summary["final"]["ppl"], rel=1e-5)
 
     runner = LLM(str(res.artifact), device="cpu", dtype="float32").engine.runner
     assert runner.kv_dtype == torch.float8_e4m3fn  # auto: the artifact has fp8 scales
     assert [k.dtype for k, _ in runner.kv_caches] == [
-        torch.float32 if i in chosen else torch.float8_e4m3fn for i in range(2)]
+        torch.float32 if i in chosen else torch.float8_e4m3fn for i in range(2)
+    ]

@@ -33,8 +33,9 @@ def _run(path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "slimserve.compress.cli", *args], capture_output=True,
-                          text=True)
+    return subprocess.run(
+        [sys.executable, "-m", "slimserve.compress.cli", *args], capture_output=True, text=True
+    )
 
 
 def _snapshot(folder):
@@ -46,8 +47,13 @@ def test_cli_refuses_non_artifact_output_and_leaves_it(tmp_path, tiny_checkpoint
     (models / "keep").mkdir(parents=True)
     (models / "keep" / "weights.bin").write_bytes(b"precious")
     before = _snapshot(models)
-    r = _cli("run", str(_write(tmp_path, tiny_checkpoint, tmp_path / "elsewhere")), "--output", str(models),
-             "--no-progress")
+    r = _cli(
+        "run",
+        str(_write(tmp_path, tiny_checkpoint, tmp_path / "elsewhere")),
+        "--output",
+        str(models),
+        "--no-progress",
+    )
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and str(models) in r.stderr
     assert "not a slimserve artifact" in r.stderr and "Traceback" not in r.stderr
@@ -56,7 +62,11 @@ def test_cli_refuses_non_artifact_output_and_leaves_it(tmp_path, tiny_checkpoint
 
 @pytest.mark.parametrize("where", ["model", "inside", "parent"])
 def test_cli_refuses_output_overlapping_model(tmp_path, tiny_checkpoint, where):
-    out = {"model": tiny_checkpoint, "inside": tiny_checkpoint / "art", "parent": tiny_checkpoint.parent}[where]
+    out = {
+        "model": tiny_checkpoint,
+        "inside": tiny_checkpoint / "art",
+        "parent": tiny_checkpoint.parent,
+    }[where]
     before = _snapshot(tiny_checkpoint)
     r = _cli("run", str(_write(tmp_path, tiny_checkpoint, out)), "--no-progress")
     assert r.returncode == 2, r.stderr
@@ -82,8 +92,11 @@ def test_pass_replaces_failed_gate_keeps_and_serving_refuses(tmp_path, tiny_chec
     assert "report.md" in modes and set(modes.values()) == {0o644}, modes
 
     before = _snapshot(art)
-    r = _cli("run", str(_write(tmp_path, tiny_checkpoint, art, gate=0.0, scheme="W3A16", name="fail")),
-             "--no-progress")
+    r = _cli(
+        "run",
+        str(_write(tmp_path, tiny_checkpoint, art, gate=0.0, scheme="W3A16", name="fail")),
+        "--no-progress",
+    )
     assert r.returncode == 3, r.stderr
     failed = tmp_path / "art.failed"
     assert _snapshot(art) == before  # the passing artifact is byte-identical
@@ -101,10 +114,26 @@ def test_pass_replaces_failed_gate_keeps_and_serving_refuses(tmp_path, tiny_chec
 
 
 def test_serve_cli_refuses_failed_gate_in_one_line(tmp_path, tiny_checkpoint):
-    art = _run(_write(tmp_path, tiny_checkpoint, tmp_path / "art", gate=0.0, scheme="W3A16")).artifact
+    art = _run(
+        _write(tmp_path, tiny_checkpoint, tmp_path / "art", gate=0.0, scheme="W3A16")
+    ).artifact
     assert art.name == "art.failed" and not (tmp_path / "art").exists()
-    r = subprocess.run([sys.executable, "-m", "slimserve.runtime.cli", "serve", str(art), "--device", "cpu",
-                        "--port", "0"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slimserve.runtime.cli",
+            "serve",
+            str(art),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
-    line, = r.stderr.strip().splitlines()
+    (line,) = r.stderr.strip().splitlines()
     assert str(art) in line and "--allow-failed-gate" in line and "gate" in line

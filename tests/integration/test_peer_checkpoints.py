@@ -26,14 +26,16 @@ from torch import nn
 from slimserve.eval.peers.tiny_llama import TOKENIZER_FILES
 from slimserve.runtime.layers.quant_linear import QuantLinear
 from slimserve.runtime.loading.loader import load_model
-
 from tests.helpers import DEMO_MODEL
 
 FIXTURES = DEMO_MODEL.parents[1] / "tests" / "fixtures" / "peers"
 # name -> (logits atol, modules the peer left unquantized: AWQ modules_to_not_convert ["o_proj"],
 # GPTQModel dynamic "-:" rule; the asym-dynamic case also stores every down_proj as 8-bit sym)
 CASES = {
-    "autoawq-gemm-asym": (1e-5, ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj")),
+    "autoawq-gemm-asym": (
+        1e-5,
+        ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"),
+    ),
     "gptqmodel-sym": (5e-3, ()),
     "gptqmodel-sym-descact": (5e-3, ()),
     "gptqmodel-asym-dynamic": (5e-3, ("model.layers.0.self_attn.o_proj",)),
@@ -63,7 +65,9 @@ def test_peer_checkpoint_matches_the_peers_own_dequantization(name):
     assert loaded.quantized
     model, ref = loaded.model, _reference(name)
     last_dense = [d for d in dense if d.startswith("model.layers.1.")]
-    assert _check_weights(model, ref) == 7 - len(last_dense)  # every quantized Linear of the last layer
+    assert _check_weights(model, ref) == 7 - len(
+        last_dense
+    )  # every quantized Linear of the last layer
     for d in dense:  # left unquantized by the peer: plain Linears holding the stored weight
         assert type(model.get_submodule(d)) is nn.Linear
     # tied embeddings: lm_head is not stored and shares the embedding matrix
@@ -74,23 +78,39 @@ def test_peer_checkpoint_matches_the_peers_own_dequantization(name):
 
 
 def test_gptqmodel_metadata_and_act_order():
-    qc = json.loads((FIXTURES / "gptqmodel-sym-descact" / "config.json").read_text())["quantization_config"]
-    assert qc["desc_act"] is True and qc["format"] == "gptq" and "meta" in qc  # GPTQModel's own fields
+    qc = json.loads((FIXTURES / "gptqmodel-sym-descact" / "config.json").read_text())[
+        "quantization_config"
+    ]
+    assert (
+        qc["desc_act"] is True and qc["format"] == "gptq" and "meta" in qc
+    )  # GPTQModel's own fields
     model = load_model(FIXTURES / "gptqmodel-sym-descact", dtype=torch.float32).model
     g_idx = model.model.layers[1].mlp.down_proj.weight_g_idx
-    assert g_idx is not None and not torch.equal(g_idx.long(), torch.arange(256) // 128)  # a permuting g_idx
+    assert g_idx is not None and not torch.equal(
+        g_idx.long(), torch.arange(256) // 128
+    )  # a permuting g_idx
     # GPTQModel's default act_group_aware writes the trivial g_idx k // g, which the importer drops
-    assert load_model(FIXTURES / "gptqmodel-sym", dtype=torch.float32).model.model.layers[1].mlp.down_proj.weight_g_idx is None
+    assert (
+        load_model(FIXTURES / "gptqmodel-sym", dtype=torch.float32)
+        .model.model.layers[1]
+        .mlp.down_proj.weight_g_idx
+        is None
+    )
 
 
 def test_gptqmodel_dynamic_overrides():
     """GPTQModel's `dynamic`: a '+:' rule changes bits/sym per module, a '-:' rule leaves one dense."""
-    qc = json.loads((FIXTURES / "gptqmodel-asym-dynamic" / "config.json").read_text())["quantization_config"]
+    qc = json.loads((FIXTURES / "gptqmodel-asym-dynamic" / "config.json").read_text())[
+        "quantization_config"
+    ]
     assert qc["sym"] is False and qc["bits"] == 4 and len(qc["dynamic"]) == 2
     model = load_model(FIXTURES / "gptqmodel-asym-dynamic", dtype=torch.float32).model
     for layer in model.model.layers:
         down, up = layer.mlp.down_proj.scheme.weights, layer.mlp.up_proj.scheme.weights
-        assert (down.num_bits, down.symmetric) == (8, True) and (up.num_bits, up.symmetric) == (4, False)
+        assert (down.num_bits, down.symmetric) == (8, True) and (up.num_bits, up.symmetric) == (
+            4,
+            False,
+        )
     assert type(model.model.layers[0].self_attn.o_proj) is nn.Linear
     assert isinstance(model.model.layers[1].self_attn.o_proj, QuantLinear)
 
@@ -106,23 +126,30 @@ def test_sharded_peer_checkpoint_loads_the_same(tmp_path):
     for f in src.glob("model*.safetensors"):
         tensors.update(load_file(str(f)))
     keys = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    shards = {
+        "model-00001-of-00002.safetensors": keys[::2],
+        "model-00002-of-00002.safetensors": keys[1::2],
+    }
     for fname, part in shards.items():
         save_file({k: tensors[k] for k in part}, str(dst / fname))
     weight_map = {k: fname for fname, part in shards.items() for k in part}
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     ref = _reference("gptqmodel-sym-descact")
     model = load_model(dst, dtype=torch.float32).model
     assert _check_weights(model, ref) == 7
     with torch.no_grad():
-        torch.testing.assert_close(model(ref["probe_ids"]).logits, ref["logits"].float(), rtol=0, atol=5e-3)
+        torch.testing.assert_close(
+            model(ref["probe_ids"]).logits, ref["logits"].float(), rtol=0, atol=5e-3
+        )
 
 
 @pytest.mark.parametrize("name", ["autoawq-gemm-asym", "gptqmodel-sym-descact"])
 def test_engine_serves_peer_checkpoint_like_the_dense_loop(tmp_path, name):
     """LLM(path) greedy == argmax of the loaded model recomputed every step (fp32 both)."""
-    from slimserve.runtime.llm import LLM
     from slimserve.runtime.engine.sequence import SamplingParams
+    from slimserve.runtime.llm import LLM
 
     path = tmp_path / name
     shutil.copytree(FIXTURES / name, path)
@@ -135,5 +162,6 @@ def test_engine_serves_peer_checkpoint_like_the_dense_loop(tmp_path, name):
         for _ in range(6):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     out = LLM(str(path), dtype="float32").generate(
-        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert out[0].outputs[0].token_ids == ids[len(prompt):]
+        [prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    assert out[0].outputs[0].token_ids == ids[len(prompt) :]

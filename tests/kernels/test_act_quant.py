@@ -54,7 +54,7 @@ def test_ties_round_half_to_even(dtype):
     row = torch.cat([halves, torch.tensor([127.5, -127.5])]) / 16
     x = row.to(dtype).to(DEV).unsqueeze(0)
     q, s = aq.act_quant(x)
-    assert s.item() == 2.0 ** -4
+    assert s.item() == 2.0**-4
     expected = torch.round(torch.clamp(row * 16, -128, 127)).to(torch.int8)
     assert torch.equal(q.cpu()[0], expected)
     assert (q.cpu()[0, :-2].int() % 2 == 0).all()  # every tie went to even
@@ -67,12 +67,18 @@ def test_edge_rows(dtype):
     largest finite value, and tiny values near the eps floor."""
     k = 40
     big = torch.finfo(dtype).max
-    x = torch.stack([
-        torch.zeros(k),
-        torch.full((k,), -3.0),
-        torch.linspace(-1, 1, k) * big,
-        torch.linspace(-1e-6, 2e-6, k),
-    ]).to(dtype).to(DEV)
+    x = (
+        torch.stack(
+            [
+                torch.zeros(k),
+                torch.full((k,), -3.0),
+                torch.linspace(-1, 1, k) * big,
+                torch.linspace(-1e-6, 2e-6, k),
+            ]
+        )
+        .to(dtype)
+        .to(DEV)
+    )
     _assert_matches(x)
 
 
@@ -87,12 +93,15 @@ def test_empty_batch():
     assert q.shape == (0, 64) and s.shape == (0, 1)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: torch.randn(4, 64).to(torch.int32), "x has dtype int32"),
-    (lambda: torch.randn(2, 4, 64).half(), "x must have 2 dims"),
-    (lambda: torch.randn(64, 4).half().t(), "x must be contiguous in its last dim"),
-    (lambda: torch.randn(4, 0).half(), "K .* must be > 0"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: torch.randn(4, 64).to(torch.int32), "x has dtype int32"),
+        (lambda: torch.randn(2, 4, 64).half(), "x must have 2 dims"),
+        (lambda: torch.randn(64, 4).half().t(), "x must be contiguous in its last dim"),
+        (lambda: torch.randn(4, 0).half(), "K .* must be > 0"),
+    ],
+)
 def test_argument_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         aq.act_quant(bad().to(DEV))
@@ -106,8 +115,15 @@ def test_block_k_error():
 def test_default_launches_are_aot_compiled():
     """Every (BLOCK_K, ONE_PASS, num_warps) the launcher picks for K up to 16384 is in
     aot_variants() for each dtype, so the compile gate covers what the GPU runs."""
-    compiled = {(v.signature["x_ptr"], v.constexprs["BLOCK_K"], v.constexprs["ONE_PASS"],
-                 v.options["num_warps"]) for v in aq.aot_variants()}
+    compiled = {
+        (
+            v.signature["x_ptr"],
+            v.constexprs["BLOCK_K"],
+            v.constexprs["ONE_PASS"],
+            v.options["num_warps"],
+        )
+        for v in aq.aot_variants()
+    }
     for k in list(range(1, 17)) + [100, 384, 1000, 2048, 4096, 5120, 8192, 8193, 14336, 16384]:
         p = aq.launch_params(k)
         for t in ("*fp16", "*bf16", "*fp32"):

@@ -38,7 +38,7 @@ def test_silu_and_mul(shape, dtype):
     out, ref = act.silu_and_mul(x), reference.silu_and_mul(x)
     assert out.dtype == ref.dtype and out.shape == ref.shape == (*shape[:-1], shape[-1] // 2)
     if dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=2.0 ** -18, atol=0)
+        torch.testing.assert_close(out, ref, rtol=2.0**-18, atol=0)
         return
     err = _ulp_error(out, ref)
     assert err.max().item() <= 2, f"max error {err.max().item():.2f} ulp"
@@ -65,11 +65,14 @@ def test_empty_batch():
     assert act.silu_and_mul(torch.randn(0, 64, device=DEV).half()).shape == (0, 32)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: torch.randn(4, 64).double(), "x has dtype float64"),
-    (lambda: torch.randn(4, 63).half(), r"x has shape \(4, 63\); its last dim must be"),
-    (lambda: torch.randn(64, 4).half().t(), "x must be contiguous in its last dim"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: torch.randn(4, 64).double(), "x has dtype float64"),
+        (lambda: torch.randn(4, 63).half(), r"x has shape \(4, 63\); its last dim must be"),
+        (lambda: torch.randn(64, 4).half().t(), "x must be contiguous in its last dim"),
+    ],
+)
 def test_argument_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         act.silu_and_mul(bad().to(DEV))

@@ -39,8 +39,13 @@ print(json.dumps(done))
 def _compile(module: str, start: int, stop: int) -> tuple[int, str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, module, str(start), str(stop)],
-                          capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, module, str(start), str(stop)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 

@@ -13,7 +13,9 @@ import torch
 from slimserve.kernels import cpu_attention as ca
 from slimserve.kernels import reference_attention as ra
 
-needs_kernel = pytest.mark.skipif(not ca.available(), reason=f"no CPU kernel: {ca.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(
+    not ca.available(), reason=f"no CPU kernel: {ca.unavailable_reason()}"
+)
 
 
 def test_builds_wherever_a_compiler_exists():
@@ -36,7 +38,7 @@ def _case(dtype, h, h_kv, d, bs, lens, seed=0):
     at = 0
     for r, n in enumerate(lens):
         k = -(-n // bs)
-        tables[r, :k] = torch.tensor(perm[at:at + k], dtype=torch.int32)
+        tables[r, :k] = torch.tensor(perm[at : at + k], dtype=torch.int32)
         at += k
     q = torch.randn(len(lens), h, d, generator=g)
     return q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32)
@@ -44,14 +46,15 @@ def _case(dtype, h, h_kv, d, bs, lens, seed=0):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("h,h_kv,d,bs", [(6, 2, 64, 16), (8, 8, 128, 16), (9, 3, 64, 4),
-                                         (4, 1, 48, 8), (8, 2, 80, 32)])
+@pytest.mark.parametrize(
+    "h,h_kv,d,bs", [(6, 2, 64, 16), (8, 8, 128, 16), (9, 3, 64, 4), (4, 1, 48, 8), (8, 2, 80, 32)]
+)
 def test_matches_the_torch_twin(dtype, h, h_kv, d, bs):
     lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 200]
     q, kc, vc, tables, ctx = _case(dtype, h, h_kv, d, bs, lens)
     ks, vs = (0.5, 0.25) if dtype == torch.float8_e4m3fn else (1.0, 1.0)
-    got = ca.paged_attention_decode(q, kc, vc, tables, ctx, d ** -0.5, ks, vs)
-    want = ra.paged_attention_decode(q, kc, vc, tables, ctx, d ** -0.5, ks, vs)
+    got = ca.paged_attention_decode(q, kc, vc, tables, ctx, d**-0.5, ks, vs)
+    want = ra.paged_attention_decode(q, kc, vc, tables, ctx, d**-0.5, ks, vs)
     assert got.dtype == torch.float32 and got.shape == want.shape
     # both accumulate in fp32 over the same values; only summation order differs
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
@@ -61,7 +64,9 @@ def test_matches_the_torch_twin(dtype, h, h_kv, d, bs):
 def test_query_dtype_kept_and_scale_tensors_taken():
     q, kc, vc, tables, ctx = _case(torch.bfloat16, 6, 2, 64, 16, [7, 40])
     qb = q.to(torch.bfloat16)
-    got = ca.paged_attention_decode(qb, kc, vc, tables, ctx, 0.125, torch.tensor(1.0), torch.tensor([1.0]))
+    got = ca.paged_attention_decode(
+        qb, kc, vc, tables, ctx, 0.125, torch.tensor(1.0), torch.tensor([1.0])
+    )
     want = ra.paged_attention_decode(qb, kc, vc, tables, ctx, 0.125)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=0)
@@ -77,12 +82,15 @@ def test_empty_context_gives_zeros_and_no_rows_give_an_empty_result():
 
 
 @needs_kernel
-@pytest.mark.parametrize("mutate,match", [
-    (lambda t, c: (t.fill_(10_000), c), "outside"),  # a block id past the cache
-    (lambda t, c: (t, c.fill_(10_000)), "outside"),  # a context longer than its table
-    (lambda t, c: (t.fill_(-1), c), "outside"),
-    (lambda t, c: (t[:1], c), "block tables"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda t, c: (t.fill_(10_000), c), "outside"),  # a block id past the cache
+        (lambda t, c: (t, c.fill_(10_000)), "outside"),  # a context longer than its table
+        (lambda t, c: (t.fill_(-1), c), "outside"),
+        (lambda t, c: (t[:1], c), "block tables"),
+    ],
+)
 def test_refuses_tables_outside_the_cache(mutate, match):
     q, kc, vc, tables, ctx = _case(torch.float32, 6, 2, 64, 16, [20, 5])
     tables, ctx = mutate(tables.clone(), ctx.clone())

@@ -34,8 +34,14 @@ def test_no_compiler_means_unavailable_not_an_error(monkeypatch, fresh_build):
     assert "no C compiler" in ca.unavailable_reason()
     assert ops.select(torch.device("cpu")) is ops.TORCH
     with pytest.raises(RuntimeError, match="unavailable"):
-        ca.paged_attention_decode(torch.zeros(1, 1, 8), torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8),
-                                  torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+        ca.paged_attention_decode(
+            torch.zeros(1, 1, 8),
+            torch.zeros(2, 4, 1, 8),
+            torch.zeros(2, 4, 1, 8),
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32),
+            1.0,
+        )
 
 
 def test_a_failing_compile_is_reported_and_a_fresh_cache_builds(monkeypatch, fresh_build):
@@ -50,5 +56,9 @@ def test_a_failing_compile_is_reported_and_a_fresh_cache_builds(monkeypatch, fre
     kc, vc = torch.randn(4, 16, 2, 64, generator=g), torch.randn(4, 16, 2, 64, generator=g)
     q = torch.randn(1, 6, 64, generator=g)
     tables, lens = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
-    torch.testing.assert_close(ca.paged_attention_decode(q, kc, vc, tables, lens, 0.125),
-                               ra.paged_attention_decode(q, kc, vc, tables, lens, 0.125), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        ca.paged_attention_decode(q, kc, vc, tables, lens, 0.125),
+        ra.paged_attention_decode(q, kc, vc, tables, lens, 0.125),
+        atol=2e-6,
+        rtol=1e-5,
+    )

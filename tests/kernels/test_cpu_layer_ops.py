@@ -39,7 +39,9 @@ def test_rms_norm_takes_a_strided_row_view_and_leaves_fp16_to_the_twin():
     wide = torch.randn(5, 200, generator=g)
     x = wide[:, :96]  # rows 200 apart
     w = torch.randn(96, generator=g)
-    torch.testing.assert_close(lo.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        lo.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-6
+    )
     xh = x.half()
     assert torch.equal(lo.rms_norm(xh, w.half(), 1e-6), reference.rms_norm(xh, w.half(), 1e-6))
 
@@ -58,9 +60,16 @@ def _rope_case(dtype, cache_dtype, t=9, h=6, hkv=2, d=64, blocks=6, bs=4, seed=0
     return qkv, q, k, v, cos, sin, kc, kc.clone(), slots
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [
-    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.float32, torch.float8_e4m3fn),
+    ],
+)
 def test_rope_and_write_kv_matches_the_twin(dtype, cache_dtype):
     qkv, q, k, v, cos, sin, kc, vc, slots = _rope_case(dtype, cache_dtype)
     qkv2, q2, k2, v2, _, _, kc2, vc2, _ = _rope_case(dtype, cache_dtype)
@@ -68,7 +77,9 @@ def test_rope_and_write_kv_matches_the_twin(dtype, cache_dtype):
     lo.rope_and_write_kv(q, k, v, cos, sin, kc, vc, slots, torch.tensor([scales[0]]), scales[1])
     reference_attention.rope_and_write_kv(q2, k2, v2, cos, sin, kc2, vc2, slots, *scales)
     tol = 2 * _ulp(dtype)
-    torch.testing.assert_close(qkv.float(), qkv2.float(), rtol=tol, atol=1e-5)  # q, k rotated in place
+    torch.testing.assert_close(
+        qkv.float(), qkv2.float(), rtol=tol, atol=1e-5
+    )  # q, k rotated in place
     if cache_dtype == torch.float8_e4m3fn:
         # fp8 codes agree wherever the rotated key agrees exactly; a last-bit difference may
         # move a code by one step
@@ -86,7 +97,7 @@ def test_fp8_codes_equal_torchs_cast():
     g = torch.Generator().manual_seed(1)
     kc = torch.zeros(4, 16, 1, 64, dtype=torch.float8_e4m3fn)
     v = torch.cat([torch.randn(40, 1, 64, generator=g) * s for s in (1e-4, 0.01, 1.0, 50.0)])[:64]
-    v[0, 0, :8] = torch.tensor([448.0, 500.0, -1e6, 2.0 ** -9, 2.0 ** -10, 0.0, -0.0, 464.0])
+    v[0, 0, :8] = torch.tensor([448.0, 500.0, -1e6, 2.0**-9, 2.0**-10, 0.0, -0.0, 464.0])
     t = v.shape[0]
     q = torch.zeros(t, 1, 64)
     k = torch.zeros(t, 1, 64)

@@ -61,8 +61,8 @@ def test_strided_key_and_padded_cache():
     torch.manual_seed(1)
     t, hkv, d = 9, 2, 64
     qkv = torch.randn(t, 5 * hkv * d, dtype=torch.bfloat16)
-    key = qkv[:, 3 * hkv * d: 4 * hkv * d].view(t, hkv, d)
-    value = qkv[:, 4 * hkv * d:].view(t, hkv, d)
+    key = qkv[:, 3 * hkv * d : 4 * hkv * d].view(t, hkv, d)
+    value = qkv[:, 4 * hkv * d :].view(t, hkv, d)
     both = torch.randn(4, 2, 8, hkv, d).to(FP8)  # [blocks, k/v, block_size, Hkv, D]
     _run_both(key, value, both[:, 0], both[:, 1], torch.randperm(32)[:t], 0.05, 0.02)
 
@@ -76,26 +76,33 @@ def test_empty_batch_is_a_no_op():
 
 
 def _args(**over):
-    args = dict(key=torch.randn(3, 2, 32, dtype=torch.float16),
-                value=torch.randn(3, 2, 32, dtype=torch.float16),
-                key_cache=torch.zeros(2, 16, 2, 32, dtype=FP8),
-                value_cache=torch.zeros(2, 16, 2, 32, dtype=FP8),
-                slot_mapping=torch.arange(3), k_scale=1.0, v_scale=1.0)
+    args = dict(
+        key=torch.randn(3, 2, 32, dtype=torch.float16),
+        value=torch.randn(3, 2, 32, dtype=torch.float16),
+        key_cache=torch.zeros(2, 16, 2, 32, dtype=FP8),
+        value_cache=torch.zeros(2, 16, 2, 32, dtype=FP8),
+        slot_mapping=torch.arange(3),
+        k_scale=1.0,
+        v_scale=1.0,
+    )
     args.update(over)
     return args
 
 
-@pytest.mark.parametrize("name,over", [
-    ("slot_mapping", dict(slot_mapping=torch.arange(3, dtype=torch.int32))),
-    ("slot_mapping", dict(slot_mapping=torch.arange(4))),
-    ("value", dict(value=torch.randn(3, 2, 16, dtype=torch.float16))),
-    ("key_cache", dict(key_cache=torch.zeros(2, 16, 4, 32, dtype=FP8))),
-    ("key_cache", dict(key_cache=torch.zeros(2, 16, 2, 32, dtype=torch.float32))),
-    ("value_cache", dict(value_cache=torch.zeros(2, 16, 2, 32, dtype=torch.float16))),
-    ("k_scale", dict(k_scale=torch.ones(2))),
-    ("v_scale", dict(v_scale=-1.0)),
-    ("key", dict(key=torch.randn(3, 2, 32, dtype=torch.float16).transpose(0, 2))),
-])
+@pytest.mark.parametrize(
+    "name,over",
+    [
+        ("slot_mapping", dict(slot_mapping=torch.arange(3, dtype=torch.int32))),
+        ("slot_mapping", dict(slot_mapping=torch.arange(4))),
+        ("value", dict(value=torch.randn(3, 2, 16, dtype=torch.float16))),
+        ("key_cache", dict(key_cache=torch.zeros(2, 16, 4, 32, dtype=FP8))),
+        ("key_cache", dict(key_cache=torch.zeros(2, 16, 2, 32, dtype=torch.float32))),
+        ("value_cache", dict(value_cache=torch.zeros(2, 16, 2, 32, dtype=torch.float16))),
+        ("k_scale", dict(k_scale=torch.ones(2))),
+        ("v_scale", dict(v_scale=-1.0)),
+        ("key", dict(key=torch.randn(3, 2, 32, dtype=torch.float16).transpose(0, 2))),
+    ],
+)
 def test_launcher_errors_name_the_argument(name, over):
     with pytest.raises(ValueError, match=name):
         write_kv_cache(**_args(**over))

@@ -22,8 +22,12 @@ from slimserve.kernels.paged_attention import (
 
 FP8 = torch.float8_e4m3fn
 pytest.importorskip("triton")
-DTYPES = [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
-          (torch.float16, FP8), (torch.bfloat16, FP8)]
+DTYPES = [
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, FP8),
+    (torch.bfloat16, FP8),
+]
 GQA = [(4, 4), (6, 2), (8, 2)]  # (H, Hkv): ratios 1, 3, 4
 K_SCALE, V_SCALE = torch.tensor([0.25]), 0.5  # fp8 scales: a tensor and a float
 # Big tiles: the interpreter pays per program and per loop step.
@@ -55,10 +59,22 @@ def test_decode_matches_twin(dtypes, gqa):
     (q_dtype, kv_dtype), (h, h_kv) = dtypes, gqa
     kc, vc, tables, ctx = _cache([1, 17, 100], h_kv, 32, 16, kv_dtype, seed=h * 10 + h_kv)
     q = torch.randn(3, h, 32, generator=torch.Generator().manual_seed(1)).to(q_dtype)
-    out = paged_attention_decode(q, kc, vc, tables, ctx, 0.2, K_SCALE, V_SCALE,
-                                 config=AttentionConfig(block_n=64, split=False))
-    _assert_close(out, reference_attention.paged_attention_decode(q, kc, vc, tables, ctx, 0.2, K_SCALE,
-                                                        V_SCALE), vc)
+    out = paged_attention_decode(
+        q,
+        kc,
+        vc,
+        tables,
+        ctx,
+        0.2,
+        K_SCALE,
+        V_SCALE,
+        config=AttentionConfig(block_n=64, split=False),
+    )
+    _assert_close(
+        out,
+        reference_attention.paged_attention_decode(q, kc, vc, tables, ctx, 0.2, K_SCALE, V_SCALE),
+        vc,
+    )
 
 
 @pytest.mark.parametrize("dtypes", DTYPES)
@@ -70,7 +86,9 @@ def test_split_decode_matches_twin(dtypes):
     q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(4)).to(q_dtype)
     cfg = AttentionConfig(block_n=32, partition=64, split=True)
     out = paged_attention_decode(q, kc, vc, tables, ctx, 0.125, K_SCALE, V_SCALE, config=cfg)
-    ref = reference_attention.paged_attention_decode(q, kc, vc, tables, ctx, 0.125, K_SCALE, V_SCALE)
+    ref = reference_attention.paged_attention_decode(
+        q, kc, vc, tables, ctx, 0.125, K_SCALE, V_SCALE
+    )
     _assert_close(out[:3], ref[:3], vc)  # the twin leaves context 0 undefined (a padding row)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
 
@@ -81,9 +99,19 @@ def test_decode_other_block_sizes_and_strided_query(block_size):
     qkv = torch.randn(2, 3, 8, 32, generator=torch.Generator().manual_seed(5)).half()
     q = qkv[:, 0]  # [B, H, D] view of a fused projection: batch stride 3 * H * D
     for split in (False, True):
-        out = paged_attention_decode(q, kc, vc, tables, ctx, 0.3, max_context_len=33,
-                                     config=AttentionConfig(block_n=32, partition=32, split=split))
-        _assert_close(out, reference_attention.paged_attention_decode(q, kc, vc, tables, ctx, 0.3), vc)
+        out = paged_attention_decode(
+            q,
+            kc,
+            vc,
+            tables,
+            ctx,
+            0.3,
+            max_context_len=33,
+            config=AttentionConfig(block_n=32, partition=32, split=split),
+        )
+        _assert_close(
+            out, reference_attention.paged_attention_decode(q, kc, vc, tables, ctx, 0.3), vc
+        )
 
 
 def test_split_heuristic():
@@ -107,65 +135,94 @@ def test_prefill_matches_twin(dtypes, gqa):
     """Sequences: 33 cached + 7 new (several query tiles and unmasked full KV tiles before the
     diagonal), 5 new with no cached prefix, 1 new after 39 cached, and one with no new tokens."""
     (q_dtype, kv_dtype), (h, h_kv) = dtypes, gqa
-    q, kc, vc, tables, cu, ctx = _prefill_case([40, 5, 40, 9], [7, 5, 1, 0], h, h_kv, q_dtype,
-                                               kv_dtype, seed=h + h_kv)
+    q, kc, vc, tables, cu, ctx = _prefill_case(
+        [40, 5, 40, 9], [7, 5, 1, 0], h, h_kv, q_dtype, kv_dtype, seed=h + h_kv
+    )
     cfg = AttentionConfig(block_m=16, block_n=16)  # 16 // G query tokens per program
-    out = paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.2, K_SCALE, V_SCALE, config=cfg,
-                                  max_q_len=7)
-    ref = reference_attention.paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.2, K_SCALE, V_SCALE)
+    out = paged_attention_prefill(
+        q, kc, vc, tables, cu, ctx, 0.2, K_SCALE, V_SCALE, config=cfg, max_q_len=7
+    )
+    ref = reference_attention.paged_attention_prefill(
+        q, kc, vc, tables, cu, ctx, 0.2, K_SCALE, V_SCALE
+    )
     _assert_close(out, ref, vc)
 
 
 def test_prefill_long_chunk_default_grid_and_strided_query():
     """One 50-token chunk after 30 cached tokens with block size 8, max_q_len left to the launcher
     (T: no sync), query a view of a fused projection."""
-    q, kc, vc, tables, cu, ctx = _prefill_case([80, 3], [50, 3], 4, 2, torch.float16,
-                                               torch.float16, seed=7, bs=8, d=64)
+    q, kc, vc, tables, cu, ctx = _prefill_case(
+        [80, 3], [50, 3], 4, 2, torch.float16, torch.float16, seed=7, bs=8, d=64
+    )
     q = torch.cat([q, q], dim=-1)[..., :64]  # row stride 2 * H * D, last dim contiguous
     cfg = AttentionConfig(block_m=32, block_n=32)
     out = paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.125, config=cfg)
-    _assert_close(out, reference_attention.paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.125), vc)
+    _assert_close(
+        out, reference_attention.paged_attention_prefill(q, kc, vc, tables, cu, ctx, 0.125), vc
+    )
 
 
 def _decode_args(**over):
     kc, vc, tables, ctx = _cache([5, 9], 2, 32, 16, torch.float16, seed=0)
-    args = dict(query=torch.randn(2, 4, 32, dtype=torch.float16), key_cache=kc, value_cache=vc,
-                block_tables=tables, context_lens=ctx, scale=0.2)
+    args = dict(
+        query=torch.randn(2, 4, 32, dtype=torch.float16),
+        key_cache=kc,
+        value_cache=vc,
+        block_tables=tables,
+        context_lens=ctx,
+        scale=0.2,
+    )
     args.update(over)
     return args
 
 
-@pytest.mark.parametrize("name,over", [
-    ("query", dict(query=torch.randn(2, 4, 32))),
-    ("query", dict(query=torch.randn(2, 3, 32, dtype=torch.float16))),  # 3 heads, 2 KV heads
-    ("key_cache", dict(query=torch.randn(2, 4, 32, dtype=torch.bfloat16))),  # bf16 q, fp16 KV
-    ("value_cache", dict(value_cache=torch.zeros(3, 16, 2, 32, dtype=FP8))),
-    ("head_dim", dict(query=torch.randn(2, 4, 48, dtype=torch.float16),
-                      key_cache=torch.zeros(3, 16, 2, 48, dtype=torch.float16),
-                      value_cache=torch.zeros(3, 16, 2, 48, dtype=torch.float16))),
-    ("block_tables", dict(block_tables=torch.zeros(2, 1, dtype=torch.int64))),
-    ("block_tables", dict(block_tables=torch.zeros(3, 1, dtype=torch.int32))),
-    ("context_lens", dict(context_lens=torch.tensor([5], dtype=torch.int32))),
-    ("k_scale", dict(k_scale=torch.ones(1, dtype=torch.int32))),
-    ("partition", dict(config=AttentionConfig(block_n=64, partition=96))),
-    ("block_n", dict(config=AttentionConfig(block_n=24))),
-])
+@pytest.mark.parametrize(
+    "name,over",
+    [
+        ("query", dict(query=torch.randn(2, 4, 32))),
+        ("query", dict(query=torch.randn(2, 3, 32, dtype=torch.float16))),  # 3 heads, 2 KV heads
+        ("key_cache", dict(query=torch.randn(2, 4, 32, dtype=torch.bfloat16))),  # bf16 q, fp16 KV
+        ("value_cache", dict(value_cache=torch.zeros(3, 16, 2, 32, dtype=FP8))),
+        (
+            "head_dim",
+            dict(
+                query=torch.randn(2, 4, 48, dtype=torch.float16),
+                key_cache=torch.zeros(3, 16, 2, 48, dtype=torch.float16),
+                value_cache=torch.zeros(3, 16, 2, 48, dtype=torch.float16),
+            ),
+        ),
+        ("block_tables", dict(block_tables=torch.zeros(2, 1, dtype=torch.int64))),
+        ("block_tables", dict(block_tables=torch.zeros(3, 1, dtype=torch.int32))),
+        ("context_lens", dict(context_lens=torch.tensor([5], dtype=torch.int32))),
+        ("k_scale", dict(k_scale=torch.ones(1, dtype=torch.int32))),
+        ("partition", dict(config=AttentionConfig(block_n=64, partition=96))),
+        ("block_n", dict(config=AttentionConfig(block_n=24))),
+    ],
+)
 def test_decode_errors_name_the_argument(name, over):
     with pytest.raises(ValueError, match=name):
         paged_attention_decode(**_decode_args(**over))
 
 
-@pytest.mark.parametrize("name,over", [
-    ("cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 2, 4]))),  # int64
-    ("block_tables", dict(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32))),  # 1 seq, 2 rows
-    # 32 query heads per KV head do not fit 16 rows
-    ("block_m", dict(config=AttentionConfig(block_m=16), query=torch.randn(4, 64, 32).half())),
-    ("max_q_len", dict(max_q_len=-1)),
-])
+@pytest.mark.parametrize(
+    "name,over",
+    [
+        ("cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 2, 4]))),  # int64
+        (
+            "block_tables",
+            dict(cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32)),
+        ),  # 1 seq, 2 rows
+        # 32 query heads per KV head do not fit 16 rows
+        ("block_m", dict(config=AttentionConfig(block_m=16), query=torch.randn(4, 64, 32).half())),
+        ("max_q_len", dict(max_q_len=-1)),
+    ],
+)
 def test_prefill_errors_name_the_argument(name, over):
     args = _decode_args()
-    args.update(query=torch.randn(4, 4, 32, dtype=torch.float16),
-                cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32))
+    args.update(
+        query=torch.randn(4, 4, 32, dtype=torch.float16),
+        cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32),
+    )
     args.update(over)
     with pytest.raises(ValueError, match=name):
         paged_attention_prefill(**args)

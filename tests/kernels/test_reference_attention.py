@@ -12,7 +12,7 @@ def _naive(query, key_cache, value_cache, block_tables, cu, ctx, scale, k_scale,
     heads, kv_heads = query.shape[1], key_cache.shape[2]
     bs = key_cache.shape[1]
     for b in range(len(cu) - 1):
-        q = query[cu[b]: cu[b + 1]].float()
+        q = query[cu[b] : cu[b + 1]].float()
         n, c = q.shape[0], ctx[b]
         slots = [(int(block_tables[b, p // bs]), p % bs) for p in range(c)]
         k = torch.stack([key_cache[blk, off].float() for blk, off in slots]) * k_scale
@@ -33,14 +33,23 @@ def test_batched_reference_equals_per_sequence_loop(kv_dtype):
     kc = torch.randn(nblocks, bs, kv_heads, d, generator=g).to(kv_dtype)
     vc = torch.randn(nblocks, bs, kv_heads, d, generator=g).to(kv_dtype)
     perm = torch.randperm(nblocks, generator=g)
-    tables = torch.stack([perm[i * 8:(i + 1) * 8] for i in range(4)]).int()  # scattered blocks
+    tables = torch.stack([perm[i * 8 : (i + 1) * 8] for i in range(4)]).int()  # scattered blocks
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
     query = torch.randn(cu[-1], heads, d, generator=g)
     ks, vs = (0.7, 1.3) if kv_dtype == torch.float8_e4m3fn else (1.0, 1.0)
-    got = reference_attention.paged_attention_prefill(query, kc, vc, tables, torch.tensor(cu, dtype=torch.int32),
-                                            torch.tensor(ctx, dtype=torch.int32), 0.25, ks, vs)
+    got = reference_attention.paged_attention_prefill(
+        query,
+        kc,
+        vc,
+        tables,
+        torch.tensor(cu, dtype=torch.int32),
+        torch.tensor(ctx, dtype=torch.int32),
+        0.25,
+        ks,
+        vs,
+    )
     want = _naive(query, kc, vc, tables, cu, ctx, 0.25, ks, vs)
     # same fp32 math in a different summation order: a few ulp of fp32 on |out| <= max|V| ~ 4
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -82,5 +91,9 @@ def test_planned_attention_buckets_and_fresh_keys_equal_the_loop():
     torch.testing.assert_close(fresh, want, rtol=1e-5, atol=1e-5)
     # an fp8 cache does not hold the keys exactly: the fresh keys are ignored there
     k8, v8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
-    torch.testing.assert_close(reference_attention.paged_attention(query, k8, v8, plan, 0.3, key=key, value=value),
-                               _naive(query, k8, v8, tables, cu, ctx, 0.3, 1.0, 1.0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        reference_attention.paged_attention(query, k8, v8, plan, 0.3, key=key, value=value),
+        _naive(query, k8, v8, tables, cu, ctx, 0.3, 1.0, 1.0),
+        rtol=1e-5,
+        atol=1e-5,
+    )

@@ -37,7 +37,7 @@ def _ulp_error(out, ref):
 def _assert_close(out, ref):
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if ref.dtype == torch.float32:
-        rtol = ref.shape[-1] * 2.0 ** -24 + 2.0 ** -22
+        rtol = ref.shape[-1] * 2.0**-24 + 2.0**-22
         torch.testing.assert_close(out, ref, rtol=rtol, atol=0)
         return
     err = _ulp_error(out, ref)
@@ -54,8 +54,9 @@ def _inputs(shape, dtype, seed, w_dtype=None):
 
 
 @pytest.mark.parametrize("dtype", (*DTYPES, torch.float32))
-@pytest.mark.parametrize("shape", [(1, 384), (7, 1000), (33, 384), (3, 4096), (2, 8192),
-                                   (2, 3, 128)])
+@pytest.mark.parametrize(
+    "shape", [(1, 384), (7, 1000), (33, 384), (3, 4096), (2, 8192), (2, 3, 128)]
+)
 def test_rms_norm(shape, dtype):
     x, _, w = _inputs(shape, dtype, seed=sum(shape))
     _assert_close(rn.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS))
@@ -100,16 +101,23 @@ def test_empty_batch():
     assert rn.rms_norm(x, w, EPS).shape == (0, 64)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda x, r, w: rn.rms_norm(x.double(), w, EPS), "x has dtype float64"),
-    (lambda x, r, w: rn.rms_norm(x, w[:10], EPS), r"weight has shape \(10,\)"),
-    (lambda x, r, w: rn.rms_norm(x.t(), w, EPS), "x must be contiguous in its last dim"),
-    (lambda x, r, w: rn.rms_norm(x, w, -1.0), "eps=-1.0"),
-    (lambda x, r, w: rn.fused_add_rms_norm(x, r.float(), w, EPS), "residual has dtype float32"),
-    (lambda x, r, w: rn.fused_add_rms_norm(x, r[:3], w, EPS), r"residual has shape \(3, 64\)"),
-    (lambda x, r, w: rn.rms_norm(torch.zeros(2, 20000, dtype=x.dtype, device=DEV),
-                                 torch.ones(20000, device=DEV), EPS), "hidden size 20000"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x, r, w: rn.rms_norm(x.double(), w, EPS), "x has dtype float64"),
+        (lambda x, r, w: rn.rms_norm(x, w[:10], EPS), r"weight has shape \(10,\)"),
+        (lambda x, r, w: rn.rms_norm(x.t(), w, EPS), "x must be contiguous in its last dim"),
+        (lambda x, r, w: rn.rms_norm(x, w, -1.0), "eps=-1.0"),
+        (lambda x, r, w: rn.fused_add_rms_norm(x, r.float(), w, EPS), "residual has dtype float32"),
+        (lambda x, r, w: rn.fused_add_rms_norm(x, r[:3], w, EPS), r"residual has shape \(3, 64\)"),
+        (
+            lambda x, r, w: rn.rms_norm(
+                torch.zeros(2, 20000, dtype=x.dtype, device=DEV), torch.ones(20000, device=DEV), EPS
+            ),
+            "hidden size 20000",
+        ),
+    ],
+)
 def test_argument_errors(call, match):
     x, r, w = _inputs((4, 64), torch.float16, seed=0)
     with pytest.raises(ValueError, match=match):
@@ -119,8 +127,15 @@ def test_argument_errors(call, match):
 def test_default_launches_are_aot_compiled():
     """Every (BLOCK, num_warps) the launcher picks for hidden sizes up to MAX_HIDDEN is in
     aot_variants(), for both dtypes, with and without the residual."""
-    compiled = {(v.signature["x_ptr"], v.constexprs["BLOCK"], v.constexprs["HAS_RESIDUAL"],
-                 v.options["num_warps"]) for v in rn.aot_variants()}
+    compiled = {
+        (
+            v.signature["x_ptr"],
+            v.constexprs["BLOCK"],
+            v.constexprs["HAS_RESIDUAL"],
+            v.options["num_warps"],
+        )
+        for v in rn.aot_variants()
+    }
     for h in (1, 64, 128, 384, 1000, 2048, 3072, 4096, 5120, 8192, 12288, rn.MAX_HIDDEN):
         p = rn.launch_params(h)
         for t in ("*fp16", "*bf16", "*fp32"):

@@ -13,7 +13,11 @@ pytest.importorskip("triton")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == FP8 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    return (
+        t.view(torch.uint8)
+        if t.dtype == FP8
+        else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+    )
 
 
 def _unfused(q, k, v, positions, inv_freq, kc, vc, slots, ks, vs):
@@ -27,6 +31,7 @@ def _unfused(q, k, v, positions, inv_freq, kc, vc, slots, ks, vs):
         half = x.shape[-1] // 2
         rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
         return (xf * cos + rotated * sin).to(x.dtype)
+
     q, k = rotate(q), rotate(k)
     reference_attention.write_kv_cache(k, v, kc, vc, slots, ks, vs)
     return q, k
@@ -51,9 +56,17 @@ def _split(qkv, h, hkv, d):
     return q.reshape(t, h, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d)
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [
-    (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16), (torch.float16, FP8),
-    (torch.bfloat16, FP8), (torch.float32, torch.bfloat16), (torch.float32, FP8)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, FP8),
+        (torch.bfloat16, FP8),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, FP8),
+    ],
+)
 def test_kernel_matches_twin_and_unfused_path_bit_for_bit(dtype, cache_dtype):
     qkv, pos, inv_freq, slots, kc, vc, (h, hkv, d) = _case(dtype, cache_dtype)
     ks, vs = (torch.tensor([0.05]), torch.tensor([0.02])) if cache_dtype == FP8 else (1.0, 1.0)
@@ -63,8 +76,9 @@ def test_kernel_matches_twin_and_unfused_path_bit_for_bit(dtype, cache_dtype):
     rope_and_write_kv(*_split(got_qkv, h, hkv, d), cos, sin, got_kc, got_vc, slots, ks, vs)
 
     twin_qkv, twin_kc, twin_vc = qkv.clone(), kc.clone(), vc.clone()
-    reference_attention.rope_and_write_kv(*_split(twin_qkv, h, hkv, d), cos, sin, twin_kc, twin_vc, slots,
-                                ks, vs)
+    reference_attention.rope_and_write_kv(
+        *_split(twin_qkv, h, hkv, d), cos, sin, twin_kc, twin_vc, slots, ks, vs
+    )
 
     old_kc, old_vc = kc.clone(), vc.clone()
     q0, k0, v0 = _split(qkv, h, hkv, d)
@@ -81,14 +95,17 @@ def test_kernel_matches_twin_and_unfused_path_bit_for_bit(dtype, cache_dtype):
     real = slots[slots >= 0]
     untouched = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool)
     untouched[real] = False
+
     def flat(c):
         return _bits(c).reshape(-1, *c.shape[2:])
+
     assert torch.equal(flat(got_kc)[untouched], flat(kc)[untouched])
 
 
 def test_odd_head_counts_and_empty_batch():
-    qkv, pos, inv_freq, slots, kc, vc, (h, hkv, d) = _case(torch.bfloat16, torch.bfloat16, t=5,
-                                                           h=6, hkv=3, d=16, seed=3)
+    qkv, pos, inv_freq, slots, kc, vc, (h, hkv, d) = _case(
+        torch.bfloat16, torch.bfloat16, t=5, h=6, hkv=3, d=16, seed=3
+    )
     cos, sin = reference_attention.rope_tables(pos, inv_freq)
     a, b = qkv.clone(), qkv.clone()
     kc2, vc2 = kc.clone(), vc.clone()

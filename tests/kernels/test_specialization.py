@@ -37,8 +37,13 @@ print(json.dumps(out))
 
 def test_per_step_ints_are_not_specialized():
     env = dict(os.environ, TRITON_INTERPRET="0")
-    res = subprocess.run([sys.executable, "-c", PROBE, json.dumps(list(PER_STEP))], env=env,
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(list(PER_STEP))],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     got = json.loads(res.stdout.strip().splitlines()[-1])
     for name, want in PER_STEP.items():
         kind, flagged = got[name]

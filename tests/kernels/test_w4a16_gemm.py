@@ -79,25 +79,35 @@ def _make_ct(n, k, group_size, bits, asym, actorder, dtype, seed=0) -> dict:
     ct = dict(
         weight_packed=_pack(torch.randint(lo, hi, (n, k), generator=g), bits),
         weight_scale=((torch.rand(n, groups, generator=g) + 0.5) / 64).to(dtype),
-        weight_zero_point=zp, weight_g_idx=g_idx, weight_shape=(n, k), group_size=group_size)
+        weight_zero_point=zp,
+        weight_g_idx=g_idx,
+        weight_shape=(n, k),
+        group_size=group_size,
+    )
     return {key: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for key, v in ct.items()}
 
 
 def _dequant_ref(ct: dict, bits: int) -> torch.Tensor:
     return reference.dequantize_packed(
-        ct["weight_packed"], ct["weight_scale"], ct["weight_zero_point"], ct["weight_g_idx"],
-        ct["weight_shape"], bits, ct["group_size"])
+        ct["weight_packed"],
+        ct["weight_scale"],
+        ct["weight_zero_point"],
+        ct["weight_g_idx"],
+        ct["weight_shape"],
+        bits,
+        ct["group_size"],
+    )
 
 
 def _assert_close(y, x, w, bias):
     """y vs the fp32 product of the same rounded x [.., K] and w [N, K] (module docstring)."""
     xf = x.float().reshape(-1, x.shape[-1])
     ref = xf @ w.float().t() + (bias.float() if bias is not None else 0.0)
-    u = 2.0 ** -8 if x.dtype == BF16 else 2.0 ** -11
-    bound = u * ref.abs() + 2 * x.shape[-1] * 2.0 ** -24 * (xf.abs() @ w.float().abs().t())
+    u = 2.0**-8 if x.dtype == BF16 else 2.0**-11
+    bound = u * ref.abs() + 2 * x.shape[-1] * 2.0**-24 * (xf.abs() @ w.float().abs().t())
     err = (y.float().reshape(ref.shape) - ref).abs()
     assert y.dtype == x.dtype and y.shape == (*x.shape[:-1], w.shape[0])
-    assert bool((err <= bound + 2.0 ** -24).all()), f"err {err.max():.3g} > bound {bound.max():.3g}"
+    assert bool((err <= bound + 2.0**-24).all()), f"err {err.max():.3g} > bound {bound.max():.3g}"
 
 
 @pytest.fixture
@@ -135,8 +145,9 @@ def test_per_tensor_scale_and_plain_transpose(triton_backend):
     ct["weight_scale"] = ct["weight_scale"][:1, 0]  # CT's per-tensor scale: shape [1]
     w = prepare_w4a16(**ct)
     assert torch.equal(w.qweight, ct["weight_packed"].t())  # no act-order: words only transposed
-    assert torch.equal(dequantize_w4a16(w, BF16, config=PATHS["dequant"]),
-                       _dequant_ref(ct, 4).to(BF16))
+    assert torch.equal(
+        dequantize_w4a16(w, BF16, config=PATHS["dequant"]), _dequant_ref(ct, 4).to(BF16)
+    )
     x = torch.randn(7, 136, device=DEVICE).to(BF16)
     _assert_close(w4a16_gemm(x, w, config=PATHS["decode"]), x, _dequant_ref(ct, 4).to(BF16), None)
 
@@ -206,8 +217,9 @@ def test_launcher_errors(triton_backend):
     with pytest.raises(ValueError, match="weight_zero_point has shape"):
         prepare_w4a16(**{**ct, "weight_zero_point": ct["weight_zero_point"][:4]})
     with pytest.raises(ValueError, match="weight_g_idx values"):
-        prepare_w4a16(**{**ct, "weight_g_idx": torch.full((128,), 4, dtype=torch.int32,
-                                                           device=DEVICE)})
+        prepare_w4a16(
+            **{**ct, "weight_g_idx": torch.full((128,), 4, dtype=torch.int32, device=DEVICE)}
+        )
     with pytest.raises(ValueError, match="num_bits=3"):
         prepare_w4a16(**ct, num_bits=3)
 
@@ -219,8 +231,9 @@ def test_aot_variants_cover_every_path():
             for bits in (4, 8):
                 tag = f"_{dt}_w{bits}_{sym}"
                 for _, cfg in DISPATCH:
-                    prefix = ("dequant" if cfg.path == "dequant"
-                              else f"gemm_{cfg.block_m}x{cfg.block_n}x")
+                    prefix = (
+                        "dequant" if cfg.path == "dequant" else f"gemm_{cfg.block_m}x{cfg.block_n}x"
+                    )
                     assert any(s.startswith(prefix) and tag in s for s in names), (prefix, tag)
     for flag in ("_split", "_perm", "_gather", "_bias"):
         assert any(flag in s for s in names) and any(flag not in s for s in names), flag

@@ -26,11 +26,16 @@ def _operands(m, n, k, seed, scale_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     a = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
     w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    a_s = (torch.rand(m, 1, generator=g) + 0.5) * 2.0 ** -10  # typical activation scales
-    w_s = (torch.rand(n, 1, generator=g) + 0.5) * 2.0 ** -9
+    a_s = (torch.rand(m, 1, generator=g) + 0.5) * 2.0**-10  # typical activation scales
+    w_s = (torch.rand(n, 1, generator=g) + 0.5) * 2.0**-9
     bias = torch.randn(n, generator=g)
-    return (a.to(DEV), a_s.to(scale_dtype).to(DEV), w.to(DEV), w_s.to(scale_dtype).to(DEV),
-            bias.to(scale_dtype).to(DEV))
+    return (
+        a.to(DEV),
+        a_s.to(scale_dtype).to(DEV),
+        w.to(DEV),
+        w_s.to(scale_dtype).to(DEV),
+        bias.to(scale_dtype).to(DEV),
+    )
 
 
 def _assert_within_one_ulp(out, ref):
@@ -103,25 +108,35 @@ def test_zero_sizes():
 
 def _call(**over):
     a, a_s, w, w_s, bias = _operands(4, 32, 64, seed=2)
-    args = {"a_q": a, "a_scale": a_s, "w_q": w, "w_scale": w_s, "bias": None,
-            "out_dtype": torch.bfloat16, "config": BIG}
+    args = {
+        "a_q": a,
+        "a_scale": a_s,
+        "w_q": w,
+        "w_scale": w_s,
+        "bias": None,
+        "out_dtype": torch.bfloat16,
+        "config": BIG,
+    }
     args.update(over)
     return wg.w8a8_gemm(**args)
 
 
-@pytest.mark.parametrize("over,match", [
-    (lambda: {"a_q": torch.zeros(4, 64, dtype=torch.int16)}, "a_q has dtype int16"),
-    (lambda: {"w_q": torch.zeros(32, 48, dtype=torch.int8)}, r"w_q has shape \(32, 48\)"),
-    (lambda: {"w_q": torch.zeros(64, 32, dtype=torch.int8).t()}, "w_q must be contiguous"),
-    (lambda: {"a_scale": torch.ones(5, 1)}, r"a_scale has shape \(5, 1\)"),
-    (lambda: {"w_scale": torch.ones(32, 2)}, r"w_scale has shape \(32, 2\)"),
-    (lambda: {"w_scale": torch.ones(32, 1, dtype=torch.int32)}, "w_scale has dtype int32"),
-    (lambda: {"bias": torch.ones(31)}, r"bias has shape \(31,\)"),
-    (lambda: {"bias": torch.ones(32), "out_dtype": torch.int32}, "bias is not applied"),
-    (lambda: {"out_dtype": torch.float64}, "out_dtype=torch.float64"),
-    (lambda: {"config": wg.W8A8Config(64, 64, 16)}, "config.block_k=16"),
-    (lambda: {"config": wg.W8A8Config(48, 64, 64)}, "config.block_m=48"),
-])
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (lambda: {"a_q": torch.zeros(4, 64, dtype=torch.int16)}, "a_q has dtype int16"),
+        (lambda: {"w_q": torch.zeros(32, 48, dtype=torch.int8)}, r"w_q has shape \(32, 48\)"),
+        (lambda: {"w_q": torch.zeros(64, 32, dtype=torch.int8).t()}, "w_q must be contiguous"),
+        (lambda: {"a_scale": torch.ones(5, 1)}, r"a_scale has shape \(5, 1\)"),
+        (lambda: {"w_scale": torch.ones(32, 2)}, r"w_scale has shape \(32, 2\)"),
+        (lambda: {"w_scale": torch.ones(32, 1, dtype=torch.int32)}, "w_scale has dtype int32"),
+        (lambda: {"bias": torch.ones(31)}, r"bias has shape \(31,\)"),
+        (lambda: {"bias": torch.ones(32), "out_dtype": torch.int32}, "bias is not applied"),
+        (lambda: {"out_dtype": torch.float64}, "out_dtype=torch.float64"),
+        (lambda: {"config": wg.W8A8Config(64, 64, 16)}, "config.block_k=16"),
+        (lambda: {"config": wg.W8A8Config(48, 64, 64)}, "config.block_m=48"),
+    ],
+)
 def test_argument_errors(over, match):
     kw = {key: v.to(DEV) if isinstance(v, torch.Tensor) else v for key, v in over().items()}
     with pytest.raises(ValueError, match=match):
@@ -139,7 +154,9 @@ def test_config_table():
     assert wg.default_config(1) is wg.CONFIGS[0][1]
     assert wg.default_config(4096) is wg.CONFIGS[-1][1]
     gemms = [v for v in wg.aot_variants() if v.kernel is wg._w8a8_gemm_kernel]
-    tiles = {(v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"], v.constexprs["BLOCK_K"]) for v in gemms}
+    tiles = {
+        (v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"], v.constexprs["BLOCK_K"]) for v in gemms
+    }
     assert tiles == {(c.block_m, c.block_n, c.block_k) for _, c in wg.CONFIGS}
     # the rows that may split compile their partial variant and the reduction its epilogues
     partial = {v.constexprs["BLOCK_M"] for v in gemms if v.constexprs["PARTIAL"]}
@@ -150,8 +167,9 @@ def test_config_table():
 SPLIT = wg.W8A8Config(16, 64, 32, group_m=1, split_k=3)  # forced split, slices of uneven length
 
 
-@pytest.mark.parametrize("out_dtype,with_bias", [(torch.int32, False), (torch.bfloat16, True),
-                                                 (torch.float32, False)])
+@pytest.mark.parametrize(
+    "out_dtype,with_bias", [(torch.int32, False), (torch.bfloat16, True), (torch.float32, False)]
+)
 @pytest.mark.parametrize("m,n,k", [(1, 96, 200), (5, 130, 256)])
 def test_split_k_is_bit_identical_to_unsplit(m, n, k, out_dtype, with_bias):
     """int32 slices summed exactly, then the same epilogue: the split output equals the unsplit

@@ -29,7 +29,7 @@ def _naive(tables):
     width = max(1, max(len(t) for t in tables))
     out = torch.zeros(len(tables), width, dtype=torch.int32)
     for b, t in enumerate(tables):
-        out[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        out[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
     return out
 
 
@@ -43,7 +43,9 @@ def test_block_table_cache_matches_a_fresh_table_across_steps():
             if r < 0.3:
                 t.append(rng.randrange(1000))  # the block manager appends in place
             elif r < 0.35:
-                tables[i] = [rng.randrange(1000) for _ in range(rng.randint(0, 3))]  # freed, re-admitted
+                tables[i] = [
+                    rng.randrange(1000) for _ in range(rng.randint(0, 3))
+                ]  # freed, re-admitted
         step = [t for t in tables if rng.random() < 0.8] or tables[:1]  # some sit a step out
         assert torch.equal(cache.table(step), _naive(step))
 
@@ -65,14 +67,28 @@ def test_prepare_batch_with_and_without_the_cache_agree():
     chunks, starts, tables = [[1, 2, 3], [4]], [0, 20], [[7], [2, 9]]
     args = (chunks, starts, tables, [True, True], 16, torch.device("cpu"))
     a, b = prepare_batch(*args), prepare_batch(*args, cache)
-    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q",
-                 "context_lens", "logits_indices"):
+    for name in (
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "block_tables",
+        "cu_seqlens_q",
+        "context_lens",
+        "logits_indices",
+    ):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert b.slot_mapping.tolist() == [112, 113, 114, 9 * 16 + 4]
 
 
-FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q", "context_lens",
-          "logits_indices")
+FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+    "cu_seqlens_q",
+    "context_lens",
+    "logits_indices",
+)
 
 
 def _staged_steps(device: torch.device):
@@ -82,10 +98,14 @@ def _staged_steps(device: torch.device):
     out = []
     for step in range(6):
         b = 1 + step * 3
-        chunks = [[rng.randrange(1, 500) for _ in range(rng.choice((1, 1, 5, 40)))] for _ in range(b)]
+        chunks = [
+            [rng.randrange(1, 500) for _ in range(rng.choice((1, 1, 5, 40)))] for _ in range(b)
+        ]
         starts = [rng.randrange(0, 60) for _ in range(b)]
-        tables = [list(range(100 * i, 100 * i + (s + len(c)) // 16 + 1)) for i, (s, c) in
-                  enumerate(zip(starts, chunks))]
+        tables = [
+            list(range(100 * i, 100 * i + (s + len(c)) // 16 + 1))
+            for i, (s, c) in enumerate(zip(starts, chunks))
+        ]
         sample = [rng.random() < 0.8 for _ in range(b)]
         args = (chunks, starts, tables, sample, 16, device)
         out.append((prepare_batch(*args), prepare_batch(*args, None, staging)))
@@ -98,8 +118,11 @@ def _check_staged(device):
         for name in FIELDS:
             a, b = getattr(direct, name), getattr(staged, name)
             assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b), name
-        assert (direct.max_q_len, direct.max_context_len, direct.decode_only) == \
-            (staged.max_q_len, staged.max_context_len, staged.decode_only)
+        assert (direct.max_q_len, direct.max_context_len, direct.decode_only) == (
+            staged.max_q_len,
+            staged.max_context_len,
+            staged.decode_only,
+        )
     assert staging.copies == len(steps)  # one upload per step
 
 
@@ -112,8 +135,16 @@ def test_staged_batch_is_one_pinned_copy_on_cuda():
     _check_staged(torch.device("cuda"))
     staging = StagingBuffer(torch.device("cuda"))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        prepare_batch([[1, 2, 3], [4]], [0, 20], [[7], [2, 9]], [True, True], 16,
-                      torch.device("cuda"), None, staging)
+        prepare_batch(
+            [[1, 2, 3], [4]],
+            [0, 20],
+            [[7], [2, 9]],
+            [True, True],
+            16,
+            torch.device("cuda"),
+            None,
+            staging,
+        )
         torch.cuda.synchronize()
     h2d = [e for e in prof.events() if "Memcpy HtoD" in e.name]
     assert len(h2d) == 1, [e.name for e in prof.events()]

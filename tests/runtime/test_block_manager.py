@@ -43,7 +43,11 @@ def test_prefix_hit_shares_only_full_blocks_and_counts_hit_rate():
     assert _prefill(bm, a) == 0 and a.num_cached_tokens == 0
     b = _seq("b", prompt[:35] + [1, 2, 3, 4, 5])  # diverges inside block 2
     assert bm.allocate_prefix(b) == 32
-    assert b.block_table == a.block_table[:2] and b.num_computed_tokens == 32 and b.num_cached_tokens == 32
+    assert (
+        b.block_table == a.block_table[:2]
+        and b.num_computed_tokens == 32
+        and b.num_cached_tokens == 32
+    )
     assert [bm.ref_count(x) for x in a.block_table] == [2, 2, 1]
     # b's new tokens go into a fresh block of its own, never into a's partial block 2.
     bm.append_slots(b, b.num_tokens - 32)

@@ -7,7 +7,6 @@ import torch
 
 from slimserve.kernels import cpu_attention, cpu_layer_ops
 from slimserve.runtime.layers import ops
-
 from tests.helpers.paged import mixed_batch
 
 
@@ -20,11 +19,14 @@ def _batch(q_lens, starts, bs, h, h_kv, d, dtype):
 
 @pytest.mark.skipif(not cpu_attention.available(), reason="no CPU kernel")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_lens,starts,decodes", [
-    ([1, 1, 1], [5, 30, 0], 3),  # decode only
-    ([1, 1, 1, 9, 20], [5, 30, 0, 0, 16], 3),  # decodes, a prompt, a chunk after a prefix
-    ([12, 1, 5], [0, 9, 2], 0),  # a one-token row after a chunk stays on the twin
-])
+@pytest.mark.parametrize(
+    "q_lens,starts,decodes",
+    [
+        ([1, 1, 1], [5, 30, 0], 3),  # decode only
+        ([1, 1, 1, 9, 20], [5, 30, 0, 0, 16], 3),  # decodes, a prompt, a chunk after a prefix
+        ([12, 1, 5], [0, 9, 2], 0),  # a one-token row after a chunk stays on the twin
+    ],
+)
 def test_cpu_table_splits_rows_and_matches_the_twin(monkeypatch, dtype, q_lens, starts, decodes):
     batch, q, k, v, kc, vc = _batch(q_lens, starts, 16, 6, 2, 64, dtype)
     calls = []
@@ -39,7 +41,9 @@ def test_cpu_table_splits_rows_and_matches_the_twin(monkeypatch, dtype, q_lens, 
     got = ops.CPU.attention(q, k, v, kc, vc, batch, plan, 0.125, 1.0, 1.0)
     assert calls == [decodes]
     # the twin, on caches it attends the same way; fresh keys only serve prompt chunks without a prefix
-    want = ops.TORCH.attention(q, k, v, kc, vc, batch, ops.TORCH.plan_attention(batch, 16), 0.125, 1.0, 1.0)
+    want = ops.TORCH.attention(
+        q, k, v, kc, vc, batch, ops.TORCH.plan_attention(batch, 16), 0.125, 1.0, 1.0
+    )
     assert got.dtype == q.dtype
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=0)
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from slimserve.kernels import cpu_attention
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.llm import LLM
 from slimserve.runtime.worker.model_runner import ModelRunner
-from slimserve.runtime.engine.sequence import SamplingParams
 
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7] * 40, [300, 2, 11]]
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -33,7 +33,9 @@ def test_twin_caches_fp32_and_keeps_the_bf16_caches_tokens(tiny_checkpoint, monk
 
 
 @pytest.mark.skipif(not cpu_attention.available(), reason="no CPU kernel")
-def test_compiled_kernel_caches_in_the_compute_dtype_with_the_twins_tokens(tiny_checkpoint, monkeypatch):
+def test_compiled_kernel_caches_in_the_compute_dtype_with_the_twins_tokens(
+    tiny_checkpoint, monkeypatch
+):
     monkeypatch.setenv("SLIMSERVE_KERNELS", "auto")
     llm = LLM(str(tiny_checkpoint), device="cpu", dtype="bfloat16", enable_prefix_caching=False)
     assert llm.engine.runner.kv_dtype == torch.bfloat16

@@ -6,14 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from slimserve.runtime.worker import model_runner
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.layers import cpu_linear
 from slimserve.runtime.layers.cpu_linear import PackedLinear, pack_linears
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.engine.sequence import SamplingParams
+from slimserve.runtime.worker import model_runner
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(torch.float32),
-                                reason="oneDNN's reordered Linear is not available in this torch")
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.available(torch.float32),
+    reason="oneDNN's reordered Linear is not available in this torch",
+)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -69,22 +71,39 @@ def test_engine_packs_its_linears_and_keeps_its_tokens(tiny_checkpoint, monkeypa
     llm = LLM(str(tiny_checkpoint), device="cpu", dtype="float32")
     model = llm.engine.runner.model
     assert not any(type(m) is nn.Linear for m in model.modules())
-    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 2 * 4 + 1  # qkv/o/gate_up/down + head
+    assert (
+        sum(isinstance(m, PackedLinear) for m in model.modules()) == 2 * 4 + 1
+    )  # qkv/o/gate_up/down + head
     packed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setattr(model_runner, "pack_linears", lambda model, dtype: 0)
     plain = LLM(str(tiny_checkpoint), device="cpu", dtype="float32")
     assert any(type(m) is nn.Linear for m in plain.engine.runner.model.modules())
-    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == packed
+    assert [
+        o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)
+    ] == packed
 
 
 def test_row_buckets_pad_little_and_stay_few():
-    assert [cpu_linear.bucket_rows(r) for r in (1, 8, 9, 64, 65, 256, 257, 1024, 1025)] == \
-        [8, 8, 16, 64, 80, 256, 288, 1024, 1152]
+    assert [cpu_linear.bucket_rows(r) for r in (1, 8, 9, 64, 65, 256, 257, 1024, 1025)] == [
+        8,
+        8,
+        16,
+        64,
+        80,
+        256,
+        288,
+        1024,
+        1152,
+    ]
     padded = [cpu_linear.bucket_rows(r) for r in range(1, 2049)]
     assert all(p >= r for r, p in zip(range(1, 2049), padded))
     assert all(a <= b for a, b in zip(padded, padded[1:]))
-    assert all(p - r < max(8, r // 4) for r, p in zip(range(1, 2049), padded))  # under 25% past 32 rows
-    assert len(set(padded)) <= 60  # oneDNN primitives per Linear shape, far below its cache of 1,024
+    assert all(
+        p - r < max(8, r // 4) for r, p in zip(range(1, 2049), padded)
+    )  # under 25% past 32 rows
+    assert (
+        len(set(padded)) <= 60
+    )  # oneDNN primitives per Linear shape, far below its cache of 1,024
 
 
 def test_padded_rows_leave_the_result_unchanged():

@@ -29,8 +29,12 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", PROBE, str(DEMO_MODEL), mode], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, str(DEMO_MODEL), mode],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 
@@ -38,4 +42,3 @@ def faults(mode: str) -> int:
 def test_cpu_runner_stops_refaulting_freed_activations():
     default, tuned = faults("default"), faults("tuned")
     assert tuned * 4 < default, (default, tuned)
-

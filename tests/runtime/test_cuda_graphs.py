@@ -8,7 +8,6 @@ import torch
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.worker.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
 from slimserve.runtime.worker.model_runner import ModelRunner
-
 from tests.helpers import DEMO_MODEL
 
 
@@ -18,12 +17,27 @@ def test_bucket_sizes():
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 24] and graph_batch_sizes(256)[-1] == 256
     sizes = graph_batch_sizes(20)
-    assert [bucket_for(n, sizes) for n in (1, 3, 4, 5, 9, 17, 20, 21)] == [1, 4, 4, 8, 16, 20, 20, None]
+    assert [bucket_for(n, sizes) for n in (1, 3, 4, 5, 9, 17, 20, 21)] == [
+        1,
+        4,
+        4,
+        8,
+        16,
+        20,
+        20,
+        None,
+    ]
 
 
 def _runner():
-    config = EngineConfig(model=str(DEMO_MODEL), device="cpu", dtype="float32", block_size=4,
-                          kv_cache_memory="2MiB", max_num_seqs=8)
+    config = EngineConfig(
+        model=str(DEMO_MODEL),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory="2MiB",
+        max_num_seqs=8,
+    )
     return ModelRunner(config)
 
 
@@ -39,8 +53,9 @@ def test_a_padded_decode_step_over_the_static_buffers_equals_the_eager_step():
     eager, padded = _runner(), _runner()
     for r in (eager, padded):
         _prefill(r, tables)
-    graphs = DecodeGraphs(padded.model, padded.kv_caches, 8, max_blocks=6, block_size=4,
-                          device=torch.device("cpu"))
+    graphs = DecodeGraphs(
+        padded.model, padded.kv_caches, 8, max_blocks=6, block_size=4, device=torch.device("cpu")
+    )
     # 3 sequences: bucket 4, one padding row
     batch = padded.prepare([[7], [8], [9]], [5, 9, 2], tables, [True] * 3)
     assert graphs.can_run(batch) and graphs.fill(batch) == 4
@@ -67,8 +82,9 @@ def test_a_padded_decode_step_over_the_static_buffers_equals_the_eager_step():
 
 def test_steps_the_graphs_cannot_take_run_eagerly():
     runner = _runner()
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, 2, max_blocks=2, block_size=4,
-                          device=torch.device("cpu"))
+    graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, 2, max_blocks=2, block_size=4, device=torch.device("cpu")
+    )
     prefill = runner.prepare([[1, 2, 3]], [0], [[0]], [True])
     assert not graphs.can_run(prefill)  # a prompt chunk
     too_many = runner.prepare([[1], [2], [3]], [1, 1, 1], [[0], [1], [2]], [True] * 3)

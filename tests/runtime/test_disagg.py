@@ -20,7 +20,6 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.disagg.errors import KVHandleError, KVLayoutError, KVSegmentMissing
 from slimserve.runtime.disagg.layout import KVLayout
@@ -35,20 +34,20 @@ from slimserve.runtime.disagg.segment import (
     write_segment,
 )
 from slimserve.runtime.disagg.transfer import load_import
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.engine.llm_engine import LLMEngine
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.router.app import build_router_app
 from slimserve.runtime.router.policy import LeastLatency, ReplicaState, RoundRobin
-from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
-
 from tests.helpers.live_server import serve_in_thread, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
 KEY = "test-internal-key"  # the deployment's internal key (runtime/server/trust.py)
 IK = {INTERNAL_KEY_HEADER: KEY}
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    " * 3
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    ' * 3
 
 
 @pytest.fixture(autouse=True)
@@ -78,8 +77,9 @@ def _run(engine: LLMEngine) -> dict:
 def _handover(prefill: LLMEngine, decode: LLMEngine, prompt, params: SamplingParams, rid: str):
     """Prefill on one engine, export, import on the other; the decode side's final output."""
     seq = prefill.make_sequence(rid + "-p", prompt, params)
-    seq.params = dataclasses.replace(params, max_tokens=1, stop=[], stop_token_ids=frozenset(),
-                                     ignore_eos=True)
+    seq.params = dataclasses.replace(
+        params, max_tokens=1, stop=[], stop_token_ids=frozenset(), ignore_eos=True
+    )
     name = new_name()
     prefill.add_sequence(seq, kv_export=name)
     assert _run(prefill)[rid + "-p"].error is None
@@ -89,6 +89,7 @@ def _handover(prefill: LLMEngine, decode: LLMEngine, prompt, params: SamplingPar
 
 
 # -- segments ------------------------------------------------------------------------------------
+
 
 def test_segment_roundtrip_is_read_once(kv_dir):
     name = new_name()
@@ -120,8 +121,12 @@ def test_unimported_segments_expire_and_orphans_are_swept(kv_dir):
     reg.close()
     assert not (kv_dir / fresh).exists()
     # a segment whose writer process has exited is swept; ours (alive) stays
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     orphan = f"slimserve-kv-{dead}-{'a' * 32}"
     (kv_dir / orphan).write_bytes(b"x")
     mine = new_name()
@@ -140,24 +145,38 @@ def test_kv_header_parsing():
 
 # -- layout --------------------------------------------------------------------------------------
 
+
 def _layout(**kw) -> KVLayout:
-    base = dict(kv_dtype="float8_e4m3fn", block_size=16, num_kv_heads=2, head_dim=64,
-                num_layers=2, vocab_size=4096, hidden_size=384, num_heads=6,
-                scales=((torch.ones(1), torch.ones(1)),) * 2)
+    base = dict(
+        kv_dtype="float8_e4m3fn",
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        num_layers=2,
+        vocab_size=4096,
+        hidden_size=384,
+        num_heads=6,
+        scales=((torch.ones(1), torch.ones(1)),) * 2,
+    )
     return KVLayout(**{**base, **kw})
 
 
 def test_layout_check_names_the_difference():
     here = _layout()
     here.check_matches(_layout())
-    with pytest.raises(KVLayoutError, match="block_size is 32 on the prefill replica but 16 "
-                                            "here; start both with --block-size"):
+    with pytest.raises(
+        KVLayoutError,
+        match="block_size is 32 on the prefill replica but 16 here; start both with --block-size",
+    ):
         here.check_matches(_layout(block_size=32))
     with pytest.raises(KVLayoutError, match="kv_dtype is 'bfloat16'"):
         here.check_matches(_layout(kv_dtype="bfloat16"))
     per_head = ((torch.ones(2), torch.ones(2)),) * 2  # scales of any shape: one per KV head
-    with pytest.raises(KVLayoutError, match=r"layer 0 k_scale has shape \[2\] on the prefill "
-                                            r"replica but \[1\] here"):
+    with pytest.raises(
+        KVLayoutError,
+        match=r"layer 0 k_scale has shape \[2\] on the prefill "
+        r"replica but \[1\] here",
+    ):
         here.check_matches(_layout(scales=per_head))
     _layout(scales=per_head).check_matches(_layout(scales=per_head))
     other = ((torch.ones(1), torch.ones(1)), (torch.ones(1), torch.full((1,), 0.5)))
@@ -189,10 +208,15 @@ def test_a_mismatched_layout_is_refused_not_imported(engines):
 
 # -- the engine hooks ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=24, temperature=0, logprobs=2),
-    SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=7),
-], ids=["greedy", "seeded"])
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=24, temperature=0, logprobs=2),
+        SamplingParams(max_tokens=24, temperature=0.9, top_k=50, seed=7),
+    ],
+    ids=["greedy", "seeded"],
+)
 def test_handover_gives_the_tokens_of_one_engine(engines, params):
     prefill, decode = engines
     prefill.add_request("ref", PROMPT, params)
@@ -200,8 +224,9 @@ def test_handover_gives_the_tokens_of_one_engine(engines, params):
     got = _handover(prefill, decode, PROMPT, params, "h").outputs[0]
     assert got.token_ids == ref.token_ids and got.text == ref.text
     if params.logprobs is not None:
-        assert [lp[0] for lp in got.logprobs] == pytest.approx([lp[0] for lp in ref.logprobs],
-                                                               abs=1e-4)
+        assert [lp[0] for lp in got.logprobs] == pytest.approx(
+            [lp[0] for lp in ref.logprobs], abs=1e-4
+        )
     assert decode.block_manager.usage == 0.0  # everything freed at the end
 
 
@@ -213,6 +238,7 @@ def test_a_request_that_ends_at_its_first_token_needs_no_block(engines):
 
 
 # -- policies ------------------------------------------------------------------------------------
+
 
 def test_decode_replica_choice():
     a, b = ReplicaState("http://a", role="decode"), ReplicaState("http://b", role="decode")
@@ -227,15 +253,28 @@ def test_decode_replica_choice():
 
 # -- live: router in front of a prefill and a decode replica -------------------------------------
 
+
 @pytest.fixture(scope="module")
 def live():
     """The servers run in this process: each test's SLIMSERVE_KV_DIR (kv_dir) is theirs too."""
     with ExitStack() as stack:
         cfg = dict(model=str(DEMO), device="cpu", kv_cache_memory=8 * 2**20)
-        p_url = stack.enter_context(serve_in_thread(build_app(
-            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="prefill", internal_key=KEY), 60))
-        d_url = stack.enter_context(serve_in_thread(build_app(
-            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="decode", internal_key=KEY), 60))
+        p_url = stack.enter_context(
+            serve_in_thread(
+                build_app(
+                    AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="prefill", internal_key=KEY
+                ),
+                60,
+            )
+        )
+        d_url = stack.enter_context(
+            serve_in_thread(
+                build_app(
+                    AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="decode", internal_key=KEY
+                ),
+                60,
+            )
+        )
         app = build_router_app([p_url, d_url], poll_interval_s=0.05, internal_key=KEY)
         r_url = stack.enter_context(serve_in_thread(app, 30))
         wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
@@ -254,13 +293,13 @@ def test_router_hands_over_and_matches_one_engine(live, kv_dir):
     assert "".join(p.choices[0].text for p in parts if p.choices) == ref.choices[0].text
     assert parts[-1].choices[0].finish_reason == "length"
     msgs = [{"role": "user", "content": "Write a function that adds two numbers."}]
-    chat_ref = direct.chat.completions.create(model=model, messages=msgs, max_tokens=12,
-                                              temperature=0)
-    chat = routed.chat.completions.create(model=model, messages=msgs, max_tokens=12,
-                                          temperature=0)
+    chat_ref = direct.chat.completions.create(
+        model=model, messages=msgs, max_tokens=12, temperature=0
+    )
+    chat = routed.chat.completions.create(model=model, messages=msgs, max_tokens=12, temperature=0)
     assert chat.choices[0].message.content == chat_ref.choices[0].message.content
     two = routed.completions.create(**{**kw, "max_tokens": 6}, n=2)  # a segment per choice
-    assert [c.text for c in two.choices] == [ref.choices[0].text[:len(two.choices[0].text)]] * 2
+    assert [c.text for c in two.choices] == [ref.choices[0].text[: len(two.choices[0].text)]] * 2
     state = httpx.get(live["router"] + "/router/replicas", trust_env=False).json()["replicas"]
     assert {r["role"]: r["dispatched"] for r in state} == {"prefill": 4, "decode": 4}
     metrics = httpx.get(live["router"] + "/metrics", trust_env=False).text
@@ -273,30 +312,56 @@ def test_handover_errors_are_clear(live):
     r = httpx.post(live["router"] + "/v1/completions", json=body, trust_env=False)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]  # from prefill
     gone = new_name()
-    r = httpx.post(live["router"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
-                   headers={KV_HEADER: gone, PREFILL_HEADER: "1"}, trust_env=False)
+    r = httpx.post(
+        live["router"] + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 2},
+        headers={KV_HEADER: gone, PREFILL_HEADER: "1"},
+        trust_env=False,
+    )
     assert r.status_code == 200  # a client's hand-over headers are not forwarded
-    r = httpx.post(live["decode"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                   headers={**IK, KV_HEADER: gone}, trust_env=False)
+    r = httpx.post(
+        live["decode"] + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 4},
+        headers={**IK, KV_HEADER: gone},
+        trust_env=False,
+    )
     assert r.status_code == 410 and r.json()["error"]["code"] == "kv_segment_missing"
-    r = httpx.post(live["decode"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                   headers={**IK, KV_HEADER: "x", PREFILL_HEADER: "1"}, trust_env=False)
+    r = httpx.post(
+        live["decode"] + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 4},
+        headers={**IK, KV_HEADER: "x", PREFILL_HEADER: "1"},
+        trust_env=False,
+    )
     assert r.status_code == 400 and "send one of them" in r.json()["error"]["message"]
-    r = httpx.post(live["prefill"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                   headers={**IK, KV_HEADER: gone}, trust_env=False)  # a hand-over outside its role
+    r = httpx.post(
+        live["prefill"] + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 4},
+        headers={**IK, KV_HEADER: gone},
+        trust_env=False,
+    )  # a hand-over outside its role
     assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_role"
     assert "needs `runtime serve --role decode`" in r.json()["error"]["message"]
     # a segment computed for another prompt
-    r = httpx.post(live["prefill"] + "/v1/completions", json={"prompt": "import os", "max_tokens": 4},
-                   headers={**IK, PREFILL_HEADER: "1"}, trust_env=False)
+    r = httpx.post(
+        live["prefill"] + "/v1/completions",
+        json={"prompt": "import os", "max_tokens": 4},
+        headers={**IK, PREFILL_HEADER: "1"},
+        trust_env=False,
+    )
     assert r.status_code == 200, r.text
     seg = r.json()["kv_segments"]
-    r = httpx.post(live["decode"] + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                   headers={**IK, KV_HEADER: ",".join(seg)}, trust_env=False)
+    r = httpx.post(
+        live["decode"] + "/v1/completions",
+        json={"prompt": PROMPT, "max_tokens": 4},
+        headers={**IK, KV_HEADER: ",".join(seg)},
+        trust_env=False,
+    )
     assert r.status_code == 409 and "not this request's" in r.json()["error"]["message"]
     state = httpx.get(live["prefill"] + "/state", trust_env=False).json()
     assert state["role"] == "prefill"
-    assert json.loads(httpx.get(live["decode"] + "/state", trust_env=False).text)["role"] == "decode"
+    assert (
+        json.loads(httpx.get(live["decode"] + "/state", trust_env=False).text)["role"] == "decode"
+    )
 
 
 def _broken_decode_replica():
@@ -336,21 +401,31 @@ def test_a_failing_decode_replica_gives_a_clear_error(live):
             body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
             r = httpx.post(r_url + "/v1/completions", json=body, trust_env=False, timeout=60)
             assert r.status_code == 500 and r.json()["error"]["message"] == "boom"
-            with httpx.stream("POST", r_url + "/v1/completions", json={**body, "stream": True},
-                              trust_env=False, timeout=60) as s:
+            with httpx.stream(
+                "POST",
+                r_url + "/v1/completions",
+                json={**body, "stream": True},
+                trust_env=False,
+                timeout=60,
+            ) as s:
                 lines = [ln for ln in s.iter_lines() if ln.startswith("data:")]
             assert lines[0].startswith('data: {"choices"') and lines[-1] == "data: [DONE]"
             assert "failed while streaming" in lines[-2] and "replica_failed" in lines[-2]
             assert all(h and h.startswith("slimserve-kv-") for h in stub.state.bodies)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--role", "foo"], "--role 'foo': choose one of colocated, prefill, decode"),
-    (["--role", "prefill", "-tp", "2"], "--role prefill cannot be combined with"),
-    (["--prefill-replicas", "2", "--data-parallel-size", "2"],
-     "--prefill-replicas 2 needs --data-parallel-size of at least 3"),
-    (["--role", "decode", "--data-parallel-size", "2"], "use --prefill-replicas K"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--role", "foo"], "--role 'foo': choose one of colocated, prefill, decode"),
+        (["--role", "prefill", "-tp", "2"], "--role prefill cannot be combined with"),
+        (
+            ["--prefill-replicas", "2", "--data-parallel-size", "2"],
+            "--prefill-replicas 2 needs --data-parallel-size of at least 3",
+        ),
+        (["--role", "decode", "--data-parallel-size", "2"], "use --prefill-replicas K"),
+    ],
+)
 def test_serve_refuses_bad_role_flags(flags, message):
     from typer.testing import CliRunner
 
@@ -368,12 +443,14 @@ def test_bench_passes_prefill_replicas_to_serve():
     cmd = serve_command(args, 8123)
     assert cmd[cmd.index("--data-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--prefill-replicas") + 1] == "1"
-    with pytest.raises(ValueError, match="--prefill-replicas 2 needs --data-parallel-size of at "
-                                         "least 3"):
+    with pytest.raises(
+        ValueError, match="--prefill-replicas 2 needs --data-parallel-size of at least 3"
+    ):
         BenchArgs(model=str(DEMO), data_parallel_size=2, prefill_replicas=2).validate()
 
 
 # -- between hosts: segments moved over HTTP -----------------------------------------------------
+
 
 def test_host_id_tells_whether_two_servers_share_the_segment_folder(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
@@ -389,10 +466,28 @@ def two_hosts():
     gone once moved and imported)."""
     with ExitStack() as stack:
         cfg = dict(model=str(DEMO), device="cpu", kv_cache_memory=8 * 2**20)
-        p_url = stack.enter_context(serve_in_thread(build_app(
-            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="prefill", kv_host="host-a", internal_key=KEY), 60))
-        d_url = stack.enter_context(serve_in_thread(build_app(
-            AsyncEngine(LLMEngine(EngineConfig(**cfg))), role="decode", kv_host="host-b", internal_key=KEY), 60))
+        p_url = stack.enter_context(
+            serve_in_thread(
+                build_app(
+                    AsyncEngine(LLMEngine(EngineConfig(**cfg))),
+                    role="prefill",
+                    kv_host="host-a",
+                    internal_key=KEY,
+                ),
+                60,
+            )
+        )
+        d_url = stack.enter_context(
+            serve_in_thread(
+                build_app(
+                    AsyncEngine(LLMEngine(EngineConfig(**cfg))),
+                    role="decode",
+                    kv_host="host-b",
+                    internal_key=KEY,
+                ),
+                60,
+            )
+        )
         app = build_router_app([p_url, d_url], poll_interval_s=0.05, internal_key=KEY)
         r_url = stack.enter_context(serve_in_thread(app, 30))
         wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
@@ -409,13 +504,18 @@ def test_replicas_on_two_hosts_get_the_kv_over_http(two_hosts, kv_dir):
     parts = list(routed.completions.create(**kw, stream=True))
     assert "".join(p.choices[0].text for p in parts if p.choices) == ref.choices[0].text
     two = routed.completions.create(**{**kw, "max_tokens": 5}, n=2)
-    assert [c.text for c in two.choices] == [ref.choices[0].text[:len(two.choices[0].text)]] * 2
+    assert [c.text for c in two.choices] == [ref.choices[0].text[: len(two.choices[0].text)]] * 2
     listed = httpx.get(two_hosts["router"] + "/router/replicas", trust_env=False).json()
-    assert {r["role"]: r["kv_host"] for r in listed["replicas"]} == {"prefill": "host-a",
-                                                                    "decode": "host-b"}
+    assert {r["role"]: r["kv_host"] for r in listed["replicas"]} == {
+        "prefill": "host-a",
+        "decode": "host-b",
+    }
     metrics = httpx.get(two_hosts["router"] + "/metrics", trust_env=False).text
-    moved = next(float(line.split()[1]) for line in metrics.splitlines()
-                 if line.startswith("slimserve_router:kv_relayed_bytes_total "))
+    moved = next(
+        float(line.split()[1])
+        for line in metrics.splitlines()
+        if line.startswith("slimserve_router:kv_relayed_bytes_total ")
+    )
     assert "slimserve_router:kv_handovers_total 3.0" in metrics and moved > 4 * 4096
     assert not list(kv_dir.glob("slimserve-kv-*"))  # handed out, received, imported: all gone
 
@@ -427,18 +527,40 @@ def test_segment_endpoints_refuse_clearly(two_hosts, kv_dir):
         assert r.status_code == status, r.text
         return r.json()["error"]
 
-    assert err(httpx.get(p + "/kv_segments/passwd", headers=IK, trust_env=False), 400)["code"] == "bad_kv_handle"
-    assert err(httpx.get(p + f"/kv_segments/{new_name()}", headers=IK, trust_env=False), 410)["code"] == \
-        "kv_segment_missing"
-    assert "needs `runtime serve --role prefill`" in err(
-        httpx.get(d + f"/kv_segments/{new_name()}", headers=IK, trust_env=False), 400)["message"]
-    assert err(httpx.post(p + "/kv_segments", content=MAGIC, headers=IK, trust_env=False), 400)["code"] == \
-        "wrong_role"
-    assert "bad magic" in err(httpx.post(d + "/kv_segments", content=b"GIF89a" * 10,
-                                         headers=IK, trust_env=False), 400)["message"]
+    assert (
+        err(httpx.get(p + "/kv_segments/passwd", headers=IK, trust_env=False), 400)["code"]
+        == "bad_kv_handle"
+    )
+    assert (
+        err(httpx.get(p + f"/kv_segments/{new_name()}", headers=IK, trust_env=False), 410)["code"]
+        == "kv_segment_missing"
+    )
+    assert (
+        "needs `runtime serve --role prefill`"
+        in err(httpx.get(d + f"/kv_segments/{new_name()}", headers=IK, trust_env=False), 400)[
+            "message"
+        ]
+    )
+    assert (
+        err(httpx.post(p + "/kv_segments", content=MAGIC, headers=IK, trust_env=False), 400)["code"]
+        == "wrong_role"
+    )
+    assert (
+        "bad magic"
+        in err(
+            httpx.post(d + "/kv_segments", content=b"GIF89a" * 10, headers=IK, trust_env=False), 400
+        )["message"]
+    )
     too_big = MAGIC + bytes(6 * 2**20)  # the demo model's whole context is ~5 MB of KV
-    assert "more than" in err(httpx.post(d + "/kv_segments", content=too_big, headers=IK, trust_env=False,
-                                         timeout=60), 400)["message"]
+    assert (
+        "more than"
+        in err(
+            httpx.post(
+                d + "/kv_segments", content=too_big, headers=IK, trust_env=False, timeout=60
+            ),
+            400,
+        )["message"]
+    )
     assert not list(kv_dir.iterdir())  # nothing half-written left behind
     r = httpx.post(d + "/kv_segments", content=MAGIC + b"rest", headers=IK, trust_env=False)
     assert r.status_code == 201 and (kv_dir / r.json()["kv_segment"]).exists()  # then expires
@@ -458,10 +580,16 @@ def test_a_failed_move_between_hosts_is_a_clear_502(two_hosts):
         return JSONResponse({"error": {"message": "no room", "type": "server_error"}}, 507)
 
     with serve_in_thread(stub) as d_url:
-        app = build_router_app([two_hosts["prefill"], d_url], poll_interval_s=0.05, internal_key=KEY)
+        app = build_router_app(
+            [two_hosts["prefill"], d_url], poll_interval_s=0.05, internal_key=KEY
+        )
         with serve_in_thread(app) as r_url:
             wait_for(lambda: app.state.router.disaggregated(), 10, "both roles up")
-            r = httpx.post(r_url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
-                           trust_env=False, timeout=60)
+            r = httpx.post(
+                r_url + "/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 4},
+                trust_env=False,
+                timeout=60,
+            )
     assert r.status_code == 502 and r.json()["error"]["code"] == "kv_relay_failed"
     assert f"to decode replica {d_url}: it answered 507: no room" in r.json()["error"]["message"]

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.config import EngineConfig
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.engine.sequence import SamplingParams
 

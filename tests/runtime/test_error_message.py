@@ -8,14 +8,20 @@ import pytest
 from slimserve.runtime.server.protocol import error_body, error_message
 
 
-@pytest.mark.parametrize("body,want", [
-    (json.dumps(error_body("prompt too long", param="prompt")).encode(), "prompt too long"),
-    (json.dumps({"problem": "engine loop died"}), "engine loop died"),  # /state's 503 answer
-    (b"  upstream connect error\n", "upstream connect error"),  # a proxy's plain text
-    (json.dumps({"error": "flat string"}).encode(), '{"error": "flat string"}'),  # not ours: the text
-    (json.dumps([1, 2]), "[1, 2]"),
-    (b"\xff\xfe bad bytes", "\ufffd\ufffd bad bytes"),
-])
+@pytest.mark.parametrize(
+    "body,want",
+    [
+        (json.dumps(error_body("prompt too long", param="prompt")).encode(), "prompt too long"),
+        (json.dumps({"problem": "engine loop died"}), "engine loop died"),  # /state's 503 answer
+        (b"  upstream connect error\n", "upstream connect error"),  # a proxy's plain text
+        (
+            json.dumps({"error": "flat string"}).encode(),
+            '{"error": "flat string"}',
+        ),  # not ours: the text
+        (json.dumps([1, 2]), "[1, 2]"),
+        (b"\xff\xfe bad bytes", "\ufffd\ufffd bad bytes"),
+    ],
+)
 def test_error_message_reads_every_shape_of_answer(body, want):
     assert error_message(body) == want
 

@@ -26,8 +26,18 @@ from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import QuantLinear
 from slimserve.runtime.loading.loader import load_model
 
-CT_012_ARG_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure",
-                   "dynamic", "actorder", "observer", "observer_kwargs"}
+CT_012_ARG_KEYS = {
+    "num_bits",
+    "type",
+    "symmetric",
+    "group_size",
+    "strategy",
+    "block_structure",
+    "dynamic",
+    "actorder",
+    "observer",
+    "observer_kwargs",
+}
 W4 = QuantArgs(4, group_size=32)
 W4_ASYM = W4.with_(symmetric=False)
 W8_CH = QuantArgs(8, strategy="channel", group_size=None)
@@ -47,9 +57,16 @@ def tiny_llama(tie: bool = False):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      tie_word_embeddings=tie)
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=tie,
+    )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
@@ -66,14 +83,27 @@ def fake_quantize(model, names_to_args: dict[str, QuantArgs]) -> dict[str, Quant
 
 # ---------------------------------------------------------------- config block
 
+
 def test_single_group_targets_linear_and_ignores_unquantized():
-    linears = {"model.layers.0.self_attn.q_proj": "Linear", "model.layers.0.mlp.down_proj": "Linear",
-               "lm_head": "Linear"}
+    linears = {
+        "model.layers.0.self_attn.q_proj": "Linear",
+        "model.layers.0.mlp.down_proj": "Linear",
+        "lm_head": "Linear",
+    }
     schemes = {n: PRESETS["W4A16"] for n in linears if n != "lm_head"}
     qc = quantization_config(schemes, linears)
-    assert set(qc) == {"config_groups", "format", "global_compression_ratio", "ignore",
-                       "kv_cache_scheme", "quant_method", "quantization_status", "sparsity_config",
-                       "transform_config", "version"}
+    assert set(qc) == {
+        "config_groups",
+        "format",
+        "global_compression_ratio",
+        "ignore",
+        "kv_cache_scheme",
+        "quant_method",
+        "quantization_status",
+        "sparsity_config",
+        "transform_config",
+        "version",
+    }
     assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
     assert qc["format"] == "pack-quantized" and qc["ignore"] == ["lm_head"]
     assert qc["kv_cache_scheme"] is None and qc["sparsity_config"] == {} == qc["transform_config"]
@@ -107,6 +137,7 @@ def test_ct_args_round_trip(name):
 
 
 # ---------------------------------------------------------------- tensors and QuantLinear
+
 
 def _quantized(args: QuantArgs, n: int = 13, k: int = 80, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -152,8 +183,15 @@ def test_actorder_group_writes_and_uses_g_idx():
     qw = QuantizedWeight(quantize(w, scale, zp, args, g_idx.long()), scale, zp, g_idx, args)
     t = linear_tensors("p", qw, QuantScheme(args))
     assert torch.equal(t["p.weight_g_idx"], g_idx)
-    w_ref = reference.dequantize_packed(t["p.weight_packed"], t["p.weight_scale"], None,
-                                        t["p.weight_g_idx"], t["p.weight_shape"], 4, 32)
+    w_ref = reference.dequantize_packed(
+        t["p.weight_packed"],
+        t["p.weight_scale"],
+        None,
+        t["p.weight_g_idx"],
+        t["p.weight_shape"],
+        4,
+        32,
+    )
     assert torch.equal(w_ref.to(torch.bfloat16), qw.dequantize(torch.bfloat16))
 
 
@@ -166,9 +204,11 @@ def test_per_token_int8_matches_ct_formula():
 
 # ---------------------------------------------------------------- manifest
 
+
 def test_manifest_round_trip_and_verify(tmp_path):
-    m = ArtifactManifest(base_model="tiny", recipe="stages: []\n", stages=[{"name": "rtn"}],
-                         eval={"ppl": 3.5})
+    m = ArtifactManifest(
+        base_model="tiny", recipe="stages: []\n", stages=[{"name": "rtn"}], eval={"ppl": 3.5}
+    )
     assert m.format_version == 2 and m.tool_version
     assert ArtifactManifest.from_json(m.to_json()) == m
     assert read_manifest(tmp_path) is None
@@ -186,6 +226,7 @@ def test_manifest_round_trip_and_verify(tmp_path):
 
 
 # ---------------------------------------------------------------- export and load
+
 
 def test_export_is_atomic_on_failure(tmp_path, monkeypatch):
     model = tiny_llama()
@@ -224,7 +265,9 @@ def test_export_replaces_existing_artifact(tmp_path):
 
 def test_dense_export_loads_back(tmp_path):
     model = tiny_llama()
-    out = export_compressed_tensors(model, None, {}, tmp_path / "dense", ArtifactManifest(base_model="tiny"))
+    out = export_compressed_tensors(
+        model, None, {}, tmp_path / "dense", ArtifactManifest(base_model="tiny")
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["dtype"] == "bfloat16"
     manifest = read_manifest(out)
@@ -241,7 +284,9 @@ def test_tied_embeddings_written_once_and_retied(tmp_path):
 
     model = tiny_llama(tie=True)
     q = fake_quantize(model, {"model.layers.0.mlp.down_proj": W4_ASYM})
-    out = export_compressed_tensors(model, None, q, tmp_path / "tied", ArtifactManifest(base_model="t"))
+    out = export_compressed_tensors(
+        model, None, q, tmp_path / "tied", ArtifactManifest(base_model="t")
+    )
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
@@ -264,11 +309,15 @@ def test_quantizing_a_tied_weight_is_refused(tmp_path):
 def test_loader_errors(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    with pytest.raises(ArtifactError, match="no such model or artifact: .*nope.*Hugging Face model id"):
+    with pytest.raises(
+        ArtifactError, match="no such model or artifact: .*nope.*Hugging Face model id"
+    ):
         load_model(tmp_path / "nope")
     model = tiny_llama()
     q = fake_quantize(model, {"model.layers.0.self_attn.k_proj": W4})
-    out = export_compressed_tensors(model, None, q, tmp_path / "a", ArtifactManifest(base_model="t"))
+    out = export_compressed_tensors(
+        model, None, q, tmp_path / "a", ArtifactManifest(base_model="t")
+    )
     (out / "slimserve.json").unlink()  # edit the weights freely below (loaded with verify="none")
     tensors = load_file(out / "model.safetensors")
     scale = tensors.pop("model.layers.0.self_attn.k_proj.weight_scale")
@@ -277,12 +326,17 @@ def test_loader_errors(tmp_path):
         load_model(out)
     with pytest.raises(ArtifactError, match="missing tensor.*k_proj.weight_scale"):
         load_model(out, verify="none")
-    save_file(tensors | {"model.layers.0.self_attn.k_proj.weight_scale": scale,
-                         "extra.thing": scale.clone()}, out / "model.safetensors")
+    save_file(
+        tensors
+        | {"model.layers.0.self_attn.k_proj.weight_scale": scale, "extra.thing": scale.clone()},
+        out / "model.safetensors",
+    )
     with pytest.raises(ArtifactError, match="unexpected tensor.*extra.thing"):
         load_model(out, verify="none")
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "bits": 4}
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ArtifactError, match="quant_method 'bitsandbytes' is not supported.*compressed-tensors"):
+    with pytest.raises(
+        ArtifactError, match="quant_method 'bitsandbytes' is not supported.*compressed-tensors"
+    ):
         load_model(out, verify="none")

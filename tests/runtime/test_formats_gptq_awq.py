@@ -31,8 +31,13 @@ def i32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def qw_from_unsigned(u: torch.Tensor, args: QuantArgs, zeros: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None, g_idx=None) -> QuantizedWeight:
+def qw_from_unsigned(
+    u: torch.Tensor,
+    args: QuantArgs,
+    zeros: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    g_idx=None,
+) -> QuantizedWeight:
     """A QuantizedWeight whose unsigned codes are `u` [N, K] (and unsigned zeros [N, G])."""
     half = 1 << (args.num_bits - 1)
     n, k = u.shape
@@ -47,11 +52,21 @@ def ct_dequant(ct: dict, prefix: str, scheme: QuantScheme) -> torch.Tensor:
     w = scheme.weights
     if f"{prefix}.weight_packed" in ct:
         return reference.dequantize_packed(
-            ct[f"{prefix}.weight_packed"], ct[f"{prefix}.weight_scale"], ct.get(f"{prefix}.weight_zero_point"),
-            ct.get(f"{prefix}.weight_g_idx"), ct[f"{prefix}.weight_shape"], w.num_bits, w.group_size)
-    return reference.dequantize_codes(ct[f"{prefix}.weight"], ct[f"{prefix}.weight_scale"],
-                                      ct.get(f"{prefix}.weight_zero_point"), ct.get(f"{prefix}.weight_g_idx"),
-                                      w.group_size)
+            ct[f"{prefix}.weight_packed"],
+            ct[f"{prefix}.weight_scale"],
+            ct.get(f"{prefix}.weight_zero_point"),
+            ct.get(f"{prefix}.weight_g_idx"),
+            ct[f"{prefix}.weight_shape"],
+            w.num_bits,
+            w.group_size,
+        )
+    return reference.dequantize_codes(
+        ct[f"{prefix}.weight"],
+        ct[f"{prefix}.weight_scale"],
+        ct.get(f"{prefix}.weight_zero_point"),
+        ct.get(f"{prefix}.weight_g_idx"),
+        w.group_size,
+    )
 
 
 def import_one(method_cfg: dict, tensors: dict, prefix="m"):
@@ -63,6 +78,7 @@ def import_one(method_cfg: dict, tensors: dict, prefix="m"):
 
 
 # ---- fixed test vectors ---------------------------------------------------------------------
+
 
 def test_gptq_qweight_vector():
     """Output column 0 holds codes 0..7 along K, column 1 codes 15..8 (N padded to 8)."""
@@ -81,7 +97,10 @@ def test_gptq_symmetric_qzeros_vectors(bits, v1, v2):
     qw = qw_from_unsigned(torch.randint(0, 1 << bits, (16, 64), dtype=torch.int32), args)
     assert gptq_tensors("m", qw, checkpoint_format=V1)["m.qzeros"].unique().tolist() == [i32(v1)]
     assert gptq_tensors("m", qw, checkpoint_format=V2)["m.qzeros"].unique().tolist() == [i32(v2)]
-    assert v1 == {4: 2004318071, 8: 2139062143}[bits] and i32(v2) == {4: -2004318072, 8: -2139062144}[bits]
+    assert (
+        v1 == {4: 2004318071, 8: 2139062143}[bits]
+        and i32(v2) == {4: -2004318072, 8: -2139062144}[bits]
+    )
 
 
 def autogptq_v1_pack_zeros(zeros: list[int], bits: int = 4) -> int:
@@ -117,7 +136,9 @@ def test_gptq_v1_zero_of_zero():
 def test_awq_interleave_vector():
     u = torch.zeros(32, 8, dtype=torch.int32)  # [N, K]; input column 0 holds codes 0..7 over N
     u[:, 0] = torch.arange(32) % 8
-    t = awq_tensors("m", qw_from_unsigned(u, W4_ASYM.with_(group_size=8), zeros=torch.full((32, 1), 8)))
+    t = awq_tensors(
+        "m", qw_from_unsigned(u, W4_ASYM.with_(group_size=8), zeros=torch.full((32, 1), 8))
+    )
     assert t["m.qweight"].shape == (8, 4) and t["m.qweight"][0].tolist() == [0x75316420] * 4
     assert pack_awq(torch.arange(8).view(1, 8)).item() == 0x75316420
     assert awq_format.REVERSE == tuple(torch.argsort(torch.tensor(awq_format.ORDER)).tolist())
@@ -135,7 +156,9 @@ def test_cross_format_random_16x256_g128():
     if not gptq_format.needs_v2(qw):  # v1 differs from v2 by exactly 1 per zero nibble
         v1 = gptq_tensors("m", qw, checkpoint_format=V1)
         mask = 0xFFFFFFFF  # compare as unsigned 32-bit words
-        assert torch.equal((v1["m.qzeros"].long() + 0x11111111) & mask, v2["m.qzeros"].long() & mask)
+        assert torch.equal(
+            (v1["m.qzeros"].long() + 0x11111111) & mask, v2["m.qzeros"].long() & mask
+        )
     awq = awq_tensors("m", qw)
     u = qw.codes.int() + 8
     assert torch.equal(unpack_awq(awq["m.qweight"]), u.T)  # AWQ pack/unpack round trip
@@ -162,6 +185,7 @@ def test_awq_matches_compressed_tensors_converter():
 
 # ---- round trips through the importers ------------------------------------------------------
 
+
 def shuffled_qw(args: QuantArgs, n=16, k=128, seed=0) -> QuantizedWeight:
     """Act-order weight: groups formed in a random column order (non-monotonic g_idx)."""
     torch.manual_seed(seed)
@@ -172,11 +196,20 @@ def shuffled_qw(args: QuantArgs, n=16, k=128, seed=0) -> QuantizedWeight:
     return QuantizedWeight(codes, scale, zp, g_idx, args)
 
 
-@pytest.mark.parametrize("args", [
-    W4, W4_ASYM, QuantArgs(8, strategy="channel", group_size=None),
-    QuantArgs(8, symmetric=False, group_size=64), QuantArgs(2, group_size=32),
-    QuantArgs(2, symmetric=False, strategy="channel", group_size=None)], ids=lambda a: (
-        f"w{a.num_bits}-{'sym' if a.symmetric else 'asym'}-{a.strategy}{a.group_size or ''}"))
+@pytest.mark.parametrize(
+    "args",
+    [
+        W4,
+        W4_ASYM,
+        QuantArgs(8, strategy="channel", group_size=None),
+        QuantArgs(8, symmetric=False, group_size=64),
+        QuantArgs(2, group_size=32),
+        QuantArgs(2, symmetric=False, strategy="channel", group_size=None),
+    ],
+    ids=lambda a: (
+        f"w{a.num_bits}-{'sym' if a.symmetric else 'asym'}-{a.strategy}{a.group_size or ''}"
+    ),
+)
 @pytest.mark.parametrize("version", [V1, V2])
 def test_gptq_import_round_trip(args, version):
     torch.manual_seed(2)
@@ -193,7 +226,9 @@ def test_gptq_import_round_trip(args, version):
 @pytest.mark.parametrize("args", [W4, W4_ASYM])
 def test_gptq_desc_act_round_trip(args):
     qw = shuffled_qw(args.with_(actorder="group"))
-    assert gptq_format.is_monotonic(torch.arange(10) // 3) and not gptq_format.is_monotonic(qw.g_idx)
+    assert gptq_format.is_monotonic(torch.arange(10) // 3) and not gptq_format.is_monotonic(
+        qw.g_idx
+    )
     t = gptq_tensors("m", qw)
     assert torch.equal(t["m.g_idx"], qw.g_idx)
     scheme, fmt, ct = import_one(gptq_config(args, desc_act=True), t)
@@ -222,30 +257,57 @@ def test_scales_keep_the_layer_dtype(dtype):
 
 # ---- configs and refusals --------------------------------------------------------------------
 
+
 def test_gptq_config_block():
     cfg = gptq_config(QuantArgs(8, strategy="channel", group_size=None), desc_act=True)
-    assert cfg == {"bits": 8, "checkpoint_format": "gptq", "damp_percent": 0.01, "desc_act": True,
-                   "group_size": -1, "model_file_base_name": None, "model_name_or_path": None,
-                   "quant_method": "gptq", "static_groups": False, "sym": True, "true_sequential": True}
+    assert cfg == {
+        "bits": 8,
+        "checkpoint_format": "gptq",
+        "damp_percent": 0.01,
+        "desc_act": True,
+        "group_size": -1,
+        "model_file_base_name": None,
+        "model_name_or_path": None,
+        "quant_method": "gptq",
+        "static_groups": False,
+        "sym": True,
+        "true_sequential": True,
+    }
     assert gptq_config(W4_ASYM)["group_size"] == 32 and gptq_config(W4_ASYM)["sym"] is False
 
 
 def test_awq_config_block():
     assert awq_config(W4_ASYM, ["lm_head"]) == {
-        "bits": 4, "group_size": 32, "modules_to_not_convert": ["lm_head"], "quant_method": "awq",
-        "version": "gemm", "zero_point": True}
+        "bits": 4,
+        "group_size": 32,
+        "modules_to_not_convert": ["lm_head"],
+        "quant_method": "awq",
+        "version": "gemm",
+        "zero_point": True,
+    }
 
 
-@pytest.mark.parametrize("fmt, scheme, match", [
-    ("gptq", PRESETS["W8A8"], "input activations.*compressed-tensors"),
-    ("gptq", PRESETS["W3A16"], "3-bit.*compressed-tensors"),
-    ("gptq", QuantScheme(QuantArgs(4, strategy="tensor", group_size=None)), "strategy 'tensor'"),
-    ("awq", PRESETS["W8A8"], "input activations.*W4A16_ASYM"),
-    ("awq", PRESETS["W8A16"], "8-bit int.*W4A16_ASYM"),
-    ("awq", QuantScheme(QuantArgs(4, symmetric=False, strategy="channel", group_size=None)), "group_size"),
-    ("awq", QuantScheme(W4_ASYM.with_(actorder="group")), "actorder"),
-    ("onnx", PRESETS["W4A16"], "unknown.*compressed-tensors, gptq, awq"),
-])
+@pytest.mark.parametrize(
+    "fmt, scheme, match",
+    [
+        ("gptq", PRESETS["W8A8"], "input activations.*compressed-tensors"),
+        ("gptq", PRESETS["W3A16"], "3-bit.*compressed-tensors"),
+        (
+            "gptq",
+            QuantScheme(QuantArgs(4, strategy="tensor", group_size=None)),
+            "strategy 'tensor'",
+        ),
+        ("awq", PRESETS["W8A8"], "input activations.*W4A16_ASYM"),
+        ("awq", PRESETS["W8A16"], "8-bit int.*W4A16_ASYM"),
+        (
+            "awq",
+            QuantScheme(QuantArgs(4, symmetric=False, strategy="channel", group_size=None)),
+            "group_size",
+        ),
+        ("awq", QuantScheme(W4_ASYM.with_(actorder="group")), "actorder"),
+        ("onnx", PRESETS["W4A16"], "unknown.*compressed-tensors, gptq, awq"),
+    ],
+)
 def test_check_exportable_refuses(fmt, scheme, match):
     with pytest.raises(SchemeError, match=match):
         check_exportable(fmt, scheme)
@@ -267,30 +329,38 @@ def test_shape_refusals():
 
 # ---- config discovery and import errors ------------------------------------------------------
 
+
 def test_read_quant_config_side_files(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert read_quant_config(tmp_path) is None
-    (tmp_path / "quant_config.json").write_text(json.dumps(
-        {"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"}))
+    (tmp_path / "quant_config.json").write_text(
+        json.dumps({"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"})
+    )
     qc = read_quant_config(tmp_path)
     assert qc["quant_method"] == "awq"
     qw = quantize_weight(torch.randn(16, 128), W4_ASYM.with_(group_size=64))
     scheme, _, _ = import_one(qc, awq_tensors("m", qw))
     assert scheme.weights.group_size == 64
-    (tmp_path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128, "sym": True}))
+    (tmp_path / "quantize_config.json").write_text(
+        json.dumps({"bits": 4, "group_size": 128, "sym": True})
+    )
     assert read_quant_config(tmp_path)["quant_method"] == "gptq"  # AutoGPTQ's file comes first
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"quantization_config": {"quant_method": "compressed_tensors"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "compressed_tensors"}})
+    )
     assert read_quant_config(tmp_path)["quant_method"] == "compressed-tensors"
 
 
-@pytest.mark.parametrize("cfg, match", [
-    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3"),
-    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "marlin"),
-    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemv"),
-    ({"quant_method": "awq", "bits": 4, "zero_point": False}, "zero_point"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 32}, "missing tensor m.qzeros"),
-])
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "bits=3"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "marlin"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "gemv"),
+        ({"quant_method": "awq", "bits": 4, "zero_point": False}, "zero_point"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 32}, "missing tensor m.qzeros"),
+    ],
+)
 def test_import_errors(cfg, match):
     with pytest.raises(ArtifactError, match=match):
         import_checkpoint(cfg, {"m.qweight": torch.zeros(4, 8, dtype=torch.int32)}, "ckpt")

@@ -19,7 +19,7 @@ def _random_quant(k, n, scheme_name, asym, g):
         if name == "weight_shape":
             continue
         if buf.dtype == torch.int32:
-            buf.copy_(torch.randint(-2**31, 2**31 - 1, buf.shape, generator=g, dtype=torch.int32))
+            buf.copy_(torch.randint(-(2**31), 2**31 - 1, buf.shape, generator=g, dtype=torch.int32))
         elif buf.dtype == torch.int8:
             buf.copy_(torch.randint(-127, 128, buf.shape, generator=g, dtype=torch.int8))
         else:
@@ -27,8 +27,9 @@ def _random_quant(k, n, scheme_name, asym, g):
     return q
 
 
-@pytest.mark.parametrize("scheme,asym", [("W4A16", False), ("W4A16", True), ("W8A16", True),
-                                         ("W8A8", False)])
+@pytest.mark.parametrize(
+    "scheme,asym", [("W4A16", False), ("W4A16", True), ("W8A16", True), ("W8A8", False)]
+)
 def test_fused_quant_linear_equals_concatenated_outputs(scheme, asym):
     g = torch.Generator().manual_seed(0)
     parts = [_random_quant(256, n, scheme, asym, g) for n in (96, 32, 32)]  # q, k, v of a GQA layer

@@ -31,7 +31,6 @@ from slimserve.runtime.batch import prepare_batch
 from slimserve.runtime.models.fuse import fuse_projections
 from slimserve.runtime.models.llama import ModelSpec
 from slimserve.runtime.models.load import random_model
-
 from tests.helpers.launches import budget_launches, count_launches, table
 
 pytest.importorskip("triton")
@@ -42,9 +41,21 @@ QUANT_GEMMS = 4
 EXTRA = {"dense": 0, "W4A16": 0, "W8A8": QUANT_GEMMS}
 
 SPEC = ModelSpec(
-    model_type="llama", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, max_position_embeddings=256,
-    qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, tie_word_embeddings=False,
+    model_type="llama",
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    qkv_bias=False,
+    o_bias=False,
+    mlp_bias=False,
+    qk_norm=False,
+    tie_word_embeddings=False,
     sliding_window=None,
     inv_freq=tuple((1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32)).tolist()),
 )
@@ -54,13 +65,17 @@ SPEC = ModelSpec(
 def no_backend_lookups():
     """Fail if the forward re-resolves the kernel backend (reads SLIMSERVE_KERNELS) or imports a
     module by name: both are resolved at the model's first forward and kept."""
+
     def refuse(*_a, **_k):
         raise AssertionError("the kernel backend was looked up again on the hot path")
+
     with contextlib.ExitStack() as stack:
-        for target in ("slimserve.kernels._launch.kernel_backend",
-                       "slimserve.runtime.layers.ops.kernel_backend",
-                       "slimserve.runtime.layers.quant_linear.use_triton",
-                       "slimserve.kernels.w4a16_gemm.use_triton"):
+        for target in (
+            "slimserve.kernels._launch.kernel_backend",
+            "slimserve.runtime.layers.ops.kernel_backend",
+            "slimserve.runtime.layers.quant_linear.use_triton",
+            "slimserve.kernels.w4a16_gemm.use_triton",
+        ):
             importlib.import_module(target.rsplit(".", 1)[0])
             stack.enter_context(mock.patch(target, refuse))
         real_import = importlib.import_module
@@ -69,6 +84,7 @@ def no_backend_lookups():
             if name.startswith("slimserve"):
                 refuse()
             return real_import(name, package)
+
         stack.enter_context(mock.patch("importlib.import_module", import_module))
         yield
 
@@ -83,10 +99,13 @@ def decode_launches(weights: str, dtype: torch.dtype, kv_dtype: torch.dtype | No
     model.eval()
     block_size, blocks = 16, 4
     shape = (blocks, block_size, SPEC.num_kv_heads, SPEC.head_dim)
-    caches = [(torch.randn(shape).to(kv_dtype or dtype), torch.randn(shape).to(kv_dtype or dtype))
-              for _ in range(SPEC.num_layers)]
-    batch = prepare_batch([[5], [9]], [6, 2], [[1], [3]], [True, True], block_size,
-                          torch.device("cpu"))
+    caches = [
+        (torch.randn(shape).to(kv_dtype or dtype), torch.randn(shape).to(kv_dtype or dtype))
+        for _ in range(SPEC.num_layers)
+    ]
+    batch = prepare_batch(
+        [[5], [9]], [6, 2], [[1], [3]], [True, True], block_size, torch.device("cpu")
+    )
     assert batch.decode_only
     model(batch, caches)  # warm-up: lazy weight repacks (W4A16) happen on the first forward
     with no_backend_lookups(), count_launches(model) as counter:
@@ -97,9 +116,11 @@ def decode_launches(weights: str, dtype: torch.dtype, kv_dtype: torch.dtype | No
 
 
 def _report(name: str, layers: list[list[str]], model_ops: list[str]) -> str:
-    return (f"{name}: launches of layer 0 ({budget_launches(layers[0])} budgeted, "
-            f"{len(layers[0])} in all):\n{table(layers[0])}\n"
-            f"once per step, outside the layers ({len(model_ops)}):\n{table(model_ops)}")
+    return (
+        f"{name}: launches of layer 0 ({budget_launches(layers[0])} budgeted, "
+        f"{len(layers[0])} in all):\n{table(layers[0])}\n"
+        f"once per step, outside the layers ({len(model_ops)}):\n{table(model_ops)}"
+    )
 
 
 @pytest.fixture

@@ -64,18 +64,27 @@ def _index(folder: Path, target: str) -> None:
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         keys = list(f.keys())
     (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": {k: target for k in keys}}))
+        json.dumps({"metadata": {}, "weight_map": {k: target for k in keys}})
+    )
 
 
 def test_manifest_covers_every_file(artifact):
     manifest = json.loads((artifact / MANIFEST_NAME).read_text())
     assert manifest["format_version"] == 2
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "chat_template.jinja", "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ):
         assert name in manifest["files"], name
     for name in (MANIFEST_NAME, "report.json", "report.md", "report.png"):
         assert name not in manifest["files"], name
-    assert json.loads((artifact / "config.json").read_text())[MARKER_KEY] == {"manifest": MANIFEST_NAME}
+    assert json.loads((artifact / "config.json").read_text())[MARKER_KEY] == {
+        "manifest": MANIFEST_NAME
+    }
 
 
 @pytest.mark.parametrize("load", LOADERS)
@@ -178,19 +187,25 @@ def test_huge_num_hidden_layers_refused_fast(plain, load):
     cfg["num_hidden_layers"] = 1_000_000_000
     (plain / "config.json").write_text(json.dumps(cfg))
     t0 = time.perf_counter()
-    with pytest.raises(ArtifactError, match=r"num_hidden_layers = 1000000000, but the weight files "
-                                            r"hold 2 decoder layer"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"num_hidden_layers = 1000000000, but the weight files "
+        r"hold 2 decoder layer",
+    ):
         load(plain)
     assert time.perf_counter() - t0 < 10
 
 
 @pytest.mark.parametrize("load", LOADERS)
-@pytest.mark.parametrize("key, value, held", [
-    ("vocab_size", 10**6, "embed_tokens.weight"),
-    ("intermediate_size", 4096, "mlp.gate_proj"),
-    ("num_key_value_heads", 4, "self_attn.k_proj"),
-    ("hidden_size", "128", "not a positive integer"),
-])
+@pytest.mark.parametrize(
+    "key, value, held",
+    [
+        ("vocab_size", 10**6, "embed_tokens.weight"),
+        ("intermediate_size", 4096, "mlp.gate_proj"),
+        ("num_key_value_heads", 4, "self_attn.k_proj"),
+        ("hidden_size", "128", "not a positive integer"),
+    ],
+)
 def test_config_bounds_against_headers(art, load, key, value, held):
     cfg = json.loads((art / "config.json").read_text())
     cfg[key] = value

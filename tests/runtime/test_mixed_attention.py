@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from slimserve.kernels import paged_attention
-
 from tests.helpers.paged import mixed_batch
 
 pytest.importorskip("triton")
@@ -19,11 +18,14 @@ def _mixed_batch(q_lens, starts, bs, h, h_kv, d, dtype):
     return batch, torch.randn(sum(q_lens), h, d, generator=g).to(dtype), kc, vc
 
 
-@pytest.mark.parametrize("q_lens,starts,decodes", [
-    ([1, 1, 1, 9, 20], [5, 30, 0, 0, 16], 3),  # decodes (one at position 0), a prompt, a chunk
-    ([1, 7], [40, 3], 1),
-    ([12, 1, 5], [0, 9, 2], 0),  # a one-token row after a chunk stays on the prefill kernel
-])
+@pytest.mark.parametrize(
+    "q_lens,starts,decodes",
+    [
+        ([1, 1, 1, 9, 20], [5, 30, 0, 0, 16], 3),  # decodes (one at position 0), a prompt, a chunk
+        ([1, 7], [40, 3], 1),
+        ([12, 1, 5], [0, 9, 2], 0),  # a one-token row after a chunk stays on the prefill kernel
+    ],
+)
 def test_mixed_step_splits_decode_and_prefill_kernels(monkeypatch, q_lens, starts, decodes):
     from slimserve.runtime.layers.ops import TORCH, triton_ops
 
@@ -43,23 +45,34 @@ def test_mixed_step_splits_decode_and_prefill_kernels(monkeypatch, q_lens, start
     ops = triton_ops()
     got = ops.attention(q, None, None, kc, vc, batch, ops.plan_attention(batch, 16), 0.2, 1.0, 1.0)
     assert calls == {"decode": int(decodes > 0), "prefill": 1}
-    want = TORCH.attention(q.float(), None, None, kc.float(), vc.float(), batch,
-                           TORCH.plan_attention(batch, 16), 0.2, 1.0, 1.0)
+    want = TORCH.attention(
+        q.float(),
+        None,
+        None,
+        kc.float(),
+        vc.float(),
+        batch,
+        TORCH.plan_attention(batch, 16),
+        0.2,
+        1.0,
+        1.0,
+    )
     tol = 2 * torch.finfo(torch.float16).eps * float(vc.float().abs().max())
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=0)
 
 
 def test_engine_puts_one_token_sequences_first():
-    from slimserve.runtime.llm import LLM
     from slimserve.runtime.engine.sequence import SamplingParams
-
+    from slimserve.runtime.llm import LLM
     from tests.helpers import DEMO_MODEL
 
     # b's long prompt goes in chunks of 32 while the short c, admitted after it, already decodes:
     # the scheduler lists b (running longer) before c
     llm = LLM(str(DEMO_MODEL), device="cpu", max_num_batched_tokens=64)
     eng = llm.engine
-    eng.scheduler.config = dataclasses.replace(eng.scheduler.config, long_prefill_token_threshold=32)
+    eng.scheduler.config = dataclasses.replace(
+        eng.scheduler.config, long_prefill_token_threshold=32
+    )
     seen = []
     prepare = eng.runner.prepare
 

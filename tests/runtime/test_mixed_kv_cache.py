@@ -9,9 +9,9 @@ import torch
 from slimserve.runtime.config import EngineConfig, parse_layers
 from slimserve.runtime.disagg.errors import KVLayoutError
 from slimserve.runtime.disagg.layout import layout_of
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.llm import LLM
 from slimserve.runtime.worker.model_runner import kv_block_bytes
-from slimserve.runtime.engine.sequence import SamplingParams
 
 FP8 = torch.float8_e4m3fn
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7] * 40, [300, 2, 11]]
@@ -43,13 +43,19 @@ def test_one_skipped_layer_has_its_own_cache_dtype_bytes_and_layout(tiny_checkpo
     assert [(k.dtype, v.dtype) for k, v in runner.kv_caches] == [(FP8, FP8), (plain, plain)]
     spec = runner.spec
     per_block = 2 * runner.block_size * runner.kv_heads * spec.head_dim * (1 + plain.itemsize)
-    assert kv_block_bytes(2, runner.block_size, runner.kv_heads, spec.head_dim, runner.kv_dtypes) == per_block
+    assert (
+        kv_block_bytes(2, runner.block_size, runner.kv_heads, spec.head_dim, runner.kv_dtypes)
+        == per_block
+    )
     assert runner.kv_cache_bytes == runner.num_blocks * per_block
     assert runner.model.model.layers[1].self_attn.k_scale.item() == 1.0
     layout = layout_of(runner)
     assert (layout.skip_layers, layout.layer_dtype(0), layout.layer_dtype(1)) == ("1", FP8, plain)
-    with pytest.raises(KVLayoutError, match=r"skip_layers is '' on .* but '1' here; start both with "
-                                            r"--kv-cache-dtype-skip-layers"):
+    with pytest.raises(
+        KVLayoutError,
+        match=r"skip_layers is '' on .* but '1' here; start both with "
+        r"--kv-cache-dtype-skip-layers",
+    ):
         layout.check_matches(dataclasses.replace(layout, skip_layers="", skip_dtype=""))
     assert len(_tokens(llm)) == 3
 
@@ -61,14 +67,21 @@ def test_skip_layers_without_an_fp8_cache_change_nothing(tiny_checkpoint):
 
 
 def test_bad_skip_layers_are_one_line_errors(tiny_checkpoint):
-    with pytest.raises(ValueError, match=r"kv_cache_skip_layers: \[2, 5\] are not layers of this 2-layer "
-                                         r"model; use 0 to 1"):
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_skip_layers: \[2, 5\] are not layers of this 2-layer "
+        r"model; use 0 to 1",
+    ):
         _llm(tiny_checkpoint, kv_cache_dtype="fp8_e4m3", kv_cache_skip_layers="5,2")
     with pytest.raises(ValueError, match=r"cannot read 'a,b' as layer indices; use e.g. 1,16"):
         EngineConfig(model=str(tiny_checkpoint), kv_cache_skip_layers="a,b")
     with pytest.raises(ValueError, match=r"\[-1\] are not layer indices"):
         parse_layers([-1])
-    assert parse_layers("16, 1,1") == [1, 16] and parse_layers("none") == [] and parse_layers(None) is None
+    assert (
+        parse_layers("16, 1,1") == [1, 16]
+        and parse_layers("none") == []
+        and parse_layers(None) is None
+    )
 
 
 def test_a_mixed_cache_hands_over_between_replicas(tiny_checkpoint, tmp_path, monkeypatch):
@@ -81,9 +94,16 @@ def test_a_mixed_cache_hands_over_between_replicas(tiny_checkpoint, tmp_path, mo
     monkeypatch.setenv("SLIMSERVE_KV_DIR", str(tmp_path / "kv"))
 
     def engine():
-        return LLMEngine(EngineConfig(model=str(tiny_checkpoint), device="cpu", dtype="bfloat16",
-                                      kv_cache_dtype="fp8_e4m3", kv_cache_skip_layers="0",
-                                      kv_cache_memory=4 * 2**20))
+        return LLMEngine(
+            EngineConfig(
+                model=str(tiny_checkpoint),
+                device="cpu",
+                dtype="bfloat16",
+                kv_cache_dtype="fp8_e4m3",
+                kv_cache_skip_layers="0",
+                kv_cache_memory=4 * 2**20,
+            )
+        )
 
     def run(e):
         outs = {}

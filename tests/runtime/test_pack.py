@@ -59,7 +59,9 @@ def test_matches_installed_compressed_tensors():
     ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
     q = torch.randint(-8, 8, (9, 45), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
     assert torch.equal(ct.pack_to_int32(q, 4), pack_int32(to_unsigned(q, 4), 4))
-    assert torch.equal(ct.pack_to_int32(q, 4, packed_dim=0), pack_int32(to_unsigned(q, 4), 4, dim=0))
+    assert torch.equal(
+        ct.pack_to_int32(q, 4, packed_dim=0), pack_int32(to_unsigned(q, 4), 4, dim=0)
+    )
 
 
 def test_bad_inputs_raise_with_the_value():
@@ -81,8 +83,10 @@ def test_dense_packing_matches_compressed_tensors(bits, size):
     q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, size), dtype=torch.int8)
     ours = pack_int32(q.int() + (1 << (bits - 1)), bits, dim=1)
     assert torch.equal(ours, pack_to_int32(q, bits, packed_dim=1))
-    assert torch.equal(pack_int32(q.t().int() + (1 << (bits - 1)), bits, dim=0),
-                       pack_to_int32(q.t().contiguous(), bits, packed_dim=0))
+    assert torch.equal(
+        pack_int32(q.t().int() + (1 << (bits - 1)), bits, dim=0),
+        pack_to_int32(q.t().contiguous(), bits, packed_dim=0),
+    )
     assert torch.equal(unpack_int32(ours, bits, size) - (1 << (bits - 1)), q.int())
 
 
@@ -98,7 +102,13 @@ def test_quant_linear_reads_dense_3bit_pack_quantized():
     q = torch.randint(-4, 4, (n, k), dtype=torch.int8)
     scale = torch.rand(n, k // g, dtype=torch.bfloat16) + 0.01
     lin = QuantLinear(k, n, False, QuantScheme(QuantArgs(3, group_size=g)), "pack-quantized")
-    lin.load_state_dict({"weight_packed": pack_to_int32(q, 3), "weight_scale": scale,
-                         "weight_shape": torch.tensor([n, k])}, strict=False)
+    lin.load_state_dict(
+        {
+            "weight_packed": pack_to_int32(q, 3),
+            "weight_scale": scale,
+            "weight_shape": torch.tensor([n, k]),
+        },
+        strict=False,
+    )
     expected = (q.float() * scale.float().repeat_interleave(g, dim=1)).to(torch.bfloat16)
     assert torch.equal(lin.dequantized_weight(torch.bfloat16), expected)

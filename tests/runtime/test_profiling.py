@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import httpx
 import pytest
@@ -16,18 +15,17 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.bench.breakdown import parse_step_totals, scrape_step_totals, step_breakdown
 from slimserve.runtime.bench.driver import BenchArgs, run_bench, serve_command
 from slimserve.runtime.bench.report import format_breakdown
 from slimserve.runtime.bench.workload import LengthDist
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.stats.profiler import prepare_profile_dir
+from slimserve.runtime.engine.async_engine import AsyncEngine
 from slimserve.runtime.server.app import build_app
-from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
 from slimserve.runtime.server.metrics import STEP_PHASE_SECONDS
+from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
+from slimserve.runtime.stats.profiler import prepare_profile_dir
 from slimserve.runtime.stats.step_timing import PHASES, StepTimings, split_gpu_forward
-
 from tests.helpers import DEMO_MODEL
 from tests.helpers.live_server import serve_in_thread
 from tests.helpers.metrics_text import step_metrics
@@ -49,22 +47,33 @@ KEY = "test-internal-key"  # the admin endpoints need it (runtime/server/trust.p
 def served(tmp_path_factory):
     profiles = tmp_path_factory.mktemp("profiles")
     engine = AsyncEngine.from_config(
-        EngineConfig(model=str(DEMO_MODEL), device="cpu", dtype="float32", max_num_seqs=8,
-                     kv_cache_memory="16MiB"), profile_dir=profiles)
+        EngineConfig(
+            model=str(DEMO_MODEL),
+            device="cpu",
+            dtype="float32",
+            max_num_seqs=8,
+            kv_cache_memory="16MiB",
+        ),
+        profile_dir=profiles,
+    )
     with serve_in_thread(build_app(engine, internal_key=KEY)) as url:
-        with httpx.Client(base_url=url, timeout=60, trust_env=False,
-                          headers={INTERNAL_KEY_HEADER: KEY}) as client:
+        with httpx.Client(
+            base_url=url, timeout=60, trust_env=False, headers={INTERNAL_KEY_HEADER: KEY}
+        ) as client:
             yield client, profiles
 
 
 def complete(client: httpx.Client, prompt: list[int], max_tokens: int) -> None:
-    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                             "temperature": 0, "ignore_eos": True})
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == max_tokens
 
 
 # -- step histograms -------------------------------------------------------------------------------
+
 
 def test_step_histograms_in_metrics_count_the_steps(served):
     client, _ = served
@@ -78,18 +87,25 @@ def test_step_histograms_in_metrics_count_the_steps(served):
         assert c1 - c0 == 5, phase
         assert s1 - s0 >= 0, phase
     assert after["phase:forward"][0] > before["phase:forward"][0]
-    prefill = [a - b for a, b in zip(after["slimserve:step_prefill_tokens"],
-                                     before["slimserve:step_prefill_tokens"])]
-    rows = [a - b for a, b in zip(after["slimserve:step_decode_rows"],
-                                  before["slimserve:step_decode_rows"])]
+    prefill = [
+        a - b
+        for a, b in zip(
+            after["slimserve:step_prefill_tokens"], before["slimserve:step_prefill_tokens"]
+        )
+    ]
+    rows = [
+        a - b
+        for a, b in zip(after["slimserve:step_decode_rows"], before["slimserve:step_decode_rows"])
+    ]
     assert prefill == [12, 5] and rows == [4, 5]  # (sum, count)
     families = {f.name: f for f in text_string_to_metric_families(text)}
     phases = families[STEP_PHASE_SECONDS]
     assert phases.type == "histogram"
     assert {s.labels["phase"] for s in phases.samples} == set(PHASES)
     for phase in PHASES:  # cumulative buckets that end at the count
-        buckets = [s for s in phases.samples
-                   if s.name.endswith("_bucket") and s.labels["phase"] == phase]
+        buckets = [
+            s for s in phases.samples if s.name.endswith("_bucket") and s.labels["phase"] == phase
+        ]
         values = [s.value for s in buckets]
         assert values == sorted(values) and buckets[-1].labels["le"] == "+Inf"
         assert buckets[0].labels["le"] == "1e-05" and len(buckets) == 20
@@ -142,6 +158,7 @@ def test_cuda_forward_is_timed_by_events_read_when_ready():
 
 # -- profiler endpoints ----------------------------------------------------------------------------
 
+
 def _one_line_error(r: httpx.Response, status: int, needle: str) -> None:
     assert r.status_code == status, r.text
     message = r.json()["error"]["message"]
@@ -166,14 +183,20 @@ def test_profile_writes_a_chrome_trace_with_the_phase_ranges(served):
     names = {e.get("name") for e in trace["traceEvents"]}
     for phase in PHASES:
         assert f"slimserve.{phase}" in names, phase
-    forward = sorted((e for e in trace["traceEvents"] if e.get("name") == "slimserve.forward"),
-                     key=lambda e: e["ts"])
+    forward = sorted(
+        (e for e in trace["traceEvents"] if e.get("name") == "slimserve.forward"),
+        key=lambda e: e["ts"],
+    )
     assert len(forward) == body["steps"] and all(e["ph"] == "X" and e["dur"] > 0 for e in forward)
-    steps = sorted((e for e in trace["traceEvents"] if e.get("name") == "slimserve.step"),
-                   key=lambda e: e["ts"])
+    steps = sorted(
+        (e for e in trace["traceEvents"] if e.get("name") == "slimserve.step"),
+        key=lambda e: e["ts"],
+    )
     assert len(steps) == body["steps"]
-    assert all(s["ts"] <= f["ts"] and f["ts"] + f["dur"] <= s["ts"] + s["dur"]
-               for s, f in zip(steps, forward))  # each step's range holds its forward
+    assert all(
+        s["ts"] <= f["ts"] and f["ts"] + f["dur"] <= s["ts"] + s["dur"]
+        for s, f in zip(steps, forward)
+    )  # each step's range holds its forward
     _one_line_error(client.post("/stop_profile"), 409, "no profile is running")
 
 
@@ -184,7 +207,9 @@ def test_profile_stops_itself_at_its_step_cap(served):
     complete(client, fresh_prompt(7), 5)  # 5 steps: the profile stopped after 2
     body = client.post("/stop_profile").json()
     assert body["capped"] is True and body["steps"] == 2
-    names = [e.get("name") for e in json.loads((profiles / body["path"]).read_text())["traceEvents"]]
+    names = [
+        e.get("name") for e in json.loads((profiles / body["path"]).read_text())["traceEvents"]
+    ]
     assert names.count("slimserve.forward") == 2
     _one_line_error(client.post("/stop_profile"), 409, "no profile is running")
 
@@ -215,13 +240,16 @@ def test_admin_endpoints_need_the_internal_key(served):
             _one_line_error(c.post(route), 403, "start it with --internal-key")
 
 
-@pytest.mark.parametrize("body, needle", [
-    ({"max_steps": 0}, "max_steps: 0 must be an integer >= 1"),
-    ({"max_steps": "10"}, "max_steps: '10'"),
-    ({"record_shapes": "yes"}, "record_shapes: 'yes' is not true or false"),
-    ({"steps": 3}, "steps: unknown field"),
-    ([1], "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"max_steps": 0}, "max_steps: 0 must be an integer >= 1"),
+        ({"max_steps": "10"}, "max_steps: '10'"),
+        ({"record_shapes": "yes"}, "record_shapes: 'yes' is not true or false"),
+        ({"steps": 3}, "steps: unknown field"),
+        ([1], "must be a JSON object"),
+    ],
+)
 def test_start_profile_refuses_bad_bodies(served, body, needle):
     client, _ = served
     _one_line_error(client.post("/start_profile", json=body), 400, needle)
@@ -230,8 +258,11 @@ def test_start_profile_refuses_bad_bodies(served, body, needle):
 def test_profiling_off_without_profile_dir():
     with TestClient(build_app(FakeEngine(), internal_key=KEY)) as c:
         for route in ("/start_profile", "/stop_profile"):
-            _one_line_error(c.post(route, headers={INTERNAL_KEY_HEADER: KEY}), 400,
-                            "start the server with --profile-dir")
+            _one_line_error(
+                c.post(route, headers={INTERNAL_KEY_HEADER: KEY}),
+                400,
+                "start the server with --profile-dir",
+            )
         text = c.get("/metrics").text  # the step histograms render, empty
         assert 'slimserve:step_phase_seconds_count{phase="forward"} 0.0' in text
     with TestClient(build_app(FakeEngine(), api_key="k", internal_key=KEY)) as c:
@@ -245,16 +276,21 @@ def test_serve_profile_dir_is_created_or_refused_in_one_line(tmp_path):
     made = prepare_profile_dir(tmp_path / "a" / "b")
     assert made.is_dir() and not any(made.iterdir())
     (tmp_path / "file").write_text("")
-    r = CliRunner().invoke(cli.app, ["serve", str(DEMO_MODEL), "--profile-dir",
-                                     str(tmp_path / "file" / "sub")])
+    r = CliRunner().invoke(
+        cli.app, ["serve", str(DEMO_MODEL), "--profile-dir", str(tmp_path / "file" / "sub")]
+    )
     assert r.exit_code == 2 and "--profile-dir" in r.output and "not a writable folder" in r.output
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
 
 
 # -- runtime bench ---------------------------------------------------------------------------------
 
-BEFORE = step_metrics(10, {"schedule": 0.01, "forward": 0.5}, prefill_tokens=300.0, decode_rows=20.0)
-AFTER = step_metrics(30, {"schedule": 0.03, "forward": 1.29}, prefill_tokens=500.0, decode_rows=100.0)
+BEFORE = step_metrics(
+    10, {"schedule": 0.01, "forward": 0.5}, prefill_tokens=300.0, decode_rows=20.0
+)
+AFTER = step_metrics(
+    30, {"schedule": 0.03, "forward": 1.29}, prefill_tokens=500.0, decode_rows=100.0
+)
 
 
 def test_breakdown_from_a_metrics_pair():
@@ -282,10 +318,18 @@ def test_no_breakdown_without_the_step_metrics():
 
 def test_bench_profile_and_breakdown_against_a_live_server(served, tmp_path, capsys):
     client, profiles = served
-    args = BenchArgs(url=str(client.base_url).rstrip("/"), tokenizer=str(DEMO_MODEL), num_prompts=3,
-                     input_len=LengthDist(16, 0.2, 8, 24), output_len=LengthDist(4, 0.2, 2, 6),
-                     max_concurrency=2, profile=True, progress=False, internal_key=KEY,
-                     json_out=str(tmp_path / "b.json"))
+    args = BenchArgs(
+        url=str(client.base_url).rstrip("/"),
+        tokenizer=str(DEMO_MODEL),
+        num_prompts=3,
+        input_len=LengthDist(16, 0.2, 8, 24),
+        output_len=LengthDist(4, 0.2, 2, 6),
+        max_concurrency=2,
+        profile=True,
+        progress=False,
+        internal_key=KEY,
+        json_out=str(tmp_path / "b.json"),
+    )
     result = run_bench(args)
     run = result["runs"][0]
     assert run["completed"] == 3
@@ -312,13 +356,35 @@ def test_bench_profile_against_a_server_without_profile_dir_is_one_line():
     app.command("bench")(bench_main)
     app.command("other")(lambda: None)
     with serve_in_thread(build_app(FakeEngine(), internal_key=KEY)) as url:
-        r = CliRunner().invoke(app, ["bench", "--url", url, "--internal-key", KEY,
-                                     "--tokenizer", str(DEMO_MODEL),
-                                     "--num-prompts", "2", "--input-len-median", "8",
-                                     "--input-len-min", "4", "--input-len-max", "12",
-                                     "--output-len-median", "2", "--output-len-min", "1",
-                                     "--output-len-max", "3", "--profile", "--no-progress"],
-                               terminal_width=400)
+        r = CliRunner().invoke(
+            app,
+            [
+                "bench",
+                "--url",
+                url,
+                "--internal-key",
+                KEY,
+                "--tokenizer",
+                str(DEMO_MODEL),
+                "--num-prompts",
+                "2",
+                "--input-len-median",
+                "8",
+                "--input-len-min",
+                "4",
+                "--input-len-max",
+                "12",
+                "--output-len-median",
+                "2",
+                "--output-len-min",
+                "1",
+                "--output-len-max",
+                "3",
+                "--profile",
+                "--no-progress",
+            ],
+            terminal_width=400,
+        )
     assert r.exit_code == 2, r.output
     assert "start_profile answered HTTP 400: profiling is off" in r.output
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
@@ -332,6 +398,7 @@ def test_bench_serves_model_with_a_profile_dir(tmp_path):
 
 # -- POST /reset_prefix_cache (what runtime bench and runtime tune call before each run) -----------
 
+
 def test_reset_prefix_cache_makes_a_repeated_prompt_prefill_again(served):
     client, _ = served
     prompt = fresh_prompt(48)  # three full 16-token blocks
@@ -340,7 +407,9 @@ def test_reset_prefix_cache_makes_a_repeated_prompt_prefill_again(served):
         before = parse_step_totals(client.get("/metrics").text)
         complete(client, prompt, 2)
         after = parse_step_totals(client.get("/metrics").text)
-        return int(after["slimserve:step_prefill_tokens"][0] - before["slimserve:step_prefill_tokens"][0])
+        return int(
+            after["slimserve:step_prefill_tokens"][0] - before["slimserve:step_prefill_tokens"][0]
+        )
 
     assert prefilled() == 48
     assert prefilled() < 48  # its full blocks come from the prefix cache

@@ -13,12 +13,11 @@ any dtype, so it is the reference here.
 import pytest
 import torch
 
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.llm import LLM
 from slimserve.runtime.loading.loader import load_model
 from slimserve.runtime.models.llama import CausalLM
 from slimserve.runtime.models.load import build_model, random_model
-from slimserve.runtime.engine.sequence import SamplingParams
-
 from tests.helpers import DEMO_MODEL, REPO
 
 NEW = 16  # generated tokens; the prompt fills the rest of the 1024 positions
@@ -34,8 +33,10 @@ def prompt(hf32) -> list[int]:
     """Python source of this repository (the demo model is trained on Python), as long as the
     model's context allows with NEW tokens to generate."""
     limit = hf32.model.config.max_position_embeddings
-    text = "".join((REPO / "runtime" / "engine" / f).read_text()
-                   for f in ("scheduler.py", "block_manager.py", "llm_engine.py"))
+    text = "".join(
+        (REPO / "runtime" / "engine" / f).read_text()
+        for f in ("scheduler.py", "block_manager.py", "llm_engine.py")
+    )
     ids = hf32.tokenizer(text).input_ids[: limit - NEW]
     assert len(ids) == limit - NEW
     return ids
@@ -44,7 +45,8 @@ def prompt(hf32) -> list[int]:
 def _all_fp32(model: CausalLM) -> bool:
     attn = [layer.self_attn for layer in model.model.layers]
     return model.inv_freq.dtype == torch.float32 and all(
-        a.k_scale.dtype == torch.float32 and a.v_scale.dtype == torch.float32 for a in attn)
+        a.k_scale.dtype == torch.float32 and a.v_scale.dtype == torch.float32 for a in attn
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -79,7 +81,7 @@ def _engine_greedy(dtype: str, prompt: list[int]):
 def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """transformers' fp32 log-softmax [NEW, V] at the positions that predicted `tokens`."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
     return torch.log_softmax(logits.float(), -1)
 
 

@@ -19,7 +19,6 @@ import httpx
 import openai
 import pytest
 
-from slimserve.runtime.server.process import ServerSpec, free_port, launched_servers
 from slimserve.runtime.errors import EngineDeadError
 from slimserve.runtime.router.app import build_router_app
 from slimserve.runtime.router.policy import (
@@ -39,8 +38,8 @@ from slimserve.runtime.router.policy import (
 )
 from slimserve.runtime.router.replicas import Replica
 from slimserve.runtime.server.app import build_app
+from slimserve.runtime.server.process import ServerSpec, free_port, launched_servers
 from slimserve.runtime.stats.step_cost import StepCost
-
 from tests.helpers.live_server import serve_in_thread, wait_for
 from tests.helpers.server_fakes import FakeEngine, chat_messages
 
@@ -50,6 +49,7 @@ SYSTEM = "You are a careful assistant. " * 40  # > 4 chunks of CHUNK_CHARS
 
 
 # -- policies ------------------------------------------------------------------------------------
+
 
 def _replicas(n=2, **kw):
     return [ReplicaState(f"http://r{i}", **kw) for i in range(n)]
@@ -79,8 +79,9 @@ def test_least_latency_prefers_the_replica_holding_the_prefix():
     # a prompt sharing only the first chunk matches one chunk
     a2, b2 = _replicas(step_time_s=0.02, prefill_s_per_token=1e-3)
     b2.prefixes.insert(text_prompt("x" * CHUNK_CHARS + "y" * 3 * CHUNK_CHARS).prefix_hashes)
-    assert b2.prefixes.match(text_prompt("x" * CHUNK_CHARS + "z" * 3 * CHUNK_CHARS)
-                             .prefix_hashes) == 1
+    assert (
+        b2.prefixes.match(text_prompt("x" * CHUNK_CHARS + "z" * 3 * CHUNK_CHARS).prefix_hashes) == 1
+    )
     assert LeastLatency().choose([a2, b2], text_prompt("x" * CHUNK_CHARS + "q" * 400)) is b2
 
 
@@ -175,19 +176,23 @@ def test_text_prompts_count_in_the_replicas_own_tokens():
 def test_the_polled_queue_drains_at_the_replicas_own_rate():
     r = Replica("http://r")
     r.mark_up()
-    r.state_polled({"queued_prefill_tokens": 1000, "step_cost": COST.as_dict(),
-                    "max_num_batched_tokens": 512}, sent_at=time.monotonic())
+    r.state_polled(
+        {"queued_prefill_tokens": 1000, "step_cost": COST.as_dict(), "max_num_batched_tokens": 512},
+        sent_at=time.monotonic(),
+    )
     at, p = r.state.answered_at, text_prompt("x" * 400)
     rate = 512 / COST.step_s(512, 0, 0)  # prefill tokens a second with nothing decoding
     left = 1000 - 0.2 * rate
     assert predicted_ttft(r.state, p, now=at + 0.2) == pytest.approx(
-        math.ceil((left + 100) / 512) * COST.step_s(0, 0, 0) + (left + 100) * 5e-4)
+        math.ceil((left + 100) / 512) * COST.step_s(0, 0, 0) + (left + 100) * 5e-4
+    )
     idle = ReplicaState("http://idle", step_cost=COST)
     assert predicted_ttft(r.state, p, now=at + 10) == pytest.approx(predicted_ttft(idle, p))
     # what the router sent after the poll left is added whole, and decodes while this waits
     r.dispatch(text_prompt("y" * 800))
     assert predicted_ttft(r.state, p, now=at + 10) == pytest.approx(
-        COST.step_s(0, 1, 200) + 300 * 5e-4)
+        COST.step_s(0, 1, 200) + 300 * 5e-4
+    )
 
 
 def test_a_replica_without_a_fit_costs_the_fleet_mean():
@@ -204,11 +209,21 @@ def test_a_replica_without_a_fit_costs_the_fleet_mean():
 
 def test_state_polls_read_the_cost_and_tokenizer_fields():
     r = Replica("http://r")
-    r.apply_state({"step_cost": COST.as_dict(), "chars_per_token": 3.0, "num_decoding": 4,
-                   "decoding_context_tokens": 999})
+    r.apply_state(
+        {
+            "step_cost": COST.as_dict(),
+            "chars_per_token": 3.0,
+            "num_decoding": 4,
+            "decoding_context_tokens": 999,
+        }
+    )
     s = r.state
-    assert (s.step_cost, s.chars_per_token, s.num_decoding, s.decoding_context_tokens) == \
-        (COST, 3.0, 4, 999)
+    assert (s.step_cost, s.chars_per_token, s.num_decoding, s.decoding_context_tokens) == (
+        COST,
+        3.0,
+        4,
+        999,
+    )
     r.apply_state({"step_cost": {"base_s": -1}, "chars_per_token": 0})
     assert (s.step_cost, s.chars_per_token, s.num_decoding) == (None, None, 0)
     assert r.describe()["step_cost"] is None
@@ -220,10 +235,14 @@ def test_prompt_info_reads_completions_chat_and_token_ids():
     assert prompt_info({"prompt": "short"}, chat=False).prefix_hashes == ()
     ids = prompt_info({"prompt": list(range(200))}, chat=False)
     assert ids.tokens == 200 and len(ids.prefix_hashes) == 3 and ids == ids_prompt(list(range(200)))
-    chat = prompt_info({"messages": [{"role": "system", "content": SYSTEM},
-                                     {"role": "user", "content": "hi"}]}, chat=True)
-    same_system = prompt_info({"messages": [{"role": "system", "content": SYSTEM},
-                                            {"role": "user", "content": "bye"}]}, chat=True)
+    chat = prompt_info(
+        {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}]},
+        chat=True,
+    )
+    same_system = prompt_info(
+        {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "bye"}]},
+        chat=True,
+    )
     assert chat.prefix_hashes == same_system.prefix_hashes  # the shared system prompt
     for junk in (None, [], {"prompt": 3}, {"messages": "x"}, {"messages": [1, {"content": 2}]}):
         assert prompt_info(junk, chat=isinstance(junk, dict) and "messages" in junk).tokens >= 1
@@ -231,12 +250,15 @@ def test_prompt_info_reads_completions_chat_and_token_ids():
 
 # -- live: two fake replicas behind the router -----------------------------------------------------
 
+
 @contextmanager
 def _cluster(n=2, policy="round-robin", delay=0.01, internal_key=None, **router_kw):
     engines = [FakeEngine(delay=delay, max_model_len=4096) for _ in range(n)]
     with ExitStack() as stack:
-        urls = [stack.enter_context(serve_in_thread(build_app(e, internal_key=internal_key)))
-                for e in engines]
+        urls = [
+            stack.enter_context(serve_in_thread(build_app(e, internal_key=internal_key)))
+            for e in engines
+        ]
         if internal_key is not None:
             router_kw["internal_key"] = internal_key
         router = build_router_app(urls, policy=policy, poll_interval_s=0.05, **router_kw)
@@ -263,14 +285,24 @@ def test_openai_client_through_the_router():
         assert [m.id for m in c.models.list()] == ["fake-model"]
         r = c.completions.create(model="fake-model", prompt="hi", max_tokens=3, seed=2)
         assert r.choices[0].text == "cde" and r.usage.total_tokens == 5
-        parts = list(c.completions.create(model="fake-model", prompt="hi", max_tokens=4,
-                                          stream=True, stream_options={"include_usage": True}))
+        parts = list(
+            c.completions.create(
+                model="fake-model",
+                prompt="hi",
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert "".join(p.choices[0].text for p in parts if p.choices) == "abcd"
         assert parts[-1].usage.completion_tokens == 4
         r = c.chat.completions.create(model="fake-model", messages=chat_messages(), max_tokens=2)
         assert r.choices[0].message.content == "ab" and r.choices[0].finish_reason == "length"
-        parts = list(c.chat.completions.create(model="fake-model", messages=chat_messages(),
-                                               max_tokens=3, stream=True))
+        parts = list(
+            c.chat.completions.create(
+                model="fake-model", messages=chat_messages(), max_tokens=3, stream=True
+            )
+        )
         assert "".join(p.choices[0].delta.content or "" for p in parts) == "abc"
         # the replicas' own errors come back unchanged
         with pytest.raises(openai.NotFoundError):
@@ -297,8 +329,10 @@ def test_least_latency_spreads_concurrent_streams_and_keeps_prefixes_together():
             with httpx.Client(timeout=30, trust_env=False) as c:
                 if barrier is not None:
                     barrier.wait(timeout=30)
-                r = c.post(url + "/v1/completions",
-                           json={"prompt": prompt, "max_tokens": max_tokens, "stream": True})
+                r = c.post(
+                    url + "/v1/completions",
+                    json={"prompt": prompt, "max_tokens": max_tokens, "stream": True},
+                )
                 assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
 
         threads = [threading.Thread(target=one, args=(f"q{i} " * 100, 20, start)) for i in range(6)]
@@ -318,18 +352,23 @@ def test_client_disconnect_aborts_on_the_replica():
     with _cluster(n=1) as (engines, _, url, _router):
         engine = engines[0]
         with httpx.Client(base_url=url, timeout=10, trust_env=False) as c:
-            with c.stream("POST", "/v1/completions",
-                          json={"prompt": "hi", "max_tokens": 500, "stream": True}) as r:
-                first = json.loads(next(ln for ln in r.iter_lines() if ln)[len("data: "):])
-            wait_for(lambda: first["id"] in engine.closed_early or first["id"] in engine.abort_calls,
-                      what="the streamed request to be aborted on the replica")
+            with c.stream(
+                "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 500, "stream": True}
+            ) as r:
+                first = json.loads(next(ln for ln in r.iter_lines() if ln)[len("data: ") :])
+            wait_for(
+                lambda: first["id"] in engine.closed_early or first["id"] in engine.abort_calls,
+                what="the streamed request to be aborted on the replica",
+            )
             n = len(engine.requests)
             with pytest.raises(httpx.ReadTimeout):  # non-streamed, abandoned while running
                 c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 500}, timeout=0.2)
             wait_for(lambda: len(engine.requests) > n)
             rid = engine.requests[n][0]
-            wait_for(lambda: rid in engine.closed_early or rid in engine.abort_calls,
-                      what="the plain request to be aborted on the replica")
+            wait_for(
+                lambda: rid in engine.closed_early or rid in engine.abort_calls,
+                what="the plain request to be aborted on the replica",
+            )
         wait_for(lambda: _router.replicas.states()[0].inflight == 0, what="tickets closed")
 
 
@@ -340,8 +379,10 @@ def test_unhealthy_replica_fails_its_streams_at_once_and_gets_no_new_requests():
 
         def one(i):
             with httpx.Client(timeout=20, trust_env=False) as c:
-                results[i] = c.post(url + "/v1/completions",
-                                    json={"prompt": "hi", "max_tokens": 1000, "stream": True}).text
+                results[i] = c.post(
+                    url + "/v1/completions",
+                    json={"prompt": "hi", "max_tokens": 1000, "stream": True},
+                ).text
                 ended[i] = time.monotonic()
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
@@ -355,11 +396,15 @@ def test_unhealthy_replica_fails_its_streams_at_once_and_gets_no_new_requests():
         for i in ended:
             events = [ln for ln in results[i].split("\n\n") if ln]
             assert events[-1] == "data: [DONE]"
-            err = json.loads(events[-2][len("data: "):])["error"]
+            err = json.loads(events[-2][len("data: ") :])["error"]
             assert err["code"] == "replica_failed" and "400 s" in err["message"]
         assert not router.replicas.get(urls[1]).up
-        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                       timeout=10, trust_env=False)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 2},
+            timeout=10,
+            trust_env=False,
+        )
         assert r.status_code == 200 and len(engines[1].requests) == 2
         engines[0].dead = True  # now nobody is up
         wait_for(lambda: not router.replicas.get(urls[0]).up, what="replica 0 out")
@@ -377,29 +422,41 @@ def test_replicas_are_added_and_removed_at_run_time():
     with _cluster(n=1, admin_key="adm") as (engines, urls, url, router):
         extra = FakeEngine(max_model_len=4096)
         admin = {"Authorization": "Bearer adm"}
-        with serve_in_thread(build_app(extra)) as extra_url, \
-                httpx.Client(base_url=url, timeout=10, trust_env=False) as c:
+        with (
+            serve_in_thread(build_app(extra)) as extra_url,
+            httpx.Client(base_url=url, timeout=10, trust_env=False) as c,
+        ):
             assert c.post("/router/replicas", json={"url": extra_url}).status_code == 401
             r = c.post("/router/replicas", json={"url": extra_url + "/"}, headers=admin)
             assert r.status_code == 201 and r.json()["up"] and r.json()["url"] == extra_url
-            assert [x["url"] for x in c.get("/router/replicas").json()["replicas"]] == \
-                [urls[0], extra_url]
+            assert [x["url"] for x in c.get("/router/replicas").json()["replicas"]] == [
+                urls[0],
+                extra_url,
+            ]
             for _ in range(4):
-                assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}) \
-                    .status_code == 200
+                assert (
+                    c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code
+                    == 200
+                )
             assert len(extra.requests) == 2 and len(engines[0].requests) == 2
-            assert c.delete("/router/replicas", params={"url": urls[0]},
-                            headers=admin).json() == {"removed": urls[0]}
-            assert c.delete("/router/replicas", params={"url": urls[0]},
-                            headers=admin).status_code == 404
+            assert c.delete("/router/replicas", params={"url": urls[0]}, headers=admin).json() == {
+                "removed": urls[0]
+            }
+            assert (
+                c.delete("/router/replicas", params={"url": urls[0]}, headers=admin).status_code
+                == 404
+            )
             for _ in range(2):
                 c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
             assert len(extra.requests) == 4 and len(engines[0].requests) == 2
-            assert c.post("/router/replicas", json={"url": "ftp://x"},
-                          headers=admin).status_code == 400
+            assert (
+                c.post("/router/replicas", json={"url": "ftp://x"}, headers=admin).status_code
+                == 400
+            )
     with _cluster(n=1) as (_, _, url, _):  # no admin key: the list is fixed
-        r = httpx.post(url + "/router/replicas", json={"url": "http://127.0.0.1:1"},
-                       trust_env=False)
+        r = httpx.post(
+            url + "/router/replicas", json={"url": "http://127.0.0.1:1"}, trust_env=False
+        )
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
 
 
@@ -408,12 +465,17 @@ def test_killing_a_replica_mid_load_loses_no_unstarted_request_and_hangs_no_clie
     """One replica is a real process, SIGKILLed while streams run on both. Polling is slow here
     (30 s), so the router learns of the death only from the broken connections."""
     port = free_port()
-    spec = ServerSpec([sys.executable, "-m", "tests.helpers.fake_replica", str(port), "0.01"],
-                      f"http://127.0.0.1:{port}", {**os.environ, "PYTHONPATH": str(REPO)},
-                      tmp_path / "replica.log")
+    spec = ServerSpec(
+        [sys.executable, "-m", "tests.helpers.fake_replica", str(port), "0.01"],
+        f"http://127.0.0.1:{port}",
+        {**os.environ, "PYTHONPATH": str(REPO)},
+        tmp_path / "replica.log",
+    )
     survivor = FakeEngine(delay=0.01, max_model_len=4096)
-    with launched_servers([spec], 60, die_with_parent=False) as (proc,), \
-            serve_in_thread(build_app(survivor)) as alive_url:
+    with (
+        launched_servers([spec], 60, die_with_parent=False) as (proc,),
+        serve_in_thread(build_app(survivor)) as alive_url,
+    ):
         app = build_router_app([spec.url, alive_url], policy="round-robin", poll_interval_s=30)
         with serve_in_thread(app) as url:
             results: dict[int, str] = {}
@@ -421,9 +483,11 @@ def test_killing_a_replica_mid_load_loses_no_unstarted_request_and_hangs_no_clie
 
             def one(i, max_tokens=400):
                 with httpx.Client(timeout=30, trust_env=False) as c:
-                    with c.stream("POST", url + "/v1/completions",
-                                  json={"prompt": "hi", "max_tokens": max_tokens,
-                                        "stream": True}) as r:
+                    with c.stream(
+                        "POST",
+                        url + "/v1/completions",
+                        json={"prompt": "hi", "max_tokens": max_tokens, "stream": True},
+                    ) as r:
                         assert r.status_code == 200
                         text = ""
                         for chunk in r.iter_text():
@@ -437,7 +501,9 @@ def test_killing_a_replica_mid_load_loses_no_unstarted_request_and_hangs_no_clie
             wait_for(lambda: len(started) == 6, what="6 streams running")
             os.kill(proc.pid, signal.SIGKILL)
             killed = time.monotonic()
-            proc.wait(10)  # dead, not dying: a dying process may still accept a connection and cut it
+            proc.wait(
+                10
+            )  # dead, not dying: a dying process may still accept a connection and cut it
             # requests sent now: the first that lands on the dead replica finds it refusing
             # connections and goes to the survivor, as does every later one
             with httpx.Client(timeout=30, trust_env=False) as c:
@@ -472,6 +538,7 @@ def test_reset_prefix_cache_reaches_every_replica_and_clears_the_affinity():
         assert r.status_code == 200 and r.json()["status"] == "ok"
         assert [e.prefix_cache_resets for e in engines] == [1, 1]
         assert sum(len(r.state.prefixes) for r in router.replicas) == 0
+
         async def refuse():  # up and polled healthy, but its reset answers 503
             raise EngineDeadError("the engine stopped")
 
@@ -485,13 +552,19 @@ def test_load_counts_only_the_prefill_left_to_compute():
     """GET /state's queued_prefill_tokens (what least-latency reads) leaves out the prompt
     tokens the prefix cache serves and those chunked prefill has computed: a replica holding
     a shared prefix must not look busier than it is."""
-    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.config import EngineConfig
+    from slimserve.runtime.engine.async_engine import AsyncEngine
     from slimserve.runtime.engine.llm_engine import LLMEngine
     from slimserve.runtime.engine.sequence import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=str(REPO / "recipes" / "demo-model"), device="cpu",
-                                    kv_cache_memory=8 * 2**20, max_num_batched_tokens=32))
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(REPO / "recipes" / "demo-model"),
+            device="cpu",
+            kv_cache_memory=8 * 2**20,
+            max_num_batched_tokens=32,
+        )
+    )
     ae = AsyncEngine(engine)
     prefix = list(range(10, 106))  # 96 tokens: 6 blocks of 16
     engine.add_request("a", prefix + [7], SamplingParams(max_tokens=1))

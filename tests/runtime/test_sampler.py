@@ -15,7 +15,13 @@ import warnings
 import pytest
 import torch
 
-from slimserve.runtime.engine.sampler import SampleResult, _ranked_by_value, rank_keys, sample, sampling_probs
+from slimserve.runtime.engine.sampler import (
+    SampleResult,
+    _ranked_by_value,
+    rank_keys,
+    sample,
+    sampling_probs,
+)
 from slimserve.runtime.engine.sequence import SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -28,7 +34,7 @@ def ref_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     logits = row / p.temperature
     if 0 < p.top_k < logits.shape[0]:
         order = torch.sort(logits, descending=True, stable=True).indices
-        logits = logits.scatter(0, order[p.top_k:], float("-inf"))
+        logits = logits.scatter(0, order[p.top_k :], float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
@@ -104,8 +110,12 @@ def test_greedy_rows_take_the_first_argmax(device):
 def test_truncation_equals_the_per_row_reference(device):
     torch.manual_seed(1)
     vocab = 257
-    grid = [(t, k, p) for t in (0.3, 1.0, 1.7) for k in (-1, 1, 2, 40, vocab - 1, vocab, 10 * vocab)
-            for p in (1.0, 0.95, 0.5, 0.05)]
+    grid = [
+        (t, k, p)
+        for t in (0.3, 1.0, 1.7)
+        for k in (-1, 1, 2, 40, vocab - 1, vocab, 10 * vocab)
+        for p in (1.0, 0.95, 0.5, 0.05)
+    ]
     params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in grid]
     logits = torch.randn(len(params), vocab) * 3
     logits[::5, :30] = 4.0  # rows with ties at the top-k boundary: the lower ids stay
@@ -125,7 +135,11 @@ def test_top_p_boundary_and_ties_are_exact(device):
     # four equal logits: each token has exactly 0.25, so the mass before token j is exactly j/4.
     # A token goes when the mass before it reaches top_p, and ties are broken by token id.
     logits = torch.zeros(3, 4)
-    params = [SamplingParams(top_p=0.5), SamplingParams(top_p=0.25), SamplingParams(top_p=0.5000001)]
+    params = [
+        SamplingParams(top_p=0.5),
+        SamplingParams(top_p=0.25),
+        SamplingParams(top_p=0.5000001),
+    ]
     got = sampling_probs(logits.to(device), params).cpu()
     assert (got > 0).tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]]
     assert got.sum(-1).tolist() == pytest.approx([1.0, 1.0, 1.0])
@@ -136,7 +150,11 @@ def test_top_p_boundary_and_ties_are_exact(device):
         assert (sampling_probs(tied.to(device), [p]).cpu() > 0).tolist() == keep
     # -0.0 and +0.0 are one value: ranked by id in both the window and the full-sort paths
     zeros = torch.tensor([[0.0, -0.0, 0.0, -0.0, -5.0]])
-    for p in (SamplingParams(top_k=2), SamplingParams(top_k=2, top_p=0.99), SamplingParams(top_p=0.45)):
+    for p in (
+        SamplingParams(top_k=2),
+        SamplingParams(top_k=2, top_p=0.99),
+        SamplingParams(top_p=0.45),
+    ):
         assert (sampling_probs(zeros.to(device), [p]).cpu() > 0).tolist() == [[1, 1, 0, 0, 0]]
 
 
@@ -183,8 +201,11 @@ def _seeded_run(p: SamplingParams, seed: int, steps, device, pos: int | None = N
             continue
         rows = list((torch.randn(len(MIXED), s.shape[1]) * 2).bfloat16().float())
         rows.insert(pos, s[0])
-        batch = sample(torch.stack(rows).to(device), MIXED[:pos] + [p] + MIXED[pos:],
-                       others[:pos] + [g] + others[pos:])
+        batch = sample(
+            torch.stack(rows).to(device),
+            MIXED[:pos] + [p] + MIXED[pos:],
+            others[:pos] + [g] + others[pos:],
+        )
         out.append(batch.token_ids[pos])
     return out
 
@@ -209,9 +230,13 @@ def test_seeded_rows_are_reproducible_and_batch_independent(device, p):
 def test_logprobs_are_the_raw_log_softmax(device):
     torch.manual_seed(4)
     logits = torch.randn(5, 300) * 3
-    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.5, top_p=0.5, logprobs=0),
-              SamplingParams(temperature=1.0), SamplingParams(temperature=2.0, top_k=3, logprobs=20),
-              SamplingParams(temperature=0.0, logprobs=1)]
+    params = [
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.5, top_p=0.5, logprobs=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=2.0, top_k=3, logprobs=20),
+        SamplingParams(temperature=0.0, logprobs=1),
+    ]
     out = sample(logits.to(device), params, gens(range(5)))
     ref = torch.log_softmax(logits, -1)  # before temperature and truncation
     assert out.logprobs[2] is None
@@ -225,16 +250,22 @@ def test_logprobs_are_the_raw_log_softmax(device):
         assert list(tops.values()) == pytest.approx(top.values.tolist(), abs=1e-5)
     assert out.logprobs[1][1] == {}
     # more top logprobs asked for than the vocabulary has: all of it
-    small = sample(torch.randn(1, 8).to(device), [SamplingParams(temperature=0.0, logprobs=20)], [None])
+    small = sample(
+        torch.randn(1, 8).to(device), [SamplingParams(temperature=0.0, logprobs=20)], [None]
+    )
     assert sorted(small.logprobs[0][1]) == list(range(8))
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.8, top_k=9, top_p=0.9),  # nucleus row (sorted order)
-    SamplingParams(temperature=1.5, top_k=6),  # vocab-order row with top-k
-    SamplingParams(temperature=0.7),  # plain temperature
-], ids=["nucleus", "top_k", "plain"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_k=9, top_p=0.9),  # nucleus row (sorted order)
+        SamplingParams(temperature=1.5, top_k=6),  # vocab-order row with top-k
+        SamplingParams(temperature=0.7),  # plain temperature
+    ],
+    ids=["nucleus", "top_k", "plain"],
+)
 def test_sampled_distribution_matches_the_tempered_truncated_softmax(device, params):
     """20 000 draws of one small-vocab row, each from its own seeded generator in one batch,
     then 2 000 successive draws from a single generator: Pearson chi-square against
@@ -273,13 +304,16 @@ def test_the_distribution_test_detects_a_wrong_sampler():
     gen = torch.Generator().manual_seed(0)
     for bad in wrong:
         assert not torch.equal(bad > 0, want > 0) or (bad - want).abs().max() > 0.01
-        counts = torch.bincount(torch.multinomial(bad, 20_000, replacement=True, generator=gen),
-                                minlength=logits.shape[0])
+        counts = torch.bincount(
+            torch.multinomial(bad, 20_000, replacement=True, generator=gen),
+            minlength=logits.shape[0],
+        )
         fails = counts[want == 0].sum() > 0
         stat, df = chi2(counts, want)
         assert fails or stat > chi2_critical(df)
-    counts = torch.bincount(torch.multinomial(want, 20_000, replacement=True, generator=gen),
-                            minlength=logits.shape[0])
+    counts = torch.bincount(
+        torch.multinomial(want, 20_000, replacement=True, generator=gen), minlength=logits.shape[0]
+    )
     assert chi2(counts, want)[0] < chi2_critical(chi2(counts, want)[1])
 
 
@@ -287,8 +321,7 @@ def test_the_distribution_test_detects_a_wrong_sampler():
 def test_one_synchronizing_copy_per_step_on_cuda():
     """A step of a mixed batch with logprobs synchronizes with the GPU once: the result copy."""
     torch.manual_seed(5)
-    params = [dataclasses.replace(p, logprobs=3) if i % 2 else p
-              for i, p in enumerate(MIXED * 4)]
+    params = [dataclasses.replace(p, logprobs=3) if i % 2 else p for i, p in enumerate(MIXED * 4)]
     logits = torch.randn(len(params), 32000, device="cuda")
     g = gens(range(len(params)))
     sample(logits, params, g)  # warm-up: allocations, pinned host buffer

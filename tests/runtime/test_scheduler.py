@@ -20,7 +20,9 @@ _clock = iter(range(10**9))
 
 def _seq(rid: str, prompt: list[int], max_tokens: int = 4) -> Sequence:
     # Explicit, strictly increasing arrival times: the preemption victim is the newest arrival.
-    return Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens), arrival_time=float(next(_clock)))
+    return Sequence(
+        rid, list(prompt), SamplingParams(max_tokens=max_tokens), arrival_time=float(next(_clock))
+    )
 
 
 def _token(rid: str, i: int) -> int:
@@ -59,7 +61,10 @@ class FakeEngine:
             prefix = _prefix_ids(s.seq.token_ids[: s.start + s.num_new_tokens])
             assert [self.kv.get(bm.slot(s.seq, p)) for p in range(len(prefix))] == prefix
         self._check_refcounts()
-        sampled = [_token(s.seq.request_id, len(s.seq.output_token_ids)) if s.sample else None for s in out.scheduled]
+        sampled = [
+            _token(s.seq.request_id, len(s.seq.output_token_ids)) if s.sample else None
+            for s in out.scheduled
+        ]
         sched.update(out, sampled)
         for s in out.scheduled:
             if s.sample and len(s.seq.output_token_ids) == s.seq.params.max_tokens:
@@ -92,7 +97,9 @@ def _make(num_blocks=64, block_size=4, prefix_caching=True, **cfg) -> Scheduler:
 def _check_done(seqs: list[Sequence]) -> None:
     for seq in seqs:
         assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "length"
-        assert seq.output_token_ids == [_token(seq.request_id, i) for i in range(seq.params.max_tokens)]
+        assert seq.output_token_ids == [
+            _token(seq.request_id, i) for i in range(seq.params.max_tokens)
+        ]
 
 
 def test_fcfs_and_max_num_seqs():
@@ -208,14 +215,19 @@ def test_tiny_cache_forces_preemption_and_every_request_finishes():
 def test_random_workloads_with_shared_prefixes(seed):
     rng = random.Random(seed)
     sched = _make(
-        num_blocks=rng.randint(8, 12), block_size=4, max_num_batched_tokens=rng.randint(6, 40),
-        max_num_seqs=rng.randint(1, 5), long_prefill_token_threshold=rng.choice([0, 5]),
+        num_blocks=rng.randint(8, 12),
+        block_size=4,
+        max_num_batched_tokens=rng.randint(6, 40),
+        max_num_seqs=rng.randint(1, 5),
+        long_prefill_token_threshold=rng.choice([0, 5]),
         prefix_caching=seed % 4 != 3,
     )
     stems = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
     seqs = []
     for i in range(10):
-        prompt = rng.choice(stems)[: rng.randint(0, 12)] + [rng.randrange(50) for _ in range(rng.randint(1, 8))]
+        prompt = rng.choice(stems)[: rng.randint(0, 12)] + [
+            rng.randrange(50) for _ in range(rng.randint(1, 8))
+        ]
         seqs.append(_seq(f"s{seed}-{i}", prompt, max_tokens=rng.randint(1, 12)))
     eng = FakeEngine(sched)
     pending = list(seqs)

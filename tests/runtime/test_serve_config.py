@@ -58,20 +58,42 @@ def one_line_error(r, *needles: str) -> None:
 
 def test_file_sets_options_and_flags_override_it(engine_config, tmp_path):
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text(f"model: {DEMO}\nmax-num-seqs: 12\nmax_num_batched_tokens: 384\n"
-                   "--block-size: 32\nenable_prefix_caching: false\nkv_cache_memory: 64MiB\n"
-                   "device: cpu\ndtype: float32\nserved_model_name: from-file\n"
-                   "max_model_len: null\n")
+    cfg.write_text(
+        f"model: {DEMO}\nmax-num-seqs: 12\nmax_num_batched_tokens: 384\n"
+        "--block-size: 32\nenable_prefix_caching: false\nkv_cache_memory: 64MiB\n"
+        "device: cpu\ndtype: float32\nserved_model_name: from-file\n"
+        "max_model_len: null\n"
+    )
     c = engine_config("--config", str(cfg))
-    assert (c.model, c.max_num_seqs, c.max_num_batched_tokens, c.block_size,
-            c.enable_prefix_caching, c.kv_cache_memory, c.device, c.dtype, c.served_model_name,
-            c.max_model_len) == (str(DEMO), 12, 384, 32, False, 64 * 2**20, "cpu", "float32",
-                                 "from-file", None)
+    assert (
+        c.model,
+        c.max_num_seqs,
+        c.max_num_batched_tokens,
+        c.block_size,
+        c.enable_prefix_caching,
+        c.kv_cache_memory,
+        c.device,
+        c.dtype,
+        c.served_model_name,
+        c.max_model_len,
+    ) == (str(DEMO), 12, 384, 32, False, 64 * 2**20, "cpu", "float32", "from-file", None)
     # flags on the command line win, in any position; the rest still comes from the file
-    c = engine_config("--max-num-seqs", "5", "--config", str(cfg), "--enable-prefix-caching",
-                      "--served-model-name", "cli")
-    assert (c.max_num_seqs, c.enable_prefix_caching, c.served_model_name,
-            c.max_num_batched_tokens, c.block_size) == (5, True, "cli", 384, 32)
+    c = engine_config(
+        "--max-num-seqs",
+        "5",
+        "--config",
+        str(cfg),
+        "--enable-prefix-caching",
+        "--served-model-name",
+        "cli",
+    )
+    assert (
+        c.max_num_seqs,
+        c.enable_prefix_caching,
+        c.served_model_name,
+        c.max_num_batched_tokens,
+        c.block_size,
+    ) == (5, True, "cli", 384, 32)
     # MODEL on the command line overrides the file's
     other = tmp_path / "other-model"
     other.mkdir()
@@ -94,8 +116,10 @@ def test_data_parallel_children_get_the_file_values(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(cli, "_serve_data_parallel", lambda o: seen.update(o=o))
     cfg = tmp_path / "dp.yaml"
-    cfg.write_text(f"model: {DEMO}\ndata_parallel_size: 2\nmax_num_seqs: 24\nport: 8123\n"
-                   "enable_prefix_caching: false\n")
+    cfg.write_text(
+        f"model: {DEMO}\ndata_parallel_size: 2\nmax_num_seqs: 24\nport: 8123\n"
+        "enable_prefix_caching: false\n"
+    )
     r = invoke("--config", str(cfg), "--max-num-batched-tokens", "768")
     assert r.exit_code == 0, r.output
     o = seen["o"]
@@ -106,21 +130,24 @@ def test_data_parallel_children_get_the_file_values(monkeypatch, tmp_path):
     assert "--no-enable-prefix-caching" in flags and "--config" not in flags
 
 
-@pytest.mark.parametrize("body, needles", [
-    ("max_num_seq: 8\n", ["unknown key 'max_num_seq'", "did you mean max_num_seqs?"]),
-    ("config: other.yaml\n", ["unknown key 'config'"]),
-    ("max_num_seqs: eight\n", ["max_num_seqs must be an integer", "'eight'"]),
-    ("max_num_seqs: 8.5\n", ["max_num_seqs must be an integer"]),
-    ("max_num_seqs: true\n", ["max_num_seqs must be an integer"]),
-    ("enable_prefix_caching: 1\n", ["enable_prefix_caching must be true or false"]),
-    ("port: 70000\n", ["port 70000 must be <= 65535"]),
-    ("body_timeout: 0\n", ["body_timeout 0.0 must be >= 0.1"]),
-    ("device: [cpu]\n", ["device must be a string"]),
-    ("max_num_seqs: 8\nmax-num-seqs: 9\n", ["repeats another spelling of 'max_num_seqs'"]),
-    ("max_num_seqs: [8\n", ["not valid YAML", "line 2"]),
-    ("- max_num_seqs\n", ["holds a list, not a mapping"]),
-    ("7: 8\n", ["key 7 is not an option name"]),
-])
+@pytest.mark.parametrize(
+    "body, needles",
+    [
+        ("max_num_seq: 8\n", ["unknown key 'max_num_seq'", "did you mean max_num_seqs?"]),
+        ("config: other.yaml\n", ["unknown key 'config'"]),
+        ("max_num_seqs: eight\n", ["max_num_seqs must be an integer", "'eight'"]),
+        ("max_num_seqs: 8.5\n", ["max_num_seqs must be an integer"]),
+        ("max_num_seqs: true\n", ["max_num_seqs must be an integer"]),
+        ("enable_prefix_caching: 1\n", ["enable_prefix_caching must be true or false"]),
+        ("port: 70000\n", ["port 70000 must be <= 65535"]),
+        ("body_timeout: 0\n", ["body_timeout 0.0 must be >= 0.1"]),
+        ("device: [cpu]\n", ["device must be a string"]),
+        ("max_num_seqs: 8\nmax-num-seqs: 9\n", ["repeats another spelling of 'max_num_seqs'"]),
+        ("max_num_seqs: [8\n", ["not valid YAML", "line 2"]),
+        ("- max_num_seqs\n", ["holds a list, not a mapping"]),
+        ("7: 8\n", ["key 7 is not an option name"]),
+    ],
+)
 def test_bad_files_are_one_line(tmp_path, body, needles):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(body)
@@ -128,8 +155,9 @@ def test_bad_files_are_one_line(tmp_path, body, needles):
 
 
 def test_missing_or_unreadable_file_is_one_line(tmp_path):
-    one_line_error(invoke(str(DEMO), "--config", str(tmp_path / "none.yaml")), "none.yaml",
-                   "cannot read it")
+    one_line_error(
+        invoke(str(DEMO), "--config", str(tmp_path / "none.yaml")), "none.yaml", "cannot read it"
+    )
     one_line_error(invoke(str(DEMO), "--config", str(tmp_path)), "cannot read it")
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00model")
     one_line_error(invoke(str(DEMO), "--config", str(tmp_path / "bin.yaml")), "cannot read it")
@@ -145,10 +173,17 @@ def test_empty_file_changes_nothing_and_model_is_still_required(engine_config, t
 
 def test_tune_writer_round_trips_through_serve_reader(tmp_path):
     setting = Setting(32, 512, "fp8_e4m3", False)
-    base = {"device": "cpu", "kv_cache_memory": "256MiB", "verify": "none",
-            "allow_failed_gate": True}
-    path = write_serve_config(tmp_path / "serve.yaml", serve_options(str(DEMO), base, setting),
-                              comment="written by a test\nsecond line")
+    base = {
+        "device": "cpu",
+        "kv_cache_memory": "256MiB",
+        "verify": "none",
+        "allow_failed_gate": True,
+    }
+    path = write_serve_config(
+        tmp_path / "serve.yaml",
+        serve_options(str(DEMO), base, setting),
+        comment="written by a test\nsecond line",
+    )
     text = path.read_text()
     assert text.startswith("# written by a test\n# second line\nmodel: ")
     loaded = load_serve_config(path, file_options())

@@ -41,9 +41,16 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "recipes" / "demo-model"
 SERVE = params(ServeOptions)
 # values the serve command checks itself before it starts anything (the rest: `sample`)
-SAMPLES = {"kv_segments_max_bytes": "4GiB", "kv_cache_memory": "64MiB", "role": "decode",
-           "router_policy": "round-robin", "verify": "none", "dtype": "float32",
-           "kv_cache_dtype": "fp8_e4m3", "device": "cpu"}
+SAMPLES = {
+    "kv_segments_max_bytes": "4GiB",
+    "kv_cache_memory": "64MiB",
+    "role": "decode",
+    "router_policy": "round-robin",
+    "verify": "none",
+    "dtype": "float32",
+    "kv_cache_dtype": "fp8_e4m3",
+    "device": "cpu",
+}
 
 
 def click_command(name: str):
@@ -83,6 +90,7 @@ def no_key_env(monkeypatch):
 
 # -- the typer commands ------------------------------------------------------------------------
 
+
 def _decls(p) -> set[str]:
     return {s.strip() for d in p.how.flags for s in d.split("/")}
 
@@ -112,13 +120,25 @@ def test_every_option_is_a_parameter_of_its_command_as_declared(table, name):
 def test_router_shares_serves_definitions():
     serve = {p.name: p for p in SERVE}
     shared = [p for p in params(RouterOptions) if p.how.shares]
-    assert {p.how.shares for p in shared} >= {"host", "port", "api_key", "internal_key",
-                                               "max_connections", "body_timeout", "stream_timeout",
-                                               "router_policy"}
+    assert {p.how.shares for p in shared} >= {
+        "host",
+        "port",
+        "api_key",
+        "internal_key",
+        "max_connections",
+        "body_timeout",
+        "stream_timeout",
+        "router_policy",
+    }
     for p in shared:
         src = serve[p.how.shares]
-        assert (p.annotation, p.default, p.how.min, p.how.max, p.how.envvar) == \
-            (src.annotation, src.default, src.how.min, src.how.max, src.how.envvar), p.name
+        assert (p.annotation, p.default, p.how.min, p.how.max, p.how.envvar) == (
+            src.annotation,
+            src.default,
+            src.how.min,
+            src.how.max,
+            src.how.envvar,
+        ), p.name
     # a data-parallel deployment's router gets serve's values of every shared option
     o = ServeOptions(**{q.name: sample(q) for q in SERVE})
     r = router_options(o, ["http://a", "http://b"])
@@ -132,14 +152,25 @@ def test_router_shares_serves_definitions():
 def test_generate_takes_serves_definitions_of_the_options_it_shares():
     gen = {c.name: c for c in click_command("generate").params}
     serve = {c.name: c for c in click_command("serve").params}
-    for name in ("trust_remote_code", "verify", "allow_failed_gate", "tensor_parallel_size",
-                 "pipeline_parallel_size", "distributed_executor_backend"):
+    for name in (
+        "trust_remote_code",
+        "verify",
+        "allow_failed_gate",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "distributed_executor_backend",
+    ):
         g, s = gen[name], serve[name]
-        assert (g.opts, g.secondary_opts, g.default, g.help) == \
-            (s.opts, s.secondary_opts, s.default, s.help), name
+        assert (g.opts, g.secondary_opts, g.default, g.help) == (
+            s.opts,
+            s.secondary_opts,
+            s.default,
+            s.help,
+        ), name
 
 
 # -- the --config file --------------------------------------------------------------------------
+
 
 def test_config_file_keys_are_the_file_options():
     schema = file_options()
@@ -157,9 +188,15 @@ def test_every_file_option_reaches_serve_from_a_file(monkeypatch, tmp_path):
     """A file giving every file option a non-default value: serve sees each of them."""
     seen = {}
     monkeypatch.setattr(cli, "_serve_data_parallel", lambda o: seen.update(o=o))
-    given = {"artifact": str(DEMO), "data_parallel_size": 2, "prefill_replicas": 1,
-             "role": "colocated", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-             "profile_dir": str(tmp_path / "prof")}
+    given = {
+        "artifact": str(DEMO),
+        "data_parallel_size": 2,
+        "prefill_replicas": 1,
+        "role": "colocated",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "profile_dir": str(tmp_path / "prof"),
+    }
     values = {p.name: sample(p, **given) for p in SERVE if p.how.file}
     cfg = tmp_path / "all.yaml"
     from slimserve.runtime.serve_config import write_serve_config
@@ -172,6 +209,7 @@ def test_every_file_option_reaches_serve_from_a_file(monkeypatch, tmp_path):
 
 
 # -- the data-parallel replicas -----------------------------------------------------------------
+
 
 def test_keys_reach_the_replicas_through_the_environment_never_argv():
     for p in SERVE:
@@ -192,9 +230,19 @@ def test_the_options_replicas_do_not_get_are_the_parents_own():
     """A new option goes to the replicas (ARGV, the default); keeping one from them (OWN) is a
     decision, listed here: the parent's own command line and the per-replica settings."""
     assert {p.name for p in SERVE if p.how.replicas == OWN} == {
-        "artifact", "config", "host", "port", "device", "tensor_parallel_size",
-        "pipeline_parallel_size", "distributed_executor_backend", "data_parallel_size",
-        "router_policy", "role", "prefill_replicas"}
+        "artifact",
+        "config",
+        "host",
+        "port",
+        "device",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "distributed_executor_backend",
+        "data_parallel_size",
+        "router_policy",
+        "role",
+        "prefill_replicas",
+    }
 
 
 def test_replica_argv_round_trips_through_the_serve_command():
@@ -238,10 +286,18 @@ def test_data_parallel_children_and_router_get_every_option(data_parallel, tmp_p
     parses back to the parent's ARGV options (plus its own host, port, device and role), the keys
     are in its environment only, and the router gets serve's shared options."""
     seen = data_parallel
-    given = {"artifact": str(DEMO), "data_parallel_size": 2, "prefill_replicas": 1,
-             "role": "colocated", "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
-             "config": None, "profile_dir": str((tmp_path / "prof").resolve()),
-             "internal_key": "the-internal-key", "api_key": "the-api-key"}
+    given = {
+        "artifact": str(DEMO),
+        "data_parallel_size": 2,
+        "prefill_replicas": 1,
+        "role": "colocated",
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "config": None,
+        "profile_dir": str((tmp_path / "prof").resolve()),
+        "internal_key": "the-internal-key",
+        "api_key": "the-api-key",
+    }
     o = ServeOptions(**{p.name: sample(p, **given) for p in SERVE})
     argv = serve_argv({p.name: getattr(o, p.name) for p in SERVE})
     r = CliRunner().invoke(cli.app, ["serve", *argv])
@@ -252,8 +308,12 @@ def test_data_parallel_children_and_router_get_every_option(data_parallel, tmp_p
         assert spec.cmd[:4] == [sys.executable, "-m", process.SERVE_MODULE, "serve"]
         child = parse_serve(spec.cmd[4:])
         port = int(spec.url.rsplit(":", 1)[1])
-        own = {"host": "127.0.0.1", "port": port, "device": "cpu",
-               "role": "prefill" if i == 0 else "decode"}
+        own = {
+            "host": "127.0.0.1",
+            "port": port,
+            "device": "cpu",
+            "role": "prefill" if i == 0 else "decode",
+        }
         for p in SERVE:
             if p.name in own:
                 assert getattr(child, p.name) == own[p.name], p.name
@@ -273,8 +333,9 @@ def test_data_parallel_children_and_router_get_every_option(data_parallel, tmp_p
 
 def test_data_parallel_without_internal_key_gives_one_fresh_key_to_all(data_parallel):
     seen = data_parallel
-    r = CliRunner().invoke(cli.app, ["serve", str(DEMO), "--data-parallel-size", "3",
-                                     "--device", "cpu"])
+    r = CliRunner().invoke(
+        cli.app, ["serve", str(DEMO), "--data-parallel-size", "3", "--device", "cpu"]
+    )
     assert r.exit_code == 0, r.output
     key = seen["router"].internal_key
     assert key and all(s.env[key_env("internal_key")] == key for s in seen["specs"])
@@ -283,6 +344,7 @@ def test_data_parallel_without_internal_key_gives_one_fresh_key_to_all(data_para
 
 
 # -- tune, the engine, other command lines ---------------------------------------------------------
+
 
 def test_tune_settings_are_the_tune_options_of_serve():
     serve = {p.name: p for p in SERVE}
@@ -306,9 +368,15 @@ def test_engine_options_are_engine_config_fields():
 
 
 def test_serve_argv_knows_only_serves_options():
-    assert serve_argv({"artifact": "m", "max_num_seqs": 8, "max_queue": None,
-                       "enable_prefix_caching": False, "trust_remote_code": False}) == \
-        ["m", "--max-num-seqs", "8", "--no-enable-prefix-caching"]
+    assert serve_argv(
+        {
+            "artifact": "m",
+            "max_num_seqs": 8,
+            "max_queue": None,
+            "enable_prefix_caching": False,
+            "trust_remote_code": False,
+        }
+    ) == ["m", "--max-num-seqs", "8", "--no-enable-prefix-caching"]
     with pytest.raises(ValueError, match="'max_num_seq' is not a `runtime serve` option"):
         serve_argv({"max_num_seq": 8})
     from slimserve.runtime.bench.driver import ENGINE_FLAGS
@@ -317,12 +385,17 @@ def test_serve_argv_knows_only_serves_options():
 
 
 def _string_constants(source: str) -> set[str]:
-    return {n.value for n in ast.walk(ast.parse(source))
-            if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    return {
+        n.value
+        for n in ast.walk(ast.parse(source))
+        if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
 
 
-@pytest.mark.parametrize("where", ["runtime/cli.py", "runtime/tune/runner.py",
-                                   "runtime/server/process.py", "serve_command"])
+@pytest.mark.parametrize(
+    "where",
+    ["runtime/cli.py", "runtime/tune/runner.py", "runtime/server/process.py", "serve_command"],
+)
 def test_no_serve_flag_is_spelled_by_hand(where):
     """Serve's flags are spelled in runtime/serve_options.py only: the commands, the replicas'
     and tune's command lines (and bench's `serve_command`) encode them from the table."""

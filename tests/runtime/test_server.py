@@ -14,7 +14,6 @@ from fastapi.testclient import TestClient
 
 from slimserve.runtime.errors import RequestError
 from slimserve.runtime.server.app import build_app
-
 from tests.helpers.server_fakes import FakeEngine, chat_messages, events
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,22 +32,46 @@ def client(engine):
 
 # -- happy paths -----------------------------------------------------------------------------------
 
+
 def test_completion_answer_shape_and_params(client, engine):
-    r = client.post("/v1/completions", json={
-        "model": "fake-model", "prompt": "hi", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9,
-        "top_k": 5, "seed": 1, "stop_token_ids": [99], "ignore_eos": True, "user": "u1"})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": "fake-model",
+            "prompt": "hi",
+            "max_tokens": 4,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 5,
+            "seed": 1,
+            "stop_token_ids": [99],
+            "ignore_eos": True,
+            "user": "u1",
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert isinstance(body["created"], int) and body["model"] == "fake-model"
     assert body["choices"][0]["text"] == "bc"  # seed 1 shifts by one; 'c' (99) is a stop token
     assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["stop_reason"] == 99
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "total_tokens": 4,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     rid, ids, p = engine.requests[-1]
     assert rid == body["id"] and ids == [ord("h"), ord("i")]
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop_token_ids, p.ignore_eos) \
-        == (4, 0.5, 0.9, 5, 1, frozenset({99}), True)
+    assert (
+        p.max_tokens,
+        p.temperature,
+        p.top_p,
+        p.top_k,
+        p.seed,
+        p.stop_token_ids,
+        p.ignore_eos,
+    ) == (4, 0.5, 0.9, 5, 1, frozenset({99}), True)
 
 
 def test_completion_defaults_token_prompt_echo_and_stop(client, engine):
@@ -65,18 +88,27 @@ def test_completion_defaults_token_prompt_echo_and_stop(client, engine):
 
 
 def test_completion_logprobs(client):
-    body = client.post("/v1/completions",
-                       json={"prompt": "x", "max_tokens": 2, "logprobs": 1}).json()
+    body = client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 1}
+    ).json()
     lp = body["choices"][0]["logprobs"]
     assert lp["tokens"] == ["a", "b"] and lp["token_logprobs"] == [-0.5, -0.5]
     assert lp["top_logprobs"] == [{"a": -0.5}, {"b": -0.5}] and lp["text_offset"] == [0, 1]
 
 
 def test_chat_template_default_max_tokens_and_logprobs(client, engine):
-    r = client.post("/v1/chat/completions", json={
-        "model": "fake-model", "logprobs": True, "top_logprobs": 2,
-        "messages": [{"role": "developer", "content": "be brief"},
-                     {"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "fake-model",
+            "logprobs": True,
+            "top_logprobs": 2,
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     _, ids, p = engine.requests[-1]
@@ -89,25 +121,36 @@ def test_chat_template_default_max_tokens_and_logprobs(client, engine):
     first = body["choices"][0]["logprobs"]["content"][0]
     assert first["token"] == "a" and first["bytes"] == [97] and first["logprob"] == -0.5
     assert [e["token"] for e in first["top_logprobs"]] == ["a", "b"]
-    r = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3,
-        "max_tokens": 9})
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 3,
+            "max_tokens": 9,
+        },
+    )
     assert r.json()["choices"][0]["message"]["content"] == "abc"  # max_completion_tokens wins
 
 
 def test_chat_fallback_format_without_template():
     engine = FakeEngine(chat_template=None)
     with TestClient(build_app(engine)) as c:
-        c.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
-            {"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]})
+        c.post(
+            "/v1/chat/completions",
+            json={
+                "max_tokens": 1,
+                "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}],
+            },
+        )
     assert "".join(map(chr, engine.requests[-1][1])) == "System: S\nUser: hi\nAssistant:"
 
 
 def test_stream_completion_matches_non_stream_and_usage(client):
     req = {"prompt": "hi", "max_tokens": 5, "logprobs": 0}
     whole = client.post("/v1/completions", json=req).json()
-    r = client.post("/v1/completions",
-                    json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     ev = events(r.text)
     assert ev[-1] == "[DONE]"
@@ -120,15 +163,20 @@ def test_stream_completion_matches_non_stream_and_usage(client):
 
 
 def test_n_choices_seeded_apart_with_summed_usage(client, engine):
-    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": 1, "n": 3,
-                                             "logprobs": 0})
+    r = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "seed": 1, "n": 3, "logprobs": 0}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert [c["text"] for c in body["choices"]] == ["bcd", "cde", "def"]  # seeds 1, 2, 3
     assert all(c["logprobs"]["text_offset"] == [0, 1, 2] for c in body["choices"])  # per choice
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 9, "total_tokens": 11,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 9,
+        "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     rids = [rid for rid, _, _ in engine.requests[-3:]]
     assert rids == [f"{body['id']}-{i}" for i in range(3)]
     assert [p.seed for _, _, p in engine.requests[-3:]] == [1, 2, 3]
@@ -137,8 +185,10 @@ def test_n_choices_seeded_apart_with_summed_usage(client, engine):
 def test_n_choices_stream_interleaved_per_index(client):
     req = {"messages": chat_messages(), "max_tokens": 4, "seed": 5, "n": 2}
     whole = client.post("/v1/chat/completions", json=req).json()
-    r = client.post("/v1/chat/completions",
-                    json={**req, "stream": True, "stream_options": {"include_usage": True}})
+    r = client.post(
+        "/v1/chat/completions",
+        json={**req, "stream": True, "stream_options": {"include_usage": True}},
+    )
     ev = events(r.text)
     assert ev[-1] == "[DONE]" and ev.count("[DONE]") == 1
     chunks, usage = ev[:-2], ev[-2]
@@ -178,8 +228,10 @@ def test_choice_seeds_wrap_into_the_seed_range():
 
 
 def test_stream_chat_chunks(client):
-    r = client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+    )
     ev = events(r.text)
     assert ev[-1] == "[DONE]"
     assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -190,8 +242,9 @@ def test_stream_chat_chunks(client):
 
 def test_stream_holds_back_a_partial_stop_string(client):
     """'c' and 'cd' could start the stop string 'cde'; streamed text cannot be taken back."""
-    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stop": ["cde"],
-                                             "stream": True})
+    r = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stop": ["cde"], "stream": True}
+    )
     chunks = events(r.text)[:-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "ab"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
@@ -211,15 +264,20 @@ def test_models_health_metrics_and_lifespan(engine):
         assert c.get("/health").status_code == 503
         assert c.get("/metrics").status_code == 200  # request metrics still render
     assert engine.shut_down
-    for line in ["slimserve:num_requests_running 0.0", "slimserve:num_requests_waiting 0.0",
-                 "slimserve:kv_cache_usage_perc 0.25", "slimserve:prefix_cache_hit_rate 0.5",
-                 "slimserve:num_preemptions_total 3.0", "slimserve:prompt_tokens_total 4.0",
-                 "slimserve:generation_tokens_total 5.0",
-                 "slimserve:time_to_first_token_seconds_count 2.0",
-                 "slimserve:inter_token_latency_seconds_count 3.0",
-                 "slimserve:e2e_request_latency_seconds_count 2.0",
-                 'slimserve:request_success_total{finished_reason="length"} 1.0',
-                 'slimserve:request_success_total{finished_reason="stop"} 1.0']:
+    for line in [
+        "slimserve:num_requests_running 0.0",
+        "slimserve:num_requests_waiting 0.0",
+        "slimserve:kv_cache_usage_perc 0.25",
+        "slimserve:prefix_cache_hit_rate 0.5",
+        "slimserve:num_preemptions_total 3.0",
+        "slimserve:prompt_tokens_total 4.0",
+        "slimserve:generation_tokens_total 5.0",
+        "slimserve:time_to_first_token_seconds_count 2.0",
+        "slimserve:inter_token_latency_seconds_count 3.0",
+        "slimserve:e2e_request_latency_seconds_count 2.0",
+        'slimserve:request_success_total{finished_reason="length"} 1.0',
+        'slimserve:request_success_total{finished_reason="stop"} 1.0',
+    ]:
         assert line in text, line
     with TestClient(build_app(FakeEngine())) as c2:  # a second app: its own registry
         assert "slimserve:prompt_tokens_total 0.0" in c2.get("/metrics").text
@@ -262,19 +320,31 @@ BAD = [  # (endpoint, body, param named in the error)
     ("chat/completions", {"messages": []}, "messages"),
     ("chat/completions", {"messages": "hi"}, "messages"),
     ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
-    ("chat/completions", {"messages": chat_messages([{"type": "image_url", "image_url": {}}])}, "messages"),
+    (
+        "chat/completions",
+        {"messages": chat_messages([{"type": "image_url", "image_url": {}}])},
+        "messages",
+    ),
     ("chat/completions", {"messages": chat_messages("REJECT")}, "messages"),  # template raises
-    ("chat/completions", {"messages": chat_messages("x" * 64)}, "messages"),  # too long for the engine
+    (
+        "chat/completions",
+        {"messages": chat_messages("x" * 64)},
+        "messages",
+    ),  # too long for the engine
     ("chat/completions", {"messages": chat_messages(), "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": chat_messages(), "logprobs": 3}, "logprobs"),
-    ("chat/completions", {"messages": chat_messages(), "max_completion_tokens": 100},
-     "max_completion_tokens"),
+    (
+        "chat/completions",
+        {"messages": chat_messages(), "max_completion_tokens": 100},
+        "max_completion_tokens",
+    ),
     ("chat/completions", {"messages": chat_messages(), "tools": [{"type": "function"}]}, "tools"),
 ]
 
 
-@pytest.mark.parametrize("endpoint,body,param", BAD, ids=[f"{e}-{p}-{i}" for i, (e, _, p)
-                                                          in enumerate(BAD)])
+@pytest.mark.parametrize(
+    "endpoint,body,param", BAD, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(BAD)]
+)
 def test_bad_requests_get_openai_400(client, engine, endpoint, body, param):
     kw = {"content": body} if isinstance(body, bytes) else {"json": body}
     r = client.post(f"/v1/{endpoint}", headers={"content-type": "application/json"}, **kw)
@@ -292,8 +362,11 @@ def test_unknown_model_route_and_internal_error_do_not_leak(engine):
         r = c.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
         assert r.status_code == 404
         assert r.json()["error"] | {"message": ""} == {
-            "message": "", "type": "invalid_request_error", "param": "model",
-            "code": "model_not_found"}
+            "message": "",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
         assert c.get("/v1/models/gpt-4").status_code == 404
         r = c.get("/v1/nothing")
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
@@ -346,8 +419,9 @@ async def test_drain_ends_open_streams_with_abort():
     engine = FakeEngine(delay=0.02)
     app = build_app(engine)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
-        task = asyncio.ensure_future(c.post("/v1/completions", json={
-            "prompt": "hi", "max_tokens": 50, "stream": True}))
+        task = asyncio.ensure_future(
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 50, "stream": True})
+        )
         while not engine.requests:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)

@@ -16,7 +16,6 @@ from fastapi.testclient import TestClient
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.http import ClosingStreamingResponse
 from slimserve.runtime.server.responses import DONE
-
 from tests.helpers.asgi import call
 from tests.helpers.server_fakes import FakeEngine, events
 
@@ -29,8 +28,15 @@ def test_a_stream_whose_client_stops_reading_is_dropped_and_aborted():
 
     async def run():
         t0 = time.monotonic()
-        reply = await asyncio.wait_for(call(app, "/v1/completions", {
-            "prompt": "hi", "max_tokens": 3000, "stream": True}, read_chunks=2), 20)
+        reply = await asyncio.wait_for(
+            call(
+                app,
+                "/v1/completions",
+                {"prompt": "hi", "max_tokens": 3000, "stream": True},
+                read_chunks=2,
+            ),
+            20,
+        )
         return reply, time.monotonic() - t0
 
     reply, took = asyncio.run(run())
@@ -73,8 +79,9 @@ def test_closing_streaming_response_times_out_a_blocked_send_and_closes_its_body
 
 def test_a_body_that_never_arrives_gets_408():
     app = build_app(FakeEngine(), body_timeout_s=0.2)
-    reply = asyncio.run(asyncio.wait_for(call(app, "/v1/completions", {"prompt": "hi"},
-                                              send_body=False), 10))
+    reply = asyncio.run(
+        asyncio.wait_for(call(app, "/v1/completions", {"prompt": "hi"}, send_body=False), 10)
+    )
     assert reply.status == 408
     assert "not received within 0.2 s" in reply.json()["error"]["message"]
 
@@ -99,14 +106,16 @@ def test_an_oversized_prompt_is_refused_before_tokenizing(monkeypatch):
     engine = FakeEngine(max_model_len=64)
     calls = []
     monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(1) or [1])
-    monkeypatch.setattr(engine.tokenizer, "apply_chat_template",
-                        lambda *a, **k: calls.append(1) or "x")
+    monkeypatch.setattr(
+        engine.tokenizer, "apply_chat_template", lambda *a, **k: calls.append(1) or "x"
+    )
     with TestClient(build_app(engine)) as c:
         r = c.post("/v1/completions", json={"prompt": "x" * 100_000})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
         assert "100000 characters" in r.json()["error"]["message"]
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user",
-                                                               "content": "y" * 100_000}]})
+        r = c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "y" * 100_000}]}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         r = c.post("/v1/completions", json={"prompt": list(range(1, 70)), "echo": True})
         assert r.status_code == 400 and "69 tokens" in r.json()["error"]["message"]
@@ -129,12 +138,21 @@ def test_chat_rendering_and_echo_decoding_run_off_the_event_loop(monkeypatch):
     monkeypatch.setattr(engine.tokenizer, "apply_chat_template", spy_render)
     with TestClient(build_app(engine)) as c:
         loop_thread = c.portal.call(lambda: threading.current_thread())
-        assert c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                    "max_tokens": 2}).status_code == 200
+        assert (
+            c.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            ).status_code
+            == 200
+        )
         # (the fake engine decodes its own output on the loop; the echo decode comes first)
         monkeypatch.setattr(engine.tokenizer, "decode", spy_decode)
-        assert c.post("/v1/completions", json={"prompt": [104, 105], "echo": True,
-                                               "max_tokens": 1}).status_code == 200
+        assert (
+            c.post(
+                "/v1/completions", json={"prompt": [104, 105], "echo": True, "max_tokens": 1}
+            ).status_code
+            == 200
+        )
     assert [k for k, _ in threads][:2] == ["render", "decode"]
     assert threads[0][1] is not loop_thread and threads[1][1] is not loop_thread
 
@@ -147,9 +165,10 @@ def test_a_request_the_engine_fails_alone_gets_an_error_and_the_server_goes_on()
         assert r.status_code == 500
         assert r.json()["error"]["code"] == "request_failed"
         assert "logits are NaN" in r.json()["error"]["message"]
-        ev = events(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8,
-                                                    "stream": True}).text)
-        assert ev[-1] == DONE.strip()[len("data: "):]
+        ev = events(
+            c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stream": True}).text
+        )
+        assert ev[-1] == DONE.strip()[len("data: ") :]
         assert ev[-2]["error"]["code"] == "request_failed"
         engine.fail_request_after = None
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})

@@ -29,7 +29,6 @@ from slimserve.runtime.bench.driver import (
     send_one,
     serve_command,
 )
-from slimserve.runtime.server.process import BenchError, free_port, launched_server
 from slimserve.runtime.bench.workload import (
     BenchRequest,
     LengthDist,
@@ -41,6 +40,7 @@ from slimserve.runtime.bench.workload import (
     jsonl_requests,
     poisson_arrivals,
 )
+from slimserve.runtime.server.process import BenchError, free_port, launched_server
 
 DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
 REFUSED_LEN, BROKEN_LEN = 11, 13  # max_tokens the fake answers with HTTP 400 / an in-stream error
@@ -78,7 +78,11 @@ def fake_app() -> tuple[FastAPI, list[dict]]:
                 if n == BROKEN_LEN and i == 2:
                     yield "data: " + json.dumps({"error": {"message": "engine stopped"}}) + "\n\n"
                     break
-                choice = {"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}
+                choice = {
+                    "index": 0,
+                    "text": "x",
+                    "finish_reason": "length" if i == n - 1 else None,
+                }
                 yield "data: " + json.dumps({"choices": [choice], "usage": None}) + "\n\n"
             else:
                 usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
@@ -93,8 +97,9 @@ def fake_app() -> tuple[FastAPI, list[dict]]:
 @pytest.fixture(scope="module")
 def fake_server():
     app, seen = fake_app()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -131,8 +136,9 @@ def test_corpus_requests_have_exact_lengths_and_repeat_with_the_seed(tok):
     reqs = corpus_requests(tok, 40, inputs, outputs, seed=3, texts=TEXTS)
     in_lens = inputs.sample(40, np.random.default_rng([3, 0]))
     assert [r.prompt_len for r in reqs] == in_lens  # exactly the drawn lengths
-    stream = [t for ids in tok(TEXTS, add_special_tokens=False, verbose=False)["input_ids"]
-              for t in ids]
+    stream = [
+        t for ids in tok(TEXTS, add_special_tokens=False, verbose=False)["input_ids"] for t in ids
+    ]
     joined = ",".join(map(str, stream))
     for r in reqs[:5]:  # each prompt is a window of the corpus token stream
         assert ",".join(map(str, r.prompt_ids)) in joined
@@ -148,16 +154,18 @@ def test_prompt_mix_makes_long_prompts_and_a_shared_prefix(tok):
     inputs, outputs = LengthDist(20, 0.5, 8, 60), LengthDist(5, 0.0, 5, 5)
     plain = corpus_requests(tok, 60, inputs, outputs, seed=1, texts=TEXTS)
     assert corpus_requests(tok, 60, inputs, outputs, seed=1, texts=TEXTS, mix=PromptMix()) == plain
-    mix = PromptMix(long_fraction=0.25, long_factor=8, shared_prefix_len=32,
-                    shared_prefix_fraction=0.5)
+    mix = PromptMix(
+        long_fraction=0.25, long_factor=8, shared_prefix_len=32, shared_prefix_fraction=0.5
+    )
     skewed = corpus_requests(tok, 60, inputs, outputs, seed=1, texts=TEXTS, mix=mix)
     assert skewed == corpus_requests(tok, 60, inputs, outputs, seed=1, texts=TEXTS, mix=mix)
     drawn = inputs.sample(60, np.random.default_rng([1, 0]))
     prefix = None
     n_long = n_shared = 0
     for r, k in zip(skewed, drawn):
-        body = r.prompt_len - (32 if r.prompt_len - 32 in (k, 8 * k) and
-                               r.prompt_len not in (k, 8 * k) else 0)
+        body = r.prompt_len - (
+            32 if r.prompt_len - 32 in (k, 8 * k) and r.prompt_len not in (k, 8 * k) else 0
+        )
         assert body in (k, 8 * k)  # its draw, or 8x its draw, after the prefix if it has one
         n_long += body == 8 * k
         if body != r.prompt_len:
@@ -166,28 +174,44 @@ def test_prompt_mix_makes_long_prompts_and_a_shared_prefix(tok):
             assert r.prompt_ids[:32] == prefix  # one prefix for all
     assert 5 <= n_long <= 25 and 15 <= n_shared <= 45  # ~15 and ~30 of 60 expected
     assert [r.output_len for r in skewed] == [r.output_len for r in plain]
-    for bad, match in ((dict(long_fraction=1.5), "long-fraction"), (dict(long_factor=0), "long-factor"),
-                       (dict(shared_prefix_len=-1), "shared-prefix-len")):
+    for bad, match in (
+        (dict(long_fraction=1.5), "long-fraction"),
+        (dict(long_factor=0), "long-factor"),
+        (dict(shared_prefix_len=-1), "shared-prefix-len"),
+    ):
         with pytest.raises(ValueError, match=match):
             PromptMix(**bad)
 
 
 def test_router_policy_comparison_is_checked_and_passed_to_serve():
-    args = BenchArgs(model="m", data_parallel_size=2, router_policies=["least-latency", "round-robin"])
+    args = BenchArgs(
+        model="m", data_parallel_size=2, router_policies=["least-latency", "round-robin"]
+    )
     args.validate()
     cmd = serve_command(BenchArgs(model="m", data_parallel_size=2, router_policy="round-robin"), 1)
     assert cmd[-4:] == ["--data-parallel-size", "2", "--router-policy", "round-robin"]
     for kwargs, match in (
-            (dict(router_policies=["least-latency"]), "--data-parallel-size 2"),
-            (dict(router_policies=["fastest"], data_parallel_size=2), "'fastest' is unknown"),
-            (dict(router_policies=["random", "random"], data_parallel_size=2), "twice"),
-            (dict(router_policies=["random"], data_parallel_size=2, url="http://x", model=None,
-                  tokenizer="t"), "not --url"),
-            (dict(mix=PromptMix(long_fraction=0.2, long_factor=8), dataset=__file__), "JSONL")):
+        (dict(router_policies=["least-latency"]), "--data-parallel-size 2"),
+        (dict(router_policies=["fastest"], data_parallel_size=2), "'fastest' is unknown"),
+        (dict(router_policies=["random", "random"], data_parallel_size=2), "twice"),
+        (
+            dict(
+                router_policies=["random"],
+                data_parallel_size=2,
+                url="http://x",
+                model=None,
+                tokenizer="t",
+            ),
+            "not --url",
+        ),
+        (dict(mix=PromptMix(long_fraction=0.2, long_factor=8), dataset=__file__), "JSONL"),
+    ):
         with pytest.raises(ValueError, match=match):
             BenchArgs(**{"model": "m", **kwargs}).validate()
-    res = CliRunner().invoke(_bench_app(), ["bench", "m", "--router-policy", "least-latency,rr",
-                                            "--data-parallel-size", "2"])
+    res = CliRunner().invoke(
+        _bench_app(),
+        ["bench", "m", "--router-policy", "least-latency,rr", "--data-parallel-size", "2"],
+    )
     assert res.exit_code == 2 and "'rr' is unknown" in res.output
 
 
@@ -200,8 +224,11 @@ def _bench_app() -> typer.Typer:
 
 def test_jsonl_requests_cycle_cut_and_override(tok, tmp_path):
     path = tmp_path / "p.jsonl"
-    rows = [{"prompt": "def f(x):\n    return x"}, {"prompt": TEXTS[0][:3000]},
-            {"prompt": "import os", "output_len": 7}]
+    rows = [
+        {"prompt": "def f(x):\n    return x"},
+        {"prompt": TEXTS[0][:3000]},
+        {"prompt": "import os", "output_len": 7},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     inputs, outputs = LengthDist(64, 1.0, 1, 100), LengthDist(20, 0.5, 4, 40)
     reqs = jsonl_requests(path, tok, 7, inputs, outputs, seed=0)
@@ -210,8 +237,9 @@ def test_jsonl_requests_cycle_cut_and_override(tok, tmp_path):
     assert all(r.output_len == 7 for r in reqs if r.prompt_text == "import os")
     # the output lengths of the other rows are the seed's draws, as for the stdlib corpus
     drawn = outputs.sample(7, np.random.default_rng([0, 0]))
-    assert [r.output_len for r in reqs if r.prompt_text != "import os"] == \
-        [d for d, r in zip(drawn, reqs) if r.prompt_text != "import os"]
+    assert [r.output_len for r in reqs if r.prompt_text != "import os"] == [
+        d for d, r in zip(drawn, reqs) if r.prompt_text != "import os"
+    ]
     path.write_text('{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match=r"p.jsonl:1: needs a non-empty string field \"prompt\""):
         jsonl_requests(path, tok, 2, inputs, outputs, seed=0)
@@ -229,13 +257,26 @@ def test_poisson_arrivals():
 
 
 def test_metrics_math_on_synthetic_timings():
-    ok = [RequestResult(10, 5, success=True, ttft_s=0.1, latency_s=0.5, output_tokens=5,
-                        itl_s=[0.1, 0.1, 0.1, 0.1]),  # TPOT (0.5 - 0.1) / 4 = 100 ms
-          RequestResult(20, 3, success=True, ttft_s=0.2, latency_s=0.8, output_tokens=3,
-                        itl_s=[0.2, 0.4]),  # TPOT 300 ms
-          RequestResult(30, 1, success=True, ttft_s=0.3, latency_s=0.3, output_tokens=1)]
-    failed = [RequestResult(40, 9, error="HTTP 400: bad"), RequestResult(40, 9, error="HTTP 400: bad"),
-              RequestResult(40, 9, error="timeout")]
+    ok = [
+        RequestResult(
+            10,
+            5,
+            success=True,
+            ttft_s=0.1,
+            latency_s=0.5,
+            output_tokens=5,
+            itl_s=[0.1, 0.1, 0.1, 0.1],
+        ),  # TPOT (0.5 - 0.1) / 4 = 100 ms
+        RequestResult(
+            20, 3, success=True, ttft_s=0.2, latency_s=0.8, output_tokens=3, itl_s=[0.2, 0.4]
+        ),  # TPOT 300 ms
+        RequestResult(30, 1, success=True, ttft_s=0.3, latency_s=0.3, output_tokens=1),
+    ]
+    failed = [
+        RequestResult(40, 9, error="HTTP 400: bad"),
+        RequestResult(40, 9, error="HTTP 400: bad"),
+        RequestResult(40, 9, error="timeout"),
+    ]
     m = compute_metrics(ok + failed, duration_s=2.0, slo_ttft_ms=250, slo_tpot_ms=200)
     assert (m["completed"], m["failed"], m["errors"]) == (3, 3, ["HTTP 400: bad", "timeout"])
     assert m["total_input_tokens"] == 60 and m["total_output_tokens"] == 9
@@ -257,8 +298,9 @@ def test_client_streams_times_tokens_and_reports_failures(fake_server):
     url, seen = fake_server
     lens = [5, REFUSED_LEN, 1, BROKEN_LEN, 8]
     reqs = [BenchRequest(list(range(3 + i)), "text", n) for i, n in enumerate(lens)]
-    results, duration = asyncio.run(run_requests(url, "fake", reqs, [0.0, 0.0, 0.01, 0.01, 0.02],
-                                                 max_concurrency=2))
+    results, duration = asyncio.run(
+        run_requests(url, "fake", reqs, [0.0, 0.0, 0.01, 0.01, 0.02], max_concurrency=2)
+    )
     assert [r.success for r in results] == [True, False, True, False, True]
     assert results[1].error == "HTTP 400: prompt: too long for the fake"
     assert results[3].error == "error in stream: engine stopped"
@@ -268,7 +310,9 @@ def test_client_streams_times_tokens_and_reports_failures(fake_server):
             assert TOKEN_DELAY_S <= r.ttft_s <= r.latency_s < duration
             assert all(g > 0 for g in r.itl_s)
     assert results[4].start_s >= 0.02
-    body = seen[-1] if seen[-1]["max_tokens"] == 8 else next(b for b in seen if b["max_tokens"] == 8)
+    body = (
+        seen[-1] if seen[-1]["max_tokens"] == 8 else next(b for b in seen if b["max_tokens"] == 8)
+    )
     assert body["prompt"] == list(range(7)) and body["temperature"] == 0 and body["ignore_eos"]
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
 
@@ -283,7 +327,9 @@ def test_httpx_and_the_light_client_read_the_same_stream(fake_server):
         async with httpx.AsyncClient(base_url=url, trust_env=False) as client:  # the https path
             via_httpx = await send_one(client, "fake", req, False, 0.0)
             light = await send_one(client, "fake", req, False, 0.0, raw_url=url)
-            refused = await send_one(client, "fake", BenchRequest([1], "t", REFUSED_LEN), False, 0.0)
+            refused = await send_one(
+                client, "fake", BenchRequest([1], "t", REFUSED_LEN), False, 0.0
+            )
         return via_httpx, light, refused
 
     via_httpx, light, refused = asyncio.run(both())
@@ -296,12 +342,23 @@ def test_httpx_and_the_light_client_read_the_same_stream(fake_server):
 def test_run_bench_sweep_writes_table_json_and_plot(fake_server, tmp_path, capsys):
     url, _ = fake_server
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x * {i}"}) + "\n"
-                            for i in range(4)))
-    args = BenchArgs(url=url, tokenizer=str(DEMO), dataset=str(data), num_prompts=6,
-                     output_len=LengthDist(4, 0.5, 2, 8), sweep=[math.inf, 100.0],
-                     max_concurrency=3, slo_ttft_ms=1000.0, json_out=str(tmp_path / "b.json"),
-                     progress=False)
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"def f{i}(x):\n    return x * {i}"}) + "\n" for i in range(4)
+        )
+    )
+    args = BenchArgs(
+        url=url,
+        tokenizer=str(DEMO),
+        dataset=str(data),
+        num_prompts=6,
+        output_len=LengthDist(4, 0.5, 2, 8),
+        sweep=[math.inf, 100.0],
+        max_concurrency=3,
+        slo_ttft_ms=1000.0,
+        json_out=str(tmp_path / "b.json"),
+        progress=False,
+    )
     result = run_bench(args)
     assert [r["completed"] for r in result["runs"]] == [6, 6]
     assert [r["prefix_cache_reset"] for r in result["runs"]] == [True, True]  # before each run
@@ -311,7 +368,14 @@ def test_run_bench_sweep_writes_table_json_and_plot(fake_server, tmp_path, capsy
     assert saved["workload"]["request_rates"] == ["inf", 100.0]
     assert len(saved["runs"][1]["requests"]) == 6 and saved["runs"][0]["goodput"] > 0
     out = capsys.readouterr().out
-    for text in ("hardware:", "rate inf", "rate 100", "p99 TPOT (ms)", "goodput", "workload: 6 prompts"):
+    for text in (
+        "hardware:",
+        "rate inf",
+        "rate 100",
+        "p99 TPOT (ms)",
+        "goodput",
+        "workload: 6 prompts",
+    ):
         assert text in out
 
 
@@ -322,8 +386,17 @@ def test_bench_main_is_a_typer_command():
     runner = CliRunner()
     res = runner.invoke(app, ["bench", "--help"], terminal_width=200)
     assert res.exit_code == 0
-    for flag in ("--url", "--request-rate", "--max-concurrency", "--sweep", "--baseline",
-                 "--hf-batch-size", "--max-num-seqs", "--kv-cache-memory", "--slo-tpot-ms"):
+    for flag in (
+        "--url",
+        "--request-rate",
+        "--max-concurrency",
+        "--sweep",
+        "--baseline",
+        "--hf-batch-size",
+        "--max-num-seqs",
+        "--kv-cache-memory",
+        "--slo-tpot-ms",
+    ):
         assert flag in res.output
     res = runner.invoke(app, ["bench", "--num-prompts", "3"])
     assert res.exit_code == 2 and "give a MODEL" in res.output
@@ -333,9 +406,23 @@ def test_bench_main_is_a_typer_command():
 def test_serve_command_passes_only_given_engine_flags():
     args = BenchArgs(model="m", max_num_seqs=16, kv_cache_memory="256MiB")
     cmd = serve_command(args, 1234)
-    assert cmd[1:] == ["-m", "slimserve.runtime.cli", "serve", "m", "--host", "127.0.0.1",
-                       "--port", "1234", "--max-num-seqs", "16", "--kv-cache-memory", "256MiB"]
-    assert serve_command(BenchArgs(model="m", allow_failed_gate=True), 1)[-1] == "--allow-failed-gate"
+    assert cmd[1:] == [
+        "-m",
+        "slimserve.runtime.cli",
+        "serve",
+        "m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "1234",
+        "--max-num-seqs",
+        "16",
+        "--kv-cache-memory",
+        "256MiB",
+    ]
+    assert (
+        serve_command(BenchArgs(model="m", allow_failed_gate=True), 1)[-1] == "--allow-failed-gate"
+    )
     assert serve_command(BenchArgs(model="m", dtype="float32"), 1)[-2:] == ["--dtype", "float32"]
 
 
@@ -368,43 +455,68 @@ def test_a_gguf_models_baseline_dtype_and_summary_read_its_converted_folder(monk
 def test_bench_passes_pipeline_and_executor_flags_to_serve(monkeypatch):
     from slimserve.runtime.bench import driver
 
-    args = BenchArgs(model="m", tensor_parallel_size=2, pipeline_parallel_size=2,
-                     distributed_executor_backend="ray")
+    args = BenchArgs(
+        model="m",
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
     args.validate()
-    assert serve_command(args, 1)[-6:] == ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2",
-                                           "--distributed-executor-backend", "ray"]
+    assert serve_command(args, 1)[-6:] == [
+        "--tensor-parallel-size",
+        "2",
+        "--pipeline-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "ray",
+    ]
     seen = []
     monkeypatch.setattr(driver, "run_bench", lambda a: seen.append(a) or {})
-    res = CliRunner().invoke(_bench_app(), ["bench", "m", "-tp", "2", "-pp", "2",
-                                            "--distributed-executor-backend", "mp"])
+    res = CliRunner().invoke(
+        _bench_app(), ["bench", "m", "-tp", "2", "-pp", "2", "--distributed-executor-backend", "mp"]
+    )
     assert res.exit_code == 0, res.output
-    assert (seen[0].tensor_parallel_size, seen[0].pipeline_parallel_size,
-            seen[0].distributed_executor_backend) == (2, 2, "mp")
+    assert (
+        seen[0].tensor_parallel_size,
+        seen[0].pipeline_parallel_size,
+        seen[0].distributed_executor_backend,
+    ) == (2, 2, "mp")
     monkeypatch.undo()
-    for argv, words in ((["-pp", "0"], "--pipeline-parallel-size 0 must be >= 1"),
-                        (["--distributed-executor-backend", "slurm"], "'slurm' is unknown; use mp or ray")):
+    for argv, words in (
+        (["-pp", "0"], "--pipeline-parallel-size 0 must be >= 1"),
+        (["--distributed-executor-backend", "slurm"], "'slurm' is unknown; use mp or ray"),
+    ):
         res = CliRunner().invoke(_bench_app(), ["bench", "m", *argv])
-        assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, res.output
+        assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, (
+            res.output
+        )
 
 
 def test_launched_server_waits_for_health_and_stops_it(tmp_path):
     port = free_port()
-    script = ("import fastapi, uvicorn; app = fastapi.FastAPI(); app.get('/health')(lambda: {}); "
-              f"uvicorn.run(app, host='127.0.0.1', port={port}, log_level='warning')")
+    script = (
+        "import fastapi, uvicorn; app = fastapi.FastAPI(); app.get('/health')(lambda: {}); "
+        f"uvicorn.run(app, host='127.0.0.1', port={port}, log_level='warning')"
+    )
     url = f"http://127.0.0.1:{port}"
     with launched_server([sys.executable, "-c", script], url, 30, tmp_path / "s.log") as got:
         assert httpx.get(got + "/health", trust_env=False).status_code == 200
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", trust_env=False)
     boom = [sys.executable, "-c", "import sys; print('no such artifact'); sys.exit(3)"]
-    with pytest.raises(BenchError, match="exited with code 3 before it was ready: no such artifact"):
+    with pytest.raises(
+        BenchError, match="exited with code 3 before it was ready: no such artifact"
+    ):
         with launched_server(boom, url, 30, tmp_path / "b.log"):
             pass
 
 
 def test_hf_baseline_charges_static_batch_padding():
-    reqs = [BenchRequest([5, 6, 7, 8, 9], "", 2), BenchRequest(list(range(10, 17)), "", 6),
-            BenchRequest([3, 4, 5], "", 3)]
+    reqs = [
+        BenchRequest([5, 6, 7, 8, 9], "", 2),
+        BenchRequest(list(range(10, 17)), "", 6),
+        BenchRequest([3, 4, 5], "", 3),
+    ]
     hf = hf_baseline(reqs, str(DEMO), batch_size=2, device="cpu", progress=False)
     assert hf["dtype"] == "float32"  # none given
     # batch 1 runs both rows to 6 tokens (12 generated, 8 asked for); batch 2 runs 3 of 3

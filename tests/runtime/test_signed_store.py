@@ -10,8 +10,8 @@ import pytest
 import torch.distributed as dist
 
 from slimserve.runtime.distributed.group import create_store
-from slimserve.runtime.stats.rank_stats import publish_stats, read_published
 from slimserve.runtime.distributed.signed_store import ForgedMessage, SignedStore, new_secret
+from slimserve.runtime.stats.rank_stats import publish_stats, read_published
 from slimserve.runtime.worker.rank_process import HEADER, STEP, StoreChannel
 
 

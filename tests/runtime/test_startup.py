@@ -7,7 +7,6 @@ import torch
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.layers.cpu_linear import PackedLinear
 from slimserve.runtime.worker.model_runner import ModelRunner, startup_line
-
 from tests.helpers import DEMO_MODEL
 
 
@@ -15,8 +14,16 @@ def test_startup_parts_are_timed_in_order_and_logged(caplog):
     caplog.set_level("INFO", logger="slimserve.runtime.worker.model_runner")
     runner = ModelRunner(EngineConfig(model=str(DEMO_MODEL), device="cpu"))
     packed = any(isinstance(m, PackedLinear) for m in runner.model.modules())
-    warm = ["linear_warmup"] if packed else []  # oneDNN's primitives built (runtime/layers/cpu_linear.py)
-    assert list(runner.startup) == ["load", "weights", *warm, "profile", "kv_cache"]  # no graphs on CPU
+    warm = (
+        ["linear_warmup"] if packed else []
+    )  # oneDNN's primitives built (runtime/layers/cpu_linear.py)
+    assert list(runner.startup) == [
+        "load",
+        "weights",
+        *warm,
+        "profile",
+        "kv_cache",
+    ]  # no graphs on CPU
     assert all(s >= 0 for s in runner.startup.values()) and runner.startup["load"] > 0
     assert runner.activation_bytes == 0  # measured on CUDA only
     assert any("start-up: load" in r.getMessage() for r in caplog.records)
@@ -24,14 +31,19 @@ def test_startup_parts_are_timed_in_order_and_logged(caplog):
 
 def test_startup_line():
     line = startup_line({"load": 2.345, "weights": 0.1, "kv_cache": 0.05}, 3 * 2**20)
-    assert line == ("load 2.35 s, weights 0.10 s, kv cache 0.05 s, total 2.5 s; "
-                    "peak activations 3 MiB kept free of the KV cache")
+    assert line == (
+        "load 2.35 s, weights 0.10 s, kv cache 0.05 s, total 2.5 s; "
+        "peak activations 3 MiB kept free of the KV cache"
+    )
 
 
 @pytest.mark.parametrize("tokens,seqs", [(96, 8), (20, 64), (3000, 1)])
 def test_profile_batch_is_the_largest_step(tokens, seqs):
-    runner = ModelRunner(EngineConfig(model=str(DEMO_MODEL), device="cpu", max_num_seqs=seqs,
-                                      max_num_batched_tokens=tokens))
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(DEMO_MODEL), device="cpu", max_num_seqs=seqs, max_num_batched_tokens=tokens
+        )
+    )
     batch, caches = runner.profile_batch()
     rows = batch.logits_indices.shape[0]
     assert batch.input_ids.shape[0] == tokens

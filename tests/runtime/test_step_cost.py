@@ -59,7 +59,8 @@ def test_follows_a_change_of_speed():
     for p, d, c in _steps(rng, 400):  # a half-life of ~70 steps
         fit.add(slower.step_s(p, d, c), p, d, c)
     assert fit.estimate().step_s(256, 16, 16 * 400) == pytest.approx(
-        slower.step_s(256, 16, 16 * 400), rel=0.05)
+        slower.step_s(256, 16, 16 * 400), rel=0.05
+    )
 
 
 def test_a_negative_dependence_is_clamped_to_zero():
@@ -73,11 +74,19 @@ def test_a_negative_dependence_is_clamped_to_zero():
     assert got.per_prefill_token_s == pytest.approx(4e-4, rel=0.2)
 
 
-@pytest.mark.parametrize("body", [None, [], {}, {"base_s": 1.0},
-                                  dict(TRUE.as_dict(), base_s=-1.0),
-                                  dict(TRUE.as_dict(), per_decode_seq_s=True),
-                                  dict(TRUE.as_dict(), per_context_token_s=math.nan),
-                                  dict(TRUE.as_dict(), per_prefill_token_s="1")])
+@pytest.mark.parametrize(
+    "body",
+    [
+        None,
+        [],
+        {},
+        {"base_s": 1.0},
+        dict(TRUE.as_dict(), base_s=-1.0),
+        dict(TRUE.as_dict(), per_decode_seq_s=True),
+        dict(TRUE.as_dict(), per_context_token_s=math.nan),
+        dict(TRUE.as_dict(), per_prefill_token_s="1"),
+    ],
+)
 def test_a_bad_reported_cost_is_ignored(body):
     assert StepCost.from_dict(body) is None
 

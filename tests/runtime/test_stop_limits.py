@@ -18,10 +18,9 @@ from slimserve.runtime.engine.block_manager import ROOT_HASH, BlockManager, bloc
 from slimserve.runtime.engine.detokenizer import DetokenizerState
 from slimserve.runtime.engine.llm_engine import LLMEngine, _Request
 from slimserve.runtime.engine.sequence import SamplingError, SamplingParams, Sequence
+from slimserve.runtime.engine.stops import StopHoldBack, StopPrefixMatcher, find_stop, partial_stop
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.protocol import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
-from slimserve.runtime.engine.stops import StopHoldBack, StopPrefixMatcher, find_stop, partial_stop
-
 from tests.helpers.server_fakes import FakeEngine, events
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,15 +51,30 @@ class CountingStr(str):
         def method(self, *a, **kw):
             CountingStr.touched += len(self)
             return getattr(str, name)(self, *a, **kw)
+
         return method
 
-    for _name in ("endswith", "startswith", "find", "rfind", "index", "rindex", "count",
-                  "__contains__", "__iter__", "__eq__", "__hash__", "split", "partition"):
+    for _name in (
+        "endswith",
+        "startswith",
+        "find",
+        "rfind",
+        "index",
+        "rindex",
+        "count",
+        "__contains__",
+        "__iter__",
+        "__eq__",
+        "__hash__",
+        "split",
+        "partition",
+    ):
         locals()[_name] = _whole(_name)
     del _name, _whole
 
 
 # -- limits ----------------------------------------------------------------------------------------
+
 
 def test_limits_are_generous_but_bounded():
     assert 4 <= MAX_STOP_STRINGS <= 256 and 64 <= MAX_STOP_STRING_CHARS <= 4096
@@ -71,39 +85,53 @@ def test_limits_are_generous_but_bounded():
         SamplingParams(stop=["x" * (MAX_STOP_STRING_CHARS + 1)])
 
 
-@pytest.mark.parametrize("endpoint,extra", [
-    ("completions", {"prompt": "hi"}),
-    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+@pytest.mark.parametrize(
+    "endpoint,extra",
+    [
+        ("completions", {"prompt": "hi"}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
 def test_too_many_or_too_long_stop_strings_get_a_400_naming_the_limit(client, endpoint, extra):
-    for stop, limit in [([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], MAX_STOP_STRINGS),
-                        (["y" * (MAX_STOP_STRING_CHARS + 1)], MAX_STOP_STRING_CHARS)]:
+    for stop, limit in [
+        ([f"s{i}" for i in range(MAX_STOP_STRINGS + 1)], MAX_STOP_STRINGS),
+        (["y" * (MAX_STOP_STRING_CHARS + 1)], MAX_STOP_STRING_CHARS),
+    ]:
         r = client.post(f"/v1/{endpoint}", json={**extra, "max_tokens": 3, "stop": stop})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "stop" and str(limit) in err["message"], err
-    r = client.post(f"/v1/{endpoint}", json={**extra, "max_tokens": 3,
-                                             "stop": ["z" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS})
+    r = client.post(
+        f"/v1/{endpoint}",
+        json={**extra, "max_tokens": 3, "stop": ["z" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS},
+    )
     assert r.status_code == 200, r.text
 
 
 def test_stop_token_ids_are_a_set(client):
     p = SamplingParams(stop_token_ids=[5, 7, 5])
     assert isinstance(p.stop_token_ids, frozenset) and p.stop_token_ids == {5, 7}
-    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stop_token_ids": [99, 99]})
+    r = client.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 8, "stop_token_ids": [99, 99]}
+    )
     assert r.json()["choices"][0]["stop_reason"] == 99
 
 
 # -- the stream's held-back text ----------------------------------------------------------------
 
+
 def test_held_back_text_matches_the_definition_across_random_chunkings():
     rng = random.Random(0)
     for _ in range(300):
-        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        stops = [
+            "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+            for _ in range(rng.randint(1, 4))
+        ]
         text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
         m, fed = StopPrefixMatcher(stops), 0
         while fed < len(text):
             step = rng.randint(1, 9)
-            held = m.feed(text[fed:fed + step])
+            held = m.feed(text[fed : fed + step])
             fed = min(len(text), fed + step)
             assert held == _brute_partial(text[:fed], stops), (stops, text[:fed])
         assert partial_stop(text, stops) == _brute_partial(text, stops)
@@ -111,8 +139,15 @@ def test_held_back_text_matches_the_definition_across_random_chunkings():
 
 def test_stop_string_straddling_chunks_is_held_back_then_cut(client):
     # The fake engine emits one letter per token: 'de' | 'f' | 'gh' arrive in separate chunks.
-    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 12, "stream": True,
-                                             "stop": ["xyz", "defgh", "q" * 500]})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "prompt": "hi",
+            "max_tokens": 12,
+            "stream": True,
+            "stop": ["xyz", "defgh", "q" * 500],
+        },
+    )
     chunks = events(r.text)[:-1]
     texts = [c["choices"][0]["text"] for c in chunks]
     assert "".join(texts) == "abc"
@@ -125,7 +160,9 @@ def test_stop_string_straddling_chunks_is_held_back_then_cut(client):
 
 def test_held_back_text_reads_only_the_new_text_per_chunk():
     """100-char chunks, 64 stop strings of 1024 characters: each chunk reads ~its new text."""
-    stops = [("ab" * 600)[:MAX_STOP_STRING_CHARS - 1] + str(i % 10) for i in range(MAX_STOP_STRINGS)]
+    stops = [
+        ("ab" * 600)[: MAX_STOP_STRING_CHARS - 1] + str(i % 10) for i in range(MAX_STOP_STRINGS)
+    ]
     hold = StopHoldBack(stops)
     text, chunk = "", "ab" * 50
     for _ in range(60):
@@ -133,13 +170,16 @@ def test_held_back_text_reads_only_the_new_text_per_chunk():
         CountingStr.touched = 0
         hold.take(CountingStr(text), False)
         # the new text once for the matcher, once (at most) for the emitted delta
-        assert CountingStr.touched <= 2 * len(chunk) + 2 * MAX_STOP_STRING_CHARS, CountingStr.touched
+        assert CountingStr.touched <= 2 * len(chunk) + 2 * MAX_STOP_STRING_CHARS, (
+            CountingStr.touched
+        )
         assert len(text) - hold.sent == _brute_partial(text[-MAX_STOP_STRING_CHARS:], stops[:1])
     # Automaton work: amortized O(new characters x stops), not O(stop length^2) per chunk.
     assert hold._matcher.steps <= 2 * len(text) * MAX_STOP_STRINGS
 
 
 # -- the engine's stop search ----------------------------------------------------------------------
+
 
 def test_find_stop_searches_only_the_new_text_and_the_longest_stops_tail():
     stops = ["q" * 1000, "hello world"]
@@ -188,6 +228,7 @@ def test_engine_stop_check_uses_the_bounded_window(monkeypatch):
 
 
 # -- prefix-cache hashes ---------------------------------------------------------------------------
+
 
 def test_block_hashes_are_chained_sha256_digests():
     tokens = (1, 2, 3, 50_000)

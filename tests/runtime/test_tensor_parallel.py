@@ -17,12 +17,11 @@ import torch
 from typer.testing import CliRunner
 
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.worker.executor import WorkerDiedError
 from slimserve.runtime.distributed.sharding import check_tensor_parallel
+from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.llm import LLM
 from slimserve.runtime.models.llama import model_spec
-from slimserve.runtime.engine.sequence import SamplingParams
-
+from slimserve.runtime.worker.executor import WorkerDiedError
 from tests.helpers import DEMO_MODEL
 from tests.helpers.metrics_text import step_metrics
 
@@ -34,7 +33,7 @@ def _prompts(n: int = 16) -> list[str]:
     from slimserve.runtime.corpus import read_texts
 
     texts = [t for t in read_texts("validation") if len(t) > 200]
-    return [t[i * 37 % 150: i * 37 % 150 + 40 + 7 * i] for i, t in enumerate(texts[:n])]
+    return [t[i * 37 % 150 : i * 37 % 150 + 40 + 7 * i] for i, t in enumerate(texts[:n])]
 
 
 def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
@@ -44,7 +43,9 @@ def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 def _compare(one: list[list[int]], two: list[list[int]], params) -> None:
     assert len(one) == len(two) and all(len(t) == params.max_tokens for t in one)
     for i, (a, b) in enumerate(zip(one, two)):
-        assert a == b, f"prompt {i}: tensor-parallel tokens differ at {next(j for j in range(len(a)) if a[j] != b[j])}"
+        assert a == b, (
+            f"prompt {i}: tensor-parallel tokens differ at {next(j for j in range(len(a)) if a[j] != b[j])}"
+        )
 
 
 def _same_tokens_as_one_process(path, prompts, params=GREEDY):
@@ -116,7 +117,11 @@ def test_tp2_by_pp2_generates_the_tokens_of_one_process(demo_reference):
     llm = LLM(str(DEMO_MODEL), **ENGINE, tensor_parallel_size=2, pipeline_parallel_size=2)
     try:
         runner = llm.engine.runner
-        assert runner.model.spec.num_layers == 2 and runner.kv_heads == 1 and runner.tp_group is not None
+        assert (
+            runner.model.spec.num_layers == 2
+            and runner.kv_heads == 1
+            and runner.tp_group is not None
+        )
         two = _tokens(llm, prompts)
     finally:
         llm.shutdown()
@@ -131,13 +136,24 @@ def test_stage_layer_ranges_and_micro_batches():
     assert stage_layers(5, 3) == [range(2), range(2, 4), range(4, 5)]
     with pytest.raises(ValueError, match="at most 4"):
         stage_layers(4, 5)
-    batch = prepare_batch([[5, 6, 7], [9], [1, 2]], [0, 20, 3], [[3], [1, 4], [2]], [True, False, True],
-                          16, torch.device("cpu"))
+    batch = prepare_batch(
+        [[5, 6, 7], [9], [1, 2]],
+        [0, 20, 3],
+        [[3], [1, 4], [2]],
+        [True, False, True],
+        16,
+        torch.device("cpu"),
+    )
     a, b = split_batch(batch)
-    assert a.input_ids.tolist() == [5, 6, 7] and a.logits_indices.tolist() == [2] and not a.decode_only
+    assert (
+        a.input_ids.tolist() == [5, 6, 7] and a.logits_indices.tolist() == [2] and not a.decode_only
+    )
     assert b.input_ids.tolist() == [9, 1, 2] and b.cu_seqlens_q.tolist() == [0, 1, 3]
     assert b.logits_indices.tolist() == [2] and b.max_context_len == 21 and b.max_q_len == 2
-    assert b.block_tables.tolist() == [[1, 4], [2, 0]] and b.slot_mapping.tolist() == batch.slot_mapping[3:].tolist()
+    assert (
+        b.block_tables.tolist() == [[1, 4], [2, 0]]
+        and b.slot_mapping.tolist() == batch.slot_mapping[3:].tolist()
+    )
 
 
 def _gptq_artifact(out, act_order: bool, fmt: str = "gptq", base=DEMO_MODEL, args=None):
@@ -163,13 +179,17 @@ def _gptq_artifact(out, act_order: bool, fmt: str = "gptq", base=DEMO_MODEL, arg
                     gen = torch.Generator().manual_seed(i)
                     g_idx = (torch.argsort(torch.randperm(k, generator=gen)) // 64).to(torch.int32)
                     scale, zp = compute_qparams(mod.weight, a, mod.weight.dtype, g_idx)
-                    qw = QuantizedWeight(quantize(mod.weight, scale, zp, a, g_idx.long()), scale, zp, g_idx, a)
+                    qw = QuantizedWeight(
+                        quantize(mod.weight, scale, zp, a, g_idx.long()), scale, zp, g_idx, a
+                    )
                 else:
                     qw = quantize_weight(mod.weight, args)
                 quantized[name] = qw
                 mod.weight.copy_(qw.dequantize(torch.bfloat16))
     tok = AutoTokenizer.from_pretrained(base)
-    return export_artifact(fmt, copy.deepcopy(model), tok, quantized, out, ArtifactManifest(base_model="demo"))
+    return export_artifact(
+        fmt, copy.deepcopy(model), tok, quantized, out, ArtifactManifest(base_model="demo")
+    )
 
 
 def test_gptq_w4a16_tp2_generates_the_tokens_of_one_process(tmp_path):
@@ -179,11 +199,13 @@ def test_gptq_w4a16_tp2_generates_the_tokens_of_one_process(tmp_path):
 @pytest.mark.slow
 def test_act_order_gptq_tp2_keeps_every_group_and_generates_the_same_tokens(tmp_path):
     path = _gptq_artifact(tmp_path / "gptq-act", act_order=True)
-    _same_tokens_as_one_process(path, _prompts(4), SamplingParams(max_tokens=24, temperature=0.0,
-                                                                  ignore_eos=True))
+    _same_tokens_as_one_process(
+        path, _prompts(4), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
 
 
 # -- each rank's slices, without processes ------------------------------------------------------
+
 
 def _weight(m) -> torch.Tensor:
     from slimserve.runtime.layers.quant_linear import QuantLinear
@@ -211,11 +233,19 @@ def _rank_model(path, rank: int):
     return build_model(path, torch.float32, torch.device("cpu"), verify="none", shard=shard).model
 
 
-@pytest.mark.parametrize("fmt,act_order,w8", [("compressed-tensors", False, False), ("compressed-tensors", True, False),
-                                              ("compressed-tensors", False, True), ("gptq", True, False),
-                                              ("awq", False, False)])
-def test_rank_slices_of_quantized_formats_put_together_are_the_full_weights(tiny_checkpoint, tmp_path,
-                                                                          fmt, act_order, w8):
+@pytest.mark.parametrize(
+    "fmt,act_order,w8",
+    [
+        ("compressed-tensors", False, False),
+        ("compressed-tensors", True, False),
+        ("compressed-tensors", False, True),
+        ("gptq", True, False),
+        ("awq", False, False),
+    ],
+)
+def test_rank_slices_of_quantized_formats_put_together_are_the_full_weights(
+    tiny_checkpoint, tmp_path, fmt, act_order, w8
+):
     """W4 groups of 64 (asymmetric: zero points packed along N), act-order, and W8A16 per channel
     (scales [N, 1]: split with the rows of column-parallel layers, whole on row-parallel ones)."""
     from slimserve.runtime.artifact.scheme import QuantArgs
@@ -234,35 +264,61 @@ def test_rank_slices_of_quantized_formats_put_together_are_the_full_weights(tiny
         gate_up = _fused(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"))
         for r, m in enumerate(ranks):
             mine = m.model.layers[i]
-            want_qkv = torch.cat([qkv[r * q // 2:(r + 1) * q // 2], qkv[q + r * kv // 2:q + (r + 1) * kv // 2],
-                                  qkv[q + kv + r * kv // 2:q + kv + (r + 1) * kv // 2]])
-            assert torch.equal(_fused(mine.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")), want_qkv)
-            assert torch.equal(_weight(mine.self_attn.o_proj), _weight(layer.self_attn.o_proj)[:, r * q // 2:(r + 1) * q // 2])
-            want_gu = torch.cat([gate_up[r * inter // 2:(r + 1) * inter // 2],
-                                 gate_up[inter + r * inter // 2:inter + (r + 1) * inter // 2]])
+            want_qkv = torch.cat(
+                [
+                    qkv[r * q // 2 : (r + 1) * q // 2],
+                    qkv[q + r * kv // 2 : q + (r + 1) * kv // 2],
+                    qkv[q + kv + r * kv // 2 : q + kv + (r + 1) * kv // 2],
+                ]
+            )
+            assert torch.equal(
+                _fused(mine.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")), want_qkv
+            )
+            assert torch.equal(
+                _weight(mine.self_attn.o_proj),
+                _weight(layer.self_attn.o_proj)[:, r * q // 2 : (r + 1) * q // 2],
+            )
+            want_gu = torch.cat(
+                [
+                    gate_up[r * inter // 2 : (r + 1) * inter // 2],
+                    gate_up[inter + r * inter // 2 : inter + (r + 1) * inter // 2],
+                ]
+            )
             assert torch.equal(_fused(mine.mlp, "gate_up_proj", ("gate_proj", "up_proj")), want_gu)
-            assert torch.equal(_weight(mine.mlp.down_proj), _weight(layer.mlp.down_proj)[:, r * inter // 2:(r + 1) * inter // 2])
+            assert torch.equal(
+                _weight(mine.mlp.down_proj),
+                _weight(layer.mlp.down_proj)[:, r * inter // 2 : (r + 1) * inter // 2],
+            )
     v = -(-full.spec.vocab_size // 2)  # vocabulary rows per rank, the last shard zero-padded
     for r, m in enumerate(ranks):
-        rows = full.model.embed_tokens.weight[r * v:(r + 1) * v]
-        assert torch.equal(m.model.embed_tokens.weight[:rows.shape[0]], rows)
-        assert torch.equal(m.lm_head.weight[:rows.shape[0]], full.lm_head.weight[r * v:(r + 1) * v])
+        rows = full.model.embed_tokens.weight[r * v : (r + 1) * v]
+        assert torch.equal(m.model.embed_tokens.weight[: rows.shape[0]], rows)
+        assert torch.equal(
+            m.lm_head.weight[: rows.shape[0]], full.lm_head.weight[r * v : (r + 1) * v]
+        )
 
 
 def test_a_batch_travels_as_one_header_and_one_int64_payload():
     from slimserve.runtime.batch import prepare_batch
     from slimserve.runtime.worker.rank_process import HEADER, pack_batch, unpack_batch
 
-    batch = prepare_batch([[5, 6, 7], [9]], [0, 20], [[3], [1, 4]], [True, True], 16, torch.device("cpu"))
+    batch = prepare_batch(
+        [[5, 6, 7], [9]], [0, 20], [[3], [1, 4]], [True, True], 16, torch.device("cpu")
+    )
     header, payload = pack_batch(batch)
     assert len(header) == HEADER.size and payload.dtype == torch.int64
     back = unpack_batch(HEADER.unpack(header), payload.clone())
     for name, want in vars(batch).items():
         got = getattr(back, name)
-        assert (torch.equal(got, want) and got.dtype == want.dtype) if isinstance(want, torch.Tensor) else got == want
+        assert (
+            (torch.equal(got, want) and got.dtype == want.dtype)
+            if isinstance(want, torch.Tensor)
+            else got == want
+        )
 
 
 # -- sizes the model cannot take: refused before anything loads --------------------------------
+
 
 def _demo_spec():
     from transformers import AutoConfig
@@ -270,12 +326,18 @@ def _demo_spec():
     return model_spec(AutoConfig.from_pretrained(DEMO_MODEL))  # 6 heads, 2 KV heads, I = 1024
 
 
-@pytest.mark.parametrize("tp,qc,words", [
-    (4, None, ["4", "num_attention_heads 6"]),
-    (3, None, ["3", "2 KV heads"]),
-    (2, {"quant_method": "gptq", "bits": 4, "group_size": 128},
-     ["o_proj", "192", "group_size 128"]),
-])
+@pytest.mark.parametrize(
+    "tp,qc,words",
+    [
+        (4, None, ["4", "num_attention_heads 6"]),
+        (3, None, ["3", "2 KV heads"]),
+        (
+            2,
+            {"quant_method": "gptq", "bits": 4, "group_size": 128},
+            ["o_proj", "192", "group_size 128"],
+        ),
+    ],
+)
 def test_sizes_that_split_heads_gqa_or_quant_groups_are_refused(tp, qc, words):
     with pytest.raises(ValueError) as e:
         check_tensor_parallel(_demo_spec(), tp, qc)
@@ -287,31 +349,46 @@ def test_cli_refuses_a_bad_size_with_one_line_and_exit_2():
     from slimserve.runtime.cli import app
 
     t0 = time.monotonic()
-    r = CliRunner().invoke(app, ["generate", str(DEMO_MODEL), "-p", "x", "--device", "cpu",
-                                 "--tensor-parallel-size", "4"])
+    r = CliRunner().invoke(
+        app,
+        ["generate", str(DEMO_MODEL), "-p", "x", "--device", "cpu", "--tensor-parallel-size", "4"],
+    )
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "num_attention_heads 6" in lines[0]
     assert time.monotonic() - t0 < 30  # refused from config.json, no worker started
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model=str(DEMO_MODEL), tensor_parallel_size=0)
-    r = CliRunner().invoke(app, ["generate", str(DEMO_MODEL), "-p", "x", "--device", "cpu", "-pp", "5"])
+    r = CliRunner().invoke(
+        app, ["generate", str(DEMO_MODEL), "-p", "x", "--device", "cpu", "-pp", "5"]
+    )
     assert r.exit_code == 2 and "5 stages for 4 layers" in r.output, r.output
     with pytest.raises(ValueError, match="distributed_executor_backend"):
-        EngineConfig(model=str(DEMO_MODEL), tensor_parallel_size=2, distributed_executor_backend="slurm")
+        EngineConfig(
+            model=str(DEMO_MODEL), tensor_parallel_size=2, distributed_executor_backend="slurm"
+        )
 
 
 # -- per-rank memory and collective time: /metrics and runtime bench ---------------------------
+
 
 def _rank_samples(text: str) -> dict[tuple[str, str], float]:
     """(sample name, rank) -> value of every series labelled `rank` in a /metrics text."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {(s.name, s.labels["rank"]): s.value for f in text_string_to_metric_families(text)
-            for s in f.samples if "rank" in s.labels}
+    return {
+        (s.name, s.labels["rank"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if "rank" in s.labels
+    }
 
 
-GAUGES = ("slimserve:rank_weight_bytes", "slimserve:rank_kv_cache_bytes", "slimserve:rank_memory_bytes")
+GAUGES = (
+    "slimserve:rank_weight_bytes",
+    "slimserve:rank_kv_cache_bytes",
+    "slimserve:rank_memory_bytes",
+)
 CALLS, SECONDS = "slimserve:tp_collective_calls_total", "slimserve:tp_collective_seconds_total"
 
 
@@ -321,9 +398,8 @@ def test_metrics_of_a_tp2_server_report_each_rank_and_the_collectives(demo_tp2):
     from fastapi.testclient import TestClient
 
     from slimserve.runtime.engine.async_engine import AsyncEngine
-    from slimserve.runtime.stats.rank_stats import rss_bytes
     from slimserve.runtime.server.app import build_app
-
+    from slimserve.runtime.stats.rank_stats import rss_bytes
     from tests.helpers.live_server import wait_for
 
     runner = demo_tp2.engine.runner
@@ -345,19 +421,26 @@ def test_metrics_of_a_tp2_server_report_each_rank_and_the_collectives(demo_tp2):
         # rank 0: at least 8 steps of 10 collectives each (2 per layer, embedding, logits gather)
         assert after[(CALLS, "0")] - before[(CALLS, "0")] >= 8 * 10
         assert after[(SECONDS, "0")] > before[(SECONDS, "0")]
-        wait_for(lambda: _rank_samples(c.get("/metrics").text)[(CALLS, "1")] - before[(CALLS, "1")] >= 8 * 10,
-                 timeout=15, what="rank 1's published collective counters")
+        wait_for(
+            lambda: (
+                _rank_samples(c.get("/metrics").text)[(CALLS, "1")] - before[(CALLS, "1")] >= 8 * 10
+            ),
+            timeout=15,
+            what="rank 1's published collective counters",
+        )
         assert _rank_samples(c.get("/metrics").text)[(SECONDS, "1")] > before[(SECONDS, "1")]
 
 
 def test_one_process_reports_rank_0_only_without_collectives():
     from slimserve.runtime.server.metrics import ServerMetrics
-
     from tests.helpers.server_fakes import FakeEngine
 
     samples = _rank_samples(ServerMetrics(FakeEngine()).render().decode())
-    assert samples == {("slimserve:rank_weight_bytes", "0"): 2**20, ("slimserve:rank_kv_cache_bytes", "0"): 2**19,
-                       ("slimserve:rank_memory_bytes", "0"): 2**26}
+    assert samples == {
+        ("slimserve:rank_weight_bytes", "0"): 2**20,
+        ("slimserve:rank_kv_cache_bytes", "0"): 2**19,
+        ("slimserve:rank_memory_bytes", "0"): 2**26,
+    }
 
     class Broken(FakeEngine):
         def rank_stats(self):
@@ -367,8 +450,12 @@ def test_one_process_reports_rank_0_only_without_collectives():
     assert "slimserve:num_requests_running" in text and not _rank_samples(text)
 
 
-BREAKDOWN_BEFORE = step_metrics(10, {"forward": 0.5, "sample": 0.1}, collectives={"0": (0.2, 100.0), "1": (7.0, 900.0)})
-BREAKDOWN_AFTER = step_metrics(30, {"forward": 1.3, "sample": 0.3}, collectives={"0": (0.6, 300.0), "1": (9.0, 5000.0)})
+BREAKDOWN_BEFORE = step_metrics(
+    10, {"forward": 0.5, "sample": 0.1}, collectives={"0": (0.2, 100.0), "1": (7.0, 900.0)}
+)
+BREAKDOWN_AFTER = step_metrics(
+    30, {"forward": 1.3, "sample": 0.3}, collectives={"0": (0.6, 300.0), "1": (9.0, 5000.0)}
+)
 
 
 def test_bench_breakdown_reports_rank_0s_collective_time_per_step():
@@ -388,10 +475,16 @@ def test_bench_breakdown_reports_rank_0s_collective_time_per_step():
     out = console.export_text()
     assert "collectives, rank 0 (10/step; part of forward)" in out and "40.0%" in out
     one_process = BREAKDOWN_AFTER.split("# HELP slimserve:tp_collective_seconds")[0]
-    assert step_breakdown(parse_step_totals(one_process), parse_step_totals(one_process))["collectives"] is None
+    assert (
+        step_breakdown(parse_step_totals(one_process), parse_step_totals(one_process))[
+            "collectives"
+        ]
+        is None
+    )
 
 
 # -- a worker that dies ------------------------------------------------------------------------
+
 
 def test_a_killed_worker_fails_the_engine_with_its_rank_and_health_turns_503(demo_tp2):
     """Last in the module: it kills the shared engine's worker."""
@@ -422,18 +515,23 @@ def test_a_killed_worker_fails_the_engine_with_its_rank_and_health_turns_503(dem
 
 # -- the ray executor (optional extra): the same worker code as Ray actors ---------------------
 
+
 @pytest.mark.slow  # a local Ray cluster starts in ~15 s on a loaded 2-core machine
 def test_ray_executor_gives_the_same_tokens_and_names_a_killed_actor(demo_reference):
     ray = pytest.importorskip("ray")
     prompts, one = demo_reference
     try:
-        tp = LLM(str(DEMO_MODEL), **ENGINE, tensor_parallel_size=2, distributed_executor_backend="ray")
+        tp = LLM(
+            str(DEMO_MODEL), **ENGINE, tensor_parallel_size=2, distributed_executor_backend="ray"
+        )
         try:
             _compare(one, _tokens(tp, prompts), GREEDY)
         finally:
             tp.shutdown()
         few = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-        pp = LLM(str(DEMO_MODEL), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray")
+        pp = LLM(
+            str(DEMO_MODEL), **ENGINE, pipeline_parallel_size=2, distributed_executor_backend="ray"
+        )
         try:
             _compare([t[:16] for t in one[:4]], _tokens(pp, prompts[:4], few), few)
             ray.kill(pp.engine.runner.executor.actors[0])
@@ -446,6 +544,7 @@ def test_ray_executor_gives_the_same_tokens_and_names_a_killed_actor(demo_refere
 
 
 # -- listening sockets: a single-host TP server exposes nothing but its API port -------------------
+
 
 def _pid_tree(pid: int) -> set[int]:
     """`pid` and every process below it (from /proc/<pid>/task/*/children)."""
@@ -496,7 +595,7 @@ def _listening(pids: set[int]) -> list[tuple[str, int]]:
 def _loopback(addr: str) -> bool:
     if "." in addr:
         return addr.startswith("127.")
-    words = [addr[i:i + 8] for i in range(0, 32, 8)]  # four little-endian 32-bit words
+    words = [addr[i : i + 8] for i in range(0, 32, 8)]  # four little-endian 32-bit words
     v6 = b"".join(bytes.fromhex(w)[::-1] for w in words)
     return v6 == bytes(15) + b"\x01" or (v6[:12] == bytes(10) + b"\xff\xff" and v6[12] == 127)
 
@@ -513,24 +612,51 @@ def test_a_single_host_tp2_server_listens_on_nothing_but_its_api_port(tmp_path):
 
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "slimserve.runtime.cli", "serve", str(DEMO_MODEL),
-                             "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "16MiB",
-                             "--tensor-parallel-size", "2", "--host", "0.0.0.0", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "slimserve.runtime.cli",
+            "serve",
+            str(DEMO_MODEL),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "16MiB",
+            "--tensor-parallel-size",
+            "2",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 240
         while True:
             assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "the TP=2 server did not come up"
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2,
-                             trust_env=False).status_code == 200:
+                if (
+                    httpx.get(
+                        f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False
+                    ).status_code
+                    == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", trust_env=False, timeout=60,
-                       json={"prompt": "hello", "max_tokens": 4})  # the ranks have talked
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            trust_env=False,
+            timeout=60,
+            json={"prompt": "hello", "max_tokens": 4},
+        )  # the ranks have talked
         assert r.status_code == 200, r.text
         pids = _pid_tree(proc.pid)
         assert len(pids) >= 2  # the server and its rank-1 worker

@@ -15,16 +15,15 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from slimserve.runtime.engine.async_engine import AsyncEngine
-from slimserve.runtime.engine.block_manager import BlockManager
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.disagg.protocol import KV_HEADER, PREFILL_HEADER
 from slimserve.runtime.disagg.segment import MAGIC, new_name, read_segment, write_segment
+from slimserve.runtime.engine.async_engine import AsyncEngine
+from slimserve.runtime.engine.block_manager import BlockManager
 from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.engine.sequence import SamplingParams, Sequence
 from slimserve.runtime.server.app import build_app
 from slimserve.runtime.server.trust import INTERNAL_KEY_HEADER
-
 from tests.helpers.live_server import serve_in_thread
 from tests.helpers.server_fakes import FakeEngine
 
@@ -33,7 +32,7 @@ DEMO = Path(__file__).resolve().parents[2] / "recipes" / "demo-model"
 CFG = dict(model=str(DEMO), device="cpu", kv_cache_memory=8 * 2**20)
 KEY = "test-internal-key"
 IK = {INTERNAL_KEY_HEADER: KEY}
-TEXT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    " * 3
+TEXT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    ' * 3
 
 
 @pytest.fixture(autouse=True)
@@ -51,11 +50,13 @@ def _err(r: httpx.Response, status: int) -> dict:
 
 
 def _complete(url: str, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json=body, headers=headers or {}, trust_env=False,
-                      timeout=120)
+    return httpx.post(
+        url + "/v1/completions", json=body, headers=headers or {}, trust_env=False, timeout=120
+    )
 
 
 # -- the internal credential ---------------------------------------------------------------------
+
 
 def test_a_server_with_default_flags_refuses_every_internal_call():
     """Without --internal-key nothing writes or reads KV segments or administers the server,
@@ -66,13 +67,20 @@ def test_a_server_with_default_flags_refuses_every_internal_call():
         assert err["code"] == "internal_key_required" and "--internal-key" in err["message"]
         _err(c.get(f"/kv_segments/{new_name()}", headers=bearer), 403)
         for header in ({KV_HEADER: new_name()}, {PREFILL_HEADER: "1"}):
-            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                       headers={**bearer, **header})
+            r = c.post(
+                "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 2},
+                headers={**bearer, **header},
+            )
             assert "is internal" in _err(r, 403)["message"]
         for route in ("/reset_prefix_cache", "/start_profile", "/stop_profile"):
             _err(c.post(route, headers=bearer), 403)
-        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                      headers=bearer).status_code == 200  # ordinary requests are served
+        assert (
+            c.post(
+                "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=bearer
+            ).status_code
+            == 200
+        )  # ordinary requests are served
 
 
 def test_a_wrong_or_missing_internal_key_is_401():
@@ -80,17 +88,25 @@ def test_a_wrong_or_missing_internal_key_is_401():
         for headers in ({}, {INTERNAL_KEY_HEADER: "guess"}, {"Authorization": f"Bearer {KEY}"}):
             err = _err(c.post("/kv_segments", content=MAGIC + b"x", headers=headers), 401)
             assert err["code"] == "invalid_internal_key"
-            _err(c.post("/v1/completions", json={"prompt": "hi"},
-                        headers={**headers, KV_HEADER: new_name()}), 401)
+            _err(
+                c.post(
+                    "/v1/completions",
+                    json={"prompt": "hi"},
+                    headers={**headers, KV_HEADER: new_name()},
+                ),
+                401,
+            )
 
 
 # -- prefix-cache poisoning ----------------------------------------------------------------------
 
+
 def _forged_segment(prompt: list[int], other: list[int]) -> bytes:
     """A well-formed segment holding `other`'s K/V under `prompt`'s token ids (same length)."""
     engine = LLMEngine(EngineConfig(**CFG))
-    seq = engine.make_sequence("forge", other, SamplingParams(max_tokens=1, temperature=0,
-                                                              ignore_eos=True))
+    seq = engine.make_sequence(
+        "forge", other, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    )
     name = new_name()
     engine.add_sequence(seq, kv_export=name)
     while engine.has_unfinished():
@@ -113,10 +129,14 @@ def decode_pair():
     """Two decode servers of the demo model: one with default flags, one with an internal key."""
     with ExitStack() as stack:
         plain = build_app(AsyncEngine(LLMEngine(EngineConfig(**CFG))), role="decode")
-        keyed = build_app(AsyncEngine(LLMEngine(EngineConfig(**CFG))), role="decode",
-                          internal_key=KEY)
-        yield (stack.enter_context(serve_in_thread(plain, 60)),
-               stack.enter_context(serve_in_thread(keyed, 60)), keyed)
+        keyed = build_app(
+            AsyncEngine(LLMEngine(EngineConfig(**CFG))), role="decode", internal_key=KEY
+        )
+        yield (
+            stack.enter_context(serve_in_thread(plain, 60)),
+            stack.enter_context(serve_in_thread(keyed, 60)),
+            keyed,
+        )
 
 
 def test_a_forged_segment_does_not_change_another_clients_output(decode_pair, kv_dir):
@@ -176,6 +196,7 @@ def test_imported_blocks_are_registered_only_under_their_own_salt():
 
 # -- cache_salt ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def colocated():
     with serve_in_thread(build_app(AsyncEngine(LLMEngine(EngineConfig(**CFG)))), 60) as url:
@@ -198,7 +219,9 @@ def test_cache_salt_keeps_tenants_prefix_blocks_apart(colocated):
     assert cached("tenant-b") == 0 and cached(None) == 0  # other tenants and unsalted: not
     assert cached(None) == 64
     for bad in ("", "x" * 257, 5):
-        err = _err(_complete(colocated, {"prompt": prompt, "max_tokens": 2, "cache_salt": bad}), 400)
+        err = _err(
+            _complete(colocated, {"prompt": prompt, "max_tokens": 2, "cache_salt": bad}), 400
+        )
         assert err["param"] == "cache_salt"
 
 
@@ -213,11 +236,16 @@ def test_require_cache_salt_refuses_requests_without_one():
 
 # -- bounded segment storage -----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def decode_small():
     """A decode server with the default store limits and a short body timeout."""
-    app = build_app(AsyncEngine(LLMEngine(EngineConfig(**CFG))), role="decode", internal_key=KEY,
-                    body_timeout_s=1.0)
+    app = build_app(
+        AsyncEngine(LLMEngine(EngineConfig(**CFG))),
+        role="decode",
+        internal_key=KEY,
+        body_timeout_s=1.0,
+    )
     with serve_in_thread(app, 60) as url:
         yield url, app.state.serving
 
@@ -250,8 +278,9 @@ def test_the_segment_count_is_bounded_too(kv_dir):
 
     app.state.serving.engine.kv_segments = SegmentRegistry()
     with TestClient(app) as c:
-        codes = [c.post("/kv_segments", content=MAGIC + b"x", headers=IK).status_code
-                 for _ in range(5)]
+        codes = [
+            c.post("/kv_segments", content=MAGIC + b"x", headers=IK).status_code for _ in range(5)
+        ]
     assert codes == [201, 201, 201, 503, 503] and len(list(kv_dir.iterdir())) == 3
     app.state.serving.engine.kv_segments.close()
 
@@ -260,8 +289,12 @@ def test_a_stalled_upload_is_cut_off_by_the_body_timeout(decode_small, kv_dir):
     url, _ = decode_small
     port = int(url.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(f"POST /kv_segments HTTP/1.1\r\nHost: t\r\nContent-Length: {2**20}\r\n"
-                  f"{INTERNAL_KEY_HEADER}: {KEY}\r\n\r\n".encode() + MAGIC + bytes(65536))
+        s.sendall(
+            f"POST /kv_segments HTTP/1.1\r\nHost: t\r\nContent-Length: {2**20}\r\n"
+            f"{INTERNAL_KEY_HEADER}: {KEY}\r\n\r\n".encode()
+            + MAGIC
+            + bytes(65536)
+        )
         s.settimeout(60)  # the body never completes: only the server's timeout can answer
         answer = b""
         while b"\r\n\r\n" not in answer:

@@ -57,8 +57,15 @@ class Curves:
         else:
             att, thr = min(1.0, max(0.0, 2 - rate / knee)) if knee > 0 else 0.0, min(rate, top)
         lat = {"mean": 10.0, "median": 10.0, "p99": 100.0 * (2 - att)}
-        return {"attainment": att, "request_throughput": thr, "completed": n, "failed": 0,
-                "output_throughput": 30 * thr, "ttft_ms": lat, "tpot_ms": dict(lat)}
+        return {
+            "attainment": att,
+            "request_throughput": thr,
+            "completed": n,
+            "failed": 0,
+            "output_throughput": 30 * thr,
+            "ttft_ms": lat,
+            "tpot_ms": dict(lat),
+        }
 
 
 S = Setting(32, 512)
@@ -116,8 +123,9 @@ def test_a_prior_bracket_narrows_the_search_and_a_wrong_one_still_brackets():
 
     assert guided.bracket[0] <= 3.3 < guided.bracket[1]
     assert width(guided) < width(plain) / 4
-    inherited = find_goodput(curves, S, num_prompts=8, target=1.0, steps=1,
-                             prior=prior(3.0, 3.5), inherit=True)  # one more bisection step
+    inherited = find_goodput(
+        curves, S, num_prompts=8, target=1.0, steps=1, prior=prior(3.0, 3.5), inherit=True
+    )  # one more bisection step
     assert [p.rate for p in inherited.probes] == [3.25] and inherited.bracket == (3.25, 3.5)
     for lo, hi in ((0.3, 0.5), (9.0, 10.0)):  # far below / above: walk out until it flips
         e = find_goodput(curves, S, num_prompts=8, target=1.0, steps=6, prior=prior(lo, hi))
@@ -125,10 +133,17 @@ def test_a_prior_bracket_narrows_the_search_and_a_wrong_one_still_brackets():
 
 
 def test_plan_rounds():
-    assert [(r.settings, r.num_prompts, r.steps) for r in plan_rounds(30, 64, 5)] == \
-        [(30, 8, 1), (15, 8, 1), (8, 16, 1), (4, 32, 1), (2, 64, 5)]
-    assert [(r.settings, r.num_prompts, r.steps) for r in plan_rounds(3, 48, 4)] == \
-        [(3, 24, 1), (2, 48, 4)]
+    assert [(r.settings, r.num_prompts, r.steps) for r in plan_rounds(30, 64, 5)] == [
+        (30, 8, 1),
+        (15, 8, 1),
+        (8, 16, 1),
+        (4, 32, 1),
+        (2, 64, 5),
+    ]
+    assert [(r.settings, r.num_prompts, r.steps) for r in plan_rounds(3, 48, 4)] == [
+        (3, 24, 1),
+        (2, 48, 4),
+    ]
     assert [(r.settings, r.num_prompts, r.steps) for r in plan_rounds(1, 6, 1)] == [(1, 6, 1)]
     assert expected_runs(plan_rounds(30, 64, 5)) == 30 * 2 + 15 + 8 + 4 + 2 * 5
     for steps in (3, 4, 5):  # fewer runs than a full-precision grid
@@ -142,8 +157,12 @@ def grid_knees() -> dict[Setting, float]:
     """A goodput landscape over the default grid with its peak at 32/512 (few sequences starve
     throughput, big token budgets stall decodes)."""
     grid = search_space([8, 16, 32, 64, 128, 256], [256, 512, 1024, 2048, 4096], ["auto"], [True])
-    return {s: 6.0 - abs(math.log2(s.max_num_seqs / 32)) * 0.7
-            - abs(math.log2(s.max_num_batched_tokens / 512)) * 0.5 for s in grid}
+    return {
+        s: 6.0
+        - abs(math.log2(s.max_num_seqs / 32)) * 0.7
+        - abs(math.log2(s.max_num_batched_tokens / 512)) * 0.5
+        for s in grid
+    }
 
 
 def test_successive_halving_finds_the_best_in_fewer_runs():
@@ -160,7 +179,7 @@ def test_successive_halving_finds_the_best_in_fewer_runs():
     assert sum(n for _, _, n in curves.calls) < full_grid_runs(len(settings), 5) * 64 / 4
     assert sum(math.isinf(r) for _, r, _ in curves.calls) == 30  # rate inf in round 0 only
     for earlier, later in zip(result.rounds, result.rounds[1:]):  # the better half goes on
-        assert {e.setting for e in later} == {e.setting for e in earlier[:len(later)]}
+        assert {e.setting for e in later} == {e.setting for e in earlier[: len(later)]}
     prompts = {n for s, r, n in curves.calls if s == result.best.setting}
     assert max(prompts) == 64 and min(prompts) == 8
     for e in result.evaluations:  # every bracket holds the true goodput
@@ -182,8 +201,15 @@ def requests(n: int = 16, shared: bool = False) -> list[BenchRequest]:
 
 
 def tune_args(**kw) -> BenchArgs:
-    return BenchArgs(model=str(DEMO), num_prompts=16, slo_ttft_ms=500.0, slo_tpot_ms=50.0,
-                     progress=False, device="cpu", **kw)
+    return BenchArgs(
+        model=str(DEMO),
+        num_prompts=16,
+        slo_ttft_ms=500.0,
+        slo_tpot_ms=50.0,
+        progress=False,
+        device="cpu",
+        **kw,
+    )
 
 
 def test_run_tune_reports_and_writes_what_serve_reads(tmp_path, capsys):
@@ -191,8 +217,18 @@ def test_run_tune_reports_and_writes_what_serve_reads(tmp_path, capsys):
     knees[VLLM_DEFAULTS] = 2.0  # vLLM's defaults, re-measured beside the winner
     curves = Curves(knees)
     settings = [s for s in knees if s != VLLM_DEFAULTS]
-    res = run_tune(tune_args(), requests(), settings, "on", attainment=0.9, steps=3,
-                   min_prompts=4, compare_defaults=True, out=tmp_path, measure=curves)
+    res = run_tune(
+        tune_args(),
+        requests(),
+        settings,
+        "on",
+        attainment=0.9,
+        steps=3,
+        min_prompts=4,
+        compare_defaults=True,
+        out=tmp_path,
+        measure=curves,
+    )
     fin = res["final"]
     assert res["search"]["winner"] == fin["tuned"]["label"] == "32/512"
     assert fin["defaults"]["label"] == "256/2048" and not fin["kept_defaults"]
@@ -206,15 +242,31 @@ def test_run_tune_reports_and_writes_what_serve_reads(tmp_path, capsys):
     assert len(saved["search"]["rounds"]) == len(saved["plan"])
     assert (tmp_path / "tune.png").read_bytes()[:4] == b"\x89PNG"
     out = capsys.readouterr().out
-    for text in ("runtime tune", "goodput", "vLLM defaults", "benchmark runs", "serve.yaml",
-                 f"search: {res['search']['runs']} benchmark runs"):
+    for text in (
+        "runtime tune",
+        "goodput",
+        "vLLM defaults",
+        "benchmark runs",
+        "serve.yaml",
+        f"search: {res['search']['runs']} benchmark runs",
+    ):
         assert text in out
 
 
 def test_run_tune_keeps_the_defaults_when_they_measure_better(tmp_path, capsys):
     knees = {Setting(8, 256): 1.0, Setting(16, 256): 1.5, VLLM_DEFAULTS: 4.0}
-    run_tune(tune_args(), requests(), [Setting(8, 256), Setting(16, 256)], "on", attainment=0.9,
-             steps=3, min_prompts=4, compare_defaults=True, out=tmp_path, measure=Curves(knees))
+    run_tune(
+        tune_args(),
+        requests(),
+        [Setting(8, 256), Setting(16, 256)],
+        "on",
+        attainment=0.9,
+        steps=3,
+        min_prompts=4,
+        compare_defaults=True,
+        out=tmp_path,
+        measure=Curves(knees),
+    )
     cfg = load_serve_config(tmp_path / "serve.yaml", options_of(cli.serve))
     assert (cfg["max_num_seqs"], cfg["max_num_batched_tokens"]) == (256, 2048)
     assert "keeps the defaults" in capsys.readouterr().out
@@ -223,8 +275,18 @@ def test_run_tune_keeps_the_defaults_when_they_measure_better(tmp_path, capsys):
 def test_run_tune_without_the_defaults_and_with_a_saturated_setting(tmp_path, capsys):
     knees = {Setting(8, 256): 50.0, Setting(16, 256): 1.5, Setting(32, 256): 1.0}  # 8/256 saturates
     curves = Curves(knees, {Setting(8, 256): 5.0, Setting(16, 256): 4.0, Setting(32, 256): 3.5})
-    res = run_tune(tune_args(), requests(), list(knees), "on", attainment=0.9, steps=3,
-                   min_prompts=4, compare_defaults=False, out=tmp_path, measure=curves)
+    res = run_tune(
+        tune_args(),
+        requests(),
+        list(knees),
+        "on",
+        attainment=0.9,
+        steps=3,
+        min_prompts=4,
+        compare_defaults=False,
+        out=tmp_path,
+        measure=curves,
+    )
     assert res["final"]["defaults"] is None and res["final"]["tuned"]["saturated"]
     assert res["final"]["tuned"]["goodput"] == curves.tops[Setting(8, 256)]
     assert all(s != VLLM_DEFAULTS for s, _, _ in curves.calls)
@@ -243,20 +305,25 @@ def test_prefix_caching_is_searched_only_where_it_applies():
     assert len(parse_grid("8,16", "8,256", "auto,fp8_e4m3", "both").settings([])[0]) == 12
 
 
-@pytest.mark.parametrize("args, needle", [
-    ([], "give an SLO"),
-    (["--slo-ttft-p99", "0"], "--slo-ttft-p99 0: must be a positive"),
-    (["--slo-tpot-p99", "-5"], "--slo-tpot-p99 -5: must be a positive"),
-    (["--slo-tpot-ms", "inf"], "must be a positive"),
-    (["--slo-tpot-p99", "50", "--attainment", "1.5"], "--attainment 1.5: must be in (0, 1]"),
-    (["--slo-tpot-p99", "50", "--max-num-seqs", "512", "--max-num-batched-tokens", "256"],
-     "the grid is empty"),
-    (["--slo-tpot-p99", "50", "--max-num-seqs", "8,x"], "--max-num-seqs '8,x': give positive"),
-    (["--slo-tpot-p99", "50", "--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4'"),
-    (["--slo-tpot-p99", "50", "--prefix-caching", "maybe"], "--prefix-caching 'maybe'"),
-    (["--slo-tpot-p99", "50", "--dataset", "/nonexistent/p.jsonl"], "no such file"),
-    (["--slo-tpot-p99", "50", "--bisect-steps", "0"], "--bisect-steps 0"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        ([], "give an SLO"),
+        (["--slo-ttft-p99", "0"], "--slo-ttft-p99 0: must be a positive"),
+        (["--slo-tpot-p99", "-5"], "--slo-tpot-p99 -5: must be a positive"),
+        (["--slo-tpot-ms", "inf"], "must be a positive"),
+        (["--slo-tpot-p99", "50", "--attainment", "1.5"], "--attainment 1.5: must be in (0, 1]"),
+        (
+            ["--slo-tpot-p99", "50", "--max-num-seqs", "512", "--max-num-batched-tokens", "256"],
+            "the grid is empty",
+        ),
+        (["--slo-tpot-p99", "50", "--max-num-seqs", "8,x"], "--max-num-seqs '8,x': give positive"),
+        (["--slo-tpot-p99", "50", "--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4'"),
+        (["--slo-tpot-p99", "50", "--prefix-caching", "maybe"], "--prefix-caching 'maybe'"),
+        (["--slo-tpot-p99", "50", "--dataset", "/nonexistent/p.jsonl"], "no such file"),
+        (["--slo-tpot-p99", "50", "--bisect-steps", "0"], "--bisect-steps 0"),
+    ],
+)
 def test_command_errors_are_one_line(args, needle):
     r = CliRunner().invoke(cli.app, ["tune", str(DEMO), *args])
     assert r.exit_code == 2, r.output
@@ -265,12 +332,15 @@ def test_command_errors_are_one_line(args, needle):
 
 def test_bad_workload_files_are_one_line(tmp_path):
     path = tmp_path / "p.jsonl"
-    for body, needle in [('{"prompt": "a"}\n{"text": "b"}\n', "p.jsonl:2: needs a non-empty"),
-                         ('{"prompt": "a", "output_len": "many"}\n', 'p.jsonl:1: "output_len"'),
-                         ('{"prompt": "a", "output_len": 0}\n', "must be a positive integer")]:
+    for body, needle in [
+        ('{"prompt": "a"}\n{"text": "b"}\n', "p.jsonl:2: needs a non-empty"),
+        ('{"prompt": "a", "output_len": "many"}\n', 'p.jsonl:1: "output_len"'),
+        ('{"prompt": "a", "output_len": 0}\n', "must be a positive integer"),
+    ]:
         path.write_text(body)
-        r = CliRunner().invoke(cli.app, ["tune", str(DEMO), "--slo-ttft-p99", "100",
-                                         "--dataset", str(path)])
+        r = CliRunner().invoke(
+            cli.app, ["tune", str(DEMO), "--slo-ttft-p99", "100", "--dataset", str(path)]
+        )
         assert r.exit_code == 2 and needle in r.output, r.output
         assert len(r.output.strip().splitlines()) == 1
     r = CliRunner().invoke(cli.app, ["tune", str(tmp_path / "nomodel"), "--slo-ttft-p99", "100"])
@@ -285,17 +355,51 @@ def test_check_slos_accepts_one_term():
 @pytest.mark.slow
 def test_live_tune_on_the_demo_model(tmp_path):
     """Two settings, a few short requests: real servers started through `serve --config`."""
-    r = CliRunner().invoke(cli.app, [
-        "tune", str(DEMO), "--slo-ttft-p99", "2000", "--slo-tpot-p99", "200",
-        "--max-num-seqs", "4,16", "--max-num-batched-tokens", "256", "--num-prompts", "6",
-        "--bisect-steps", "1", "--input-len-median", "32", "--input-len-min", "16",
-        "--input-len-max", "64", "--output-len-median", "8", "--output-len-min", "4",
-        "--output-len-max", "16", "--device", "cpu", "--no-progress", "--out", str(tmp_path)])
+    r = CliRunner().invoke(
+        cli.app,
+        [
+            "tune",
+            str(DEMO),
+            "--slo-ttft-p99",
+            "2000",
+            "--slo-tpot-p99",
+            "200",
+            "--max-num-seqs",
+            "4,16",
+            "--max-num-batched-tokens",
+            "256",
+            "--num-prompts",
+            "6",
+            "--bisect-steps",
+            "1",
+            "--input-len-median",
+            "32",
+            "--input-len-min",
+            "16",
+            "--input-len-max",
+            "64",
+            "--output-len-median",
+            "8",
+            "--output-len-min",
+            "4",
+            "--output-len-max",
+            "16",
+            "--device",
+            "cpu",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert r.exit_code == 0, r.output
     res = json.loads((tmp_path / "tune.json").read_text())
     assert res["search"]["server_starts"] == 2 and res["final"]["defaults"]["label"] == "256/2048"
-    assert all(p["metrics"]["failed"] == 0 for rnd in res["search"]["rounds"] for e in rnd
-               for p in e["probes"])
+    assert all(
+        p["metrics"]["failed"] == 0
+        for rnd in res["search"]["rounds"]
+        for e in rnd
+        for p in e["probes"]
+    )
     cfg = load_serve_config(tmp_path / "serve.yaml", options_of(cli.serve))
     assert cfg["max_num_batched_tokens"] in (256, 2048) and cfg["device"] == "cpu"
     assert len(list((tmp_path / "servers").glob("server-*.yaml"))) >= 3
@@ -309,11 +413,16 @@ def test_no_probe_runs_slower_than_max_probe_s():
 
     def measure(setting, rate, num_prompts):
         rates.append(rate)
-        return {"request_throughput": 4.0 if math.isinf(rate) else min(rate, 4.0),
-                "attainment": 0.0, "completed": num_prompts, "failed": 0}
+        return {
+            "request_throughput": 4.0 if math.isinf(rate) else min(rate, 4.0),
+            "attainment": 0.0,
+            "completed": num_prompts,
+            "failed": 0,
+        }
 
-    ev = find_goodput(measure, Setting(8, 512), num_prompts=48, target=0.9, steps=6,
-                      max_probe_s=60.0)
+    ev = find_goodput(
+        measure, Setting(8, 512), num_prompts=48, target=0.9, steps=6, max_probe_s=60.0
+    )
     finite = [r for r in rates if math.isfinite(r)]
     assert finite and min(finite) >= 48 / 60.0
     assert ev.goodput == 0.0 and len(finite) < 6  # stopped once the floor failed
