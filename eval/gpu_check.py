@@ -242,6 +242,7 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
                     max_num_batched_tokens=8192,
                     kv_cache_memory=plan["kv_cache_memory"],
                     max_model_len=plan["max_model_len"],
+                    cuda_graphs=False,  # eager rows first; _add_graphs adds them to the same engine
                 )  # bounds the graphs' attention grid
                 if plan["device"].startswith("cuda"):  # compile every kernel before timing
                     decode_rate(engine, 1, plan["prompt_len"], 2, 1, plan["device"])

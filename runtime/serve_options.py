@@ -141,13 +141,13 @@ class ServeOptions:
         engine=True,
         tune=True,
     )
-    cuda_graphs: bool = option(
+    cuda_graphs: bool | None = option(
         _ENGINE["cuda_graphs"],
         "--cuda-graphs/--enforce-eager",
         engine=True,
         help=(
-            "replay decode-only steps from CUDA graphs (CUDA only; not "
-            "yet validated on a GPU, so off by default)"
+            "replay decode-only steps from CUDA graphs; default: on for a one-GPU engine on the "
+            "kernel path (fp16/bf16), off on the CPU, for fp32 and with -tp/-pp"
         ),
     )
     api_key: str | None = option(

@@ -135,7 +135,7 @@ class ModelRunner:
         # a GPU step's inputs in one pinned copy; on CPU the tensors are already where they run
         self._staging = StagingBuffer(self.device) if self.device.type != "cpu" else None
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.group is None:
+        if self._use_cuda_graphs():
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
@@ -252,6 +252,14 @@ class ModelRunner:
             pack_linears(self.model, self.dtype)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _use_cuda_graphs(self) -> bool:
+        """`cuda_graphs` resolved (runtime/config.py): asked for, or by default on a one-rank
+        CUDA runner whose ops are the Triton kernels."""
+        asked = self.config.cuda_graphs
+        if asked is False or self.device.type != "cuda" or self.group is not None:
+            return False
+        return asked is True or self._triton_on()
 
     def _triton_on(self) -> bool:
         """Whether the Triton kernels serve this runner (the backend asked for, or `auto` on

@@ -53,9 +53,14 @@ def test_cuda_graph_replay_gives_the_eager_tokens():
     graphed = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     eager = [
         o.outputs[0].token_ids
-        for o in LLM(str(DEMO_MODEL), **kw).generate(PROMPTS, params, use_tqdm=False)
+        for o in LLM(str(DEMO_MODEL), cuda_graphs=False, **kw).generate(
+            PROMPTS, params, use_tqdm=False
+        )
     ]
     assert graphed == eager
+    # the default: graphs on for fp16/bf16 on one GPU, off for fp32 (the torch twins serve it)
+    assert LLM(str(DEMO_MODEL), **kw).engine.runner.graphs is not None
+    assert LLM(str(DEMO_MODEL), **{**kw, "dtype": "float32"}).engine.runner.graphs is None
 
 
 def test_mixed_kv_cache_on_the_kernel_path():

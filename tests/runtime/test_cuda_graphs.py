@@ -92,3 +92,28 @@ def test_steps_the_graphs_cannot_take_run_eagerly():
     too_long = runner.prepare([[1]], [9], [[0, 1, 2]], [True])
     assert not graphs.can_run(too_long)  # more blocks than the buffers hold
     assert runner.graphs is None  # never on without CUDA
+
+
+def test_cuda_graphs_default_on_only_where_they_can_serve():
+    """`cuda_graphs` None (the default) turns graphs on for a one-rank CUDA runner on the Triton
+    path only; True insists, False never; TP/PP refuse an explicit True and ignore None."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    def use(asked, device="cuda", group=None, triton=True) -> bool:
+        runner = SimpleNamespace(
+            config=SimpleNamespace(cuda_graphs=asked),
+            device=torch.device(device),
+            group=group,
+            _triton_on=lambda: triton,
+        )
+        return ModelRunner._use_cuda_graphs(runner)
+
+    assert use(None) and use(True) and not use(False)
+    assert not use(None, triton=False) and use(True, triton=False)  # fp32: twins, unless asked
+    assert not use(None, device="cpu") and not use(True, device="cpu")
+    assert not use(None, group=object())  # a tensor-parallel rank
+    assert EngineConfig.__dataclass_fields__["cuda_graphs"].default is None
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        EngineConfig(model="m", tensor_parallel_size=2, cuda_graphs=True)
