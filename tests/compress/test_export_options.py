@@ -8,30 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from slimserve.compress.export.formats import COMPRESSED_TENSORS, export_artifact
 from slimserve.compress.export.io import ExportOptions, export_compressed_tensors
 from slimserve.runtime.artifact.manifest import ArtifactManifest
+from tests.helpers.tiny_model import tiny_llama
 
 EXPORT = Path(__file__).resolve().parents[2] / "compress" / "export"
 FIELDS = [f.name for f in dataclasses.fields(ExportOptions)]
-
-
-def tiny_llama():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
 
 
 def _manifest(folder: Path) -> dict:

@@ -5,7 +5,6 @@ import os
 import stat
 
 import pytest
-import torch
 
 from slimserve.compress import pipeline
 from slimserve.compress.errors import RecipeError
@@ -14,22 +13,7 @@ from slimserve.compress.export.io import export_compressed_tensors, failed_outpu
 from slimserve.compress.recipe import parse_recipe
 from slimserve.runtime.artifact.manifest import ArtifactManifest, check_gate
 from slimserve.runtime.errors import ArtifactError
-
-
-def tiny_llama():
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+from tests.helpers.tiny_model import tiny_llama
 
 
 def _export(out):

@@ -63,3 +63,20 @@ def save_tiny_llama(out: Path) -> Path:
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def tiny_llama():
+    """A 1-layer bf16 Llama (vocab 64, hidden 32, GQA 2/1) in memory, seeded: export tests."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
