@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -58,6 +58,7 @@ from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.models.llama import ModelSpec
 from slimserve.runtime.models.load import random_model
+from slimserve.runtime.stats.rank_stats import model_bytes
 from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 
 WEIGHTS = ("bf16", "W4A16", "W8A8")
@@ -166,34 +167,11 @@ def decode_rate(engine, batch: int, prompt_len: int, steps: int, warmup: int, de
     }
 
 
-def held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every tensor the model holds once: parameters, buffers, and tensors kept as plain
-    attributes or in a dataclass attribute, such as a QuantLinear's repack for the W4A16 kernel
-    (`_prepared`, after which its buffers are empty: runtime/layers/quant_linear.py)."""
-    seen: set[tuple[int, int]] = set()
-    out = []
-
-    def add(t) -> None:
-        if isinstance(t, torch.Tensor) and t.numel() and (t.data_ptr(), t.nbytes) not in seen:
-            seen.add((t.data_ptr(), t.nbytes))
-            out.append(t)
-
-    for m in model.modules():
-        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
-            add(t)
-        for v in vars(m).values():
-            add(v)
-            if is_dataclass(v) and not isinstance(v, type):
-                for f in fields(v):
-                    add(getattr(v, f.name))
-    return out
-
-
 def step_bytes(engine, batch: int, context: float, spec: ModelSpec) -> float:
     """Bytes one decode step must read: every weight once (the embedding only for the batch's
     rows) and the K and V of every cached token of every sequence."""
     model = engine.runner.model
-    weights = sum(t.numel() * t.element_size() for t in held_tensors(model))
+    weights = model_bytes(model)  # in their run-time form: the W4A16 repack counted
     emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).weight
     weights -= emb.numel() * emb.element_size() * (1 - batch / emb.shape[0])
     # per layer: an fp8 cache keeps the artifact's skipped layers unquantized (runner.kv_dtypes)
@@ -241,9 +219,9 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
                     max_num_seqs=max(plan["batches"]),
                     max_num_batched_tokens=8192,
                     kv_cache_memory=plan["kv_cache_memory"],
-                    max_model_len=plan["max_model_len"],
+                    max_model_len=plan["max_model_len"],  # bounds the graphs' attention grid
                     cuda_graphs=False,  # eager rows first; _add_graphs adds them to the same engine
-                )  # bounds the graphs' attention grid
+                )
                 if plan["device"].startswith("cuda"):  # compile every kernel before timing
                     decode_rate(engine, 1, plan["prompt_len"], 2, 1, plan["device"])
                 for graphs in ("off", "on"):

@@ -162,9 +162,8 @@ def _w8a8_gemm_kernel(
     if PARTIAL:
         k_first = tl.program_id(1) * k_tiles_per_split
         k_last = tl.minimum(k_first + k_tiles_per_split, k_tiles)
-    a_ptrs = (
-        a_ptr + rm[:, None] * stride_am + (k_first * BLOCK_K + rk)[None, :]
-    )  # [BLOCK_M, BLOCK_K]
+    # [BLOCK_M, BLOCK_K]
+    a_ptrs = a_ptr + rm[:, None] * stride_am + (k_first * BLOCK_K + rk)[None, :]
     w_ptrs = w_ptr + rn[None, :] * stride_wn + (k_first * BLOCK_K + rk)[:, None]  # W^T tile
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)

@@ -75,9 +75,8 @@ class _LayerOutputs:
 
     def _hook(self, i: int):
         def hook(_m, _args, out):
-            self.outputs[i] = (
-                out[0] if isinstance(out, tuple) else out
-            )  # recompute overwrites: same value
+            # recompute overwrites: same value
+            self.outputs[i] = out[0] if isinstance(out, tuple) else out
 
         return hook
 

@@ -72,9 +72,8 @@ def layer_by_layer_weights(
     through `linear_fn`), then the rest of `model`, plus `extra` tensors (e.g. `<attn>.k_scale`)
     in the part of the layer they name."""
     extra = dict(extra or {})
-    dtype = (
-        model.get_input_embeddings().weight.dtype
-    )  # export casts the skeleton to the storage dtype
+    # export casts the skeleton to the storage dtype
+    dtype = model.get_input_embeddings().weight.dtype
 
     def write(folder: Path) -> None:
         parts_dir = folder / PARTS_DIR

@@ -232,9 +232,8 @@ def _clip_rows(
     d.mul_(s).sub_(w_t)  # dequantized minus original: the error of each weight
     steps = max_val.shape[1]
     out = torch.bmm(d.view(groups, steps * n, g), factor.transpose(1, 2))  # [G, S * n, r]
-    err = (
-        out.square_().sum(dim=-1).view(groups, steps, n)
-    )  # |F_g d|^2 = tokens * mean squared error
+    # |F_g d|^2 = tokens * mean squared error
+    err = out.square_().sum(dim=-1).view(groups, steps, n)
     err = torch.nan_to_num(err, nan=math.inf)
     best = err.argmin(dim=1, keepdim=True)  # the first (least clipping) of equal errors
     return max_val.gather(1, best).squeeze(1).t()

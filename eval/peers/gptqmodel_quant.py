@@ -73,9 +73,8 @@ def dump_dequant(out: Path, path: Path, probe: list[int]) -> None:
     deq = {}
     for name, mod in model.model.named_modules():
         if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight"):
-            deq[f"{name}.weight"] = (
-                mod.dequantize_weight().t().contiguous().to(torch.float16)
-            )  # [N, K]
+            # [N, K]
+            deq[f"{name}.weight"] = mod.dequantize_weight().t().contiguous().to(torch.float16)
     with torch.no_grad():
         logits = model.model(torch.tensor([probe])).logits.float()
     save_file({**deq, "logits": logits.contiguous(), "probe_ids": torch.tensor([probe])}, str(path))

@@ -80,9 +80,8 @@ def pack_awq(unsigned: torch.Tensor) -> torch.Tensor:
 def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, 8W] unsigned codes from AWQ-interleaved int32 [R, W]; the inverse of pack_awq."""
     r, words = packed.shape
-    shifts = (
-        torch.tensor(REVERSE, dtype=torch.int32, device=packed.device) * BITS
-    )  # column j: nibble REVERSE[j]
+    # column j: nibble REVERSE[j]
+    shifts = torch.tensor(REVERSE, dtype=torch.int32, device=packed.device) * BITS
     fields = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then masked
     return fields.reshape(r, words * 8)
 

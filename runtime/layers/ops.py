@@ -92,9 +92,8 @@ def _cpu_plan(batch: BatchInputs, block_size: int) -> CpuPlan:
 
 
 def _cpu_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
-    nd = (
-        plan.decodes
-    )  # the runner makes CPU caches the kernel reads (`supports`; model_runner `_kv_dtype`)
+    # the runner makes CPU caches the kernel reads (`supports`; model_runner `_kv_dtype`)
+    nd = plan.decodes
     decoded = cpu_attention.paged_attention_decode(
         q[:nd],
         key_cache,

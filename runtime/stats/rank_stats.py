@@ -20,9 +20,9 @@ other hosts under Ray, so nothing is ever pickled through it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -32,7 +32,7 @@ STATS_KEY = "stats/{rank}"  # the worker's published stats in the group's store
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RankStats:
     """One rank's resources; None where it is not known (a value a worker has not published)."""
 
@@ -45,13 +45,33 @@ class RankStats:
 
 
 def model_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's parameters and buffers (each tensor once, tied ones too)."""
-    seen: set[int] = set()
+    """Bytes of the tensors a model holds, each once (tied ones too): parameters, buffers, and
+    tensors kept as plain attributes or in a dataclass attribute, such as a QuantLinear's
+    repack for the W4A16 kernel (`_prepared`, after which its buffers are empty) or its dense
+    copy for the CPU path (runtime/layers/quant_linear.py)."""
+    seen: set[tuple] = set()
     total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
+
+    def add(t) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            return
+        try:  # the same memory reached as two objects (a view kept beside its base) counts once
+            key = (t.data_ptr(), t.nbytes)
+        except RuntimeError:  # a tensor without storage of its own (a wrapper subclass)
+            key = ("object", id(t))
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes
+
+    for m in model.modules():
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            add(t)
+        for v in vars(m).values():
+            add(v)
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                for f in dataclasses.fields(v):
+                    add(getattr(v, f.name))
     return total
 
 

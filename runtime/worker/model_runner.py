@@ -98,9 +98,8 @@ class ModelRunner:
         clock = _Stopwatch()
         if built is None:
             dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model))
-            driver = (
-                self.group is None or self.group.rank == 0
-            )  # the manifest and gate: checked once
+            # the manifest and gate: checked once
+            driver = self.group is None or self.group.rank == 0
             built = build_model(
                 config.model,
                 dtype,

@@ -635,9 +635,8 @@ def test_check_fakequant_compares_within_the_storage_epsilon():
         and same["modules"] == 2
     )
     near = {k: v.clone() for k, v in ref.items()}
-    near["model.layers.0.mlp.up_proj.weight"][0, 1] = (
-        -2.0 - 2**-9
-    )  # within bf16's epsilon of 2, not fp32's
+    # within bf16's epsilon of 2, not fp32's
+    near["model.layers.0.mlp.up_proj.weight"][0, 1] = -2.0 - 2**-9
     assert compare(near, ref, torch.bfloat16)["match"]
     off = compare(near, ref, torch.float32)
     assert (

@@ -79,9 +79,9 @@ def test_step_bytes_count_the_w4a16_kernel_repack():
     import torch
 
     from slimserve.eval.engine_bench import SHAPES, quantize_randomly
-    from slimserve.eval.gpu_check import held_tensors
     from slimserve.runtime.layers.quant_linear import QuantLinear
     from slimserve.runtime.models.load import random_model
+    from slimserve.runtime.stats.rank_stats import model_bytes
 
     spec = replace(
         SHAPES["demo"],
@@ -98,11 +98,11 @@ def test_step_bytes_count_the_w4a16_kernel_repack():
     quantize_randomly(model)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     int4 = sum(m.out_features * m.in_features // 2 for m in linears)
-    before = sum(t.nbytes for t in held_tensors(model))
+    before = model_bytes(model)
     for m in linears:
         m.prepare_kernel(release=True)
     assert all(m.weight_packed.numel() == 0 for m in linears)
-    after = sum(t.nbytes for t in held_tensors(model))
+    after = model_bytes(model)
     assert (
         after >= before - int4 // 8
         and after - sum(t.nbytes for t in [*model.parameters(), *model.buffers()]) >= int4

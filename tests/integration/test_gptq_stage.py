@@ -201,9 +201,8 @@ def test_layer_outputs_from_kept_down_proj_inputs(
         compared.append(ctx.index)
 
     monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", check)
-    options = (
-        {"group_size": 32} if scheme == "W4A16" else {"scheme": scheme}
-    )  # W8A8: input quant hooks too
+    # W8A8: input quant hooks too
+    options = {"group_size": 32} if scheme == "W4A16" else {"scheme": scheme}
     with_shortcut, _, _ = _stage_on_tiny(tiny_checkpoint, monkeypatch, calibration_dtype, **options)
     assert compared == [0, 1]
     monkeypatch.setattr(gptq_stage.GptqStage, "compress_layer", real)

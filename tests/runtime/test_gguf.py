@@ -125,9 +125,8 @@ def test_quantized_gguf_dequantizes_to_float16(tiny_checkpoint, tmp_path):
             assert torch.equal(conv[k].float(), w), k
             continue
         assert conv[k].dtype == torch.float16
-        step = (
-            w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True) / 127
-        )  # Q8_0: 32-wide blocks
+        # Q8_0: 32-wide blocks
+        step = w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True) / 127
         err = (conv[k].float() - w).abs().reshape(w.shape[0], -1, 32)
         assert bool((err <= step * (0.5 + 2 * 127 * 2**-11) + 1e-7).all()), k
         assert not torch.equal(conv[k].float(), w)  # really quantized

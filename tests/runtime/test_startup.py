@@ -14,9 +14,8 @@ def test_startup_parts_are_timed_in_order_and_logged(caplog):
     caplog.set_level("INFO", logger="slimserve.runtime.worker.model_runner")
     runner = ModelRunner(EngineConfig(model=str(DEMO_MODEL), device="cpu"))
     packed = any(isinstance(m, PackedLinear) for m in runner.model.modules())
-    warm = (
-        ["linear_warmup"] if packed else []
-    )  # oneDNN's primitives built (runtime/layers/cpu_linear.py)
+    # oneDNN's primitives built (runtime/layers/cpu_linear.py)
+    warm = ["linear_warmup"] if packed else []
     assert list(runner.startup) == [
         "load",
         "weights",
