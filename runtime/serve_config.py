@@ -9,13 +9,13 @@ The file is a mapping from `runtime serve`'s option names to values, e.g.
 
 The keys are checked against a schema of the serve options (`OptionSpec`: names, types and
 ranges): runtime/cli.py passes `file_options()` of runtime/serve_options.py, where every serve
-option is defined and marked as a file key or not, so a new option needs no change here
-(`options_of` reads the same schema from any typer command's signature). Values must
-have the option's type (an int for an int option, true/false for a flag; a string option also
-takes a number, e.g. a byte count for `kv_cache_memory`) and lie in its range; `null` means the
-option's default. A relative `model` path is resolved against the file's folder when it exists
-there. The CLI puts the values into click's `default_map`, so flags on the command line override
-the file. Every problem is one `ServeConfigError` line naming the file, the key and the fix.
+option is defined and marked as a file key or not (`--config` itself is not one), so a new
+option needs no change here. Values must have the option's type (an int for an int option,
+true/false for a flag; a string option also takes a number, e.g. a byte count for
+`kv_cache_memory`) and lie in its range; `null` means the option's default. A relative `model`
+path is resolved against the file's folder when it exists there. The CLI puts the values into
+click's `default_map`, so flags on the command line override the file. Every problem is one
+`ServeConfigError` line naming the file, the key and the fix.
 
 `runtime tune` (runtime/tune/) writes its chosen setting with `write_serve_config` (checked
 against the same schema before anything is written) and starts every server it measures through
@@ -25,9 +25,7 @@ against the same schema before anything is written) and starts every server it m
 from __future__ import annotations
 
 import difflib
-import inspect
-import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,6 @@ from typing import Any
 import yaml
 
 MODEL_KEYS = ("model", "artifact")  # file keys of serve's positional argument; `model` is written
-NOT_IN_FILE = ("config", "help")  # a file cannot name another file (or ask for help)
 
 
 class ServeConfigError(ValueError):
@@ -109,30 +106,6 @@ class OptionSpec:
     argument: bool = False  # the positional MODEL
 
 
-def options_of(command: Callable) -> dict[str, OptionSpec]:
-    """The file schema of a typer command function: its parameters' names, types and ranges
-    (from the signature, so it follows the command whatever typer's internals are)."""
-    import typer.models
-
-    hints = typing.get_type_hints(command)
-    specs = {}
-    for name, param in inspect.signature(command).parameters.items():
-        if name in NOT_IN_FILE:
-            continue
-        kind = hints.get(name, str)
-        args = [a for a in typing.get_args(kind) if a is not type(None)]
-        kind = args[0] if typing.get_origin(kind) is not None and len(args) == 1 else kind
-        info = param.default
-        specs[name] = OptionSpec(
-            name,
-            kind if kind in (bool, int, float, str) else str,
-            getattr(info, "min", None),
-            getattr(info, "max", None),
-            isinstance(info, typer.models.ArgumentInfo),
-        )
-    return specs
-
-
 _WANT = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
@@ -163,12 +136,12 @@ def check_serve_config(
     values: Mapping[str, Any], options: Mapping[str, OptionSpec], path: str | Path
 ) -> dict[str, Any]:
     """`values` (from read_serve_config) keyed by the command's parameter names, type- and
-    range-checked against `options` (options_of the serve command)."""
+    range-checked against `options` (the file options of runtime/serve_options.py)."""
     argument = next((o.name for o in options.values() if o.argument), None)
     out: dict[str, Any] = {}
     for key, value in values.items():
         name = argument if key in MODEL_KEYS and argument else key
-        spec = options.get(name) if name not in NOT_IN_FILE else None
+        spec = options.get(name)
         if spec is None:
             known = [n for n in options if n != argument] + ([MODEL_KEYS[0]] if argument else [])
             close = difflib.get_close_matches(key, known, n=1)
@@ -190,23 +163,22 @@ def write_serve_config(
     path: str | Path,
     values: Mapping[str, Any],
     comment: str | None = None,
-    options: Mapping[str, OptionSpec] | None = None,
+    *,
+    options: Mapping[str, OptionSpec],
 ) -> Path:
     """Write `values` (serve parameter names -> plain values; `model` for the positional
     argument, first) as a file `runtime serve --config` reads; `comment` lines go on top.
     `options`: the schema the reader will check (ServeConfigError before anything is written)."""
     path = Path(path)
     body = {normalize_key(k): v for k, v in values.items() if v is not None}
-    if any(k in body for k in NOT_IN_FILE):
-        raise ValueError(f"{path}: {'/'.join(NOT_IN_FILE)} cannot be written into a serve config")
     models = [body.pop(k) for k in MODEL_KEYS if k in body]
     if len(models) > 1:
         raise ValueError(f"{path}: give the model once (as `model`)")
-    if options is not None:
-        check_serve_config({**({"model": models[0]} if models else {}), **body}, options, path)
+    file = {**({"model": models[0]} if models else {}), **body}
+    check_serve_config(file, options, path)
     head = "".join(f"# {line}\n" for line in (comment or "").splitlines())
     text = yaml.safe_dump(
-        {**({"model": models[0]} if models else {}), **body},
+        file,
         sort_keys=False,
         default_flow_style=False,
     )

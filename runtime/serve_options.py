@@ -498,7 +498,6 @@ def typer_command(table: type, callbacks: Mapping[str, Callable] | None = None):
         run.__annotations__ = {**{p.name: p.annotation for p in ps}, "return": None}
         for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
             setattr(run, attr, getattr(fn, attr))
-        run.options, run.implementation = table, fn
         return run
 
     return wrap

@@ -14,7 +14,6 @@ from slimserve.runtime.serve_config import (
     ServeConfigError,
     check_serve_config,
     load_serve_config,
-    options_of,
     read_serve_config,
     write_serve_config,
 )
@@ -183,20 +182,21 @@ def test_tune_writer_round_trips_through_serve_reader(tmp_path):
         tmp_path / "serve.yaml",
         serve_options(str(DEMO), base, setting),
         comment="written by a test\nsecond line",
+        options=file_options(),
     )
     text = path.read_text()
     assert text.startswith("# written by a test\n# second line\nmodel: ")
     loaded = load_serve_config(path, file_options())
     assert loaded == {"artifact": str(DEMO), **base, **setting.flags()}
     # every key tune writes is one of serve's options with the type serve declares
-    opts = options_of(cli.serve)
+    opts = file_options()
     for key, value in setting.flags().items():
         assert isinstance(value, opts[key].kind)
     assert read_serve_config(path)["model"] == str(DEMO)
 
 
-def test_options_of_reads_types_and_ranges_from_the_signature():
-    opts = options_of(cli.serve)
+def test_file_options_give_types_and_ranges():
+    opts = file_options()
     assert opts["artifact"].argument and opts["artifact"].kind is str
     assert (opts["port"].kind, opts["port"].low, opts["port"].high) == (int, 0, 65535)
     assert opts["max_model_len"].kind is int  # Optional[int]

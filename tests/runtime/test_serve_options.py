@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from slimserve.runtime import cli
 from slimserve.runtime.config import EngineConfig
-from slimserve.runtime.serve_config import ServeConfigError, check_serve_config, options_of
+from slimserve.runtime.serve_config import OptionSpec, ServeConfigError, check_serve_config
 from slimserve.runtime.serve_options import (
     ARGV,
     ENV,
@@ -51,6 +51,28 @@ SAMPLES = {
     "kv_cache_dtype": "fp8_e4m3",
     "device": "cpu",
 }
+
+
+def options_of(command) -> dict[str, OptionSpec]:
+    """The file schema as a typer command's own signature declares it (what the command parses),
+    to hold `file_options` to: every parameter but --config, its type and range."""
+    hints = typing.get_type_hints(command)
+    specs = {}
+    for name, param in inspect.signature(command).parameters.items():
+        if name == "config":
+            continue
+        kind = hints.get(name, str)
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        kind = args[0] if typing.get_origin(kind) is not None and len(args) == 1 else kind
+        info = param.default
+        specs[name] = OptionSpec(
+            name,
+            kind if kind in (bool, int, float, str) else str,
+            getattr(info, "min", None),
+            getattr(info, "max", None),
+            isinstance(info, typer.models.ArgumentInfo),
+        )
+    return specs
 
 
 def click_command(name: str):

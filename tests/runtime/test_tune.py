@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from slimserve.runtime import cli
 from slimserve.runtime.bench.driver import BenchArgs
 from slimserve.runtime.bench.workload import BenchRequest
-from slimserve.runtime.serve_config import load_serve_config, options_of
+from slimserve.runtime.serve_config import load_serve_config
+from slimserve.runtime.serve_options import file_options
 from slimserve.runtime.tune.command import (
     VLLM_DEFAULTS,
     Grid,
@@ -235,7 +236,7 @@ def test_run_tune_reports_and_writes_what_serve_reads(tmp_path, capsys):
     assert fin["tuned"]["goodput"] > fin["defaults"]["goodput"]
     assert res["total"]["runs"] == len(curves.calls) == res["search"]["runs"] + fin["runs"]
     assert res["search"]["runs"] < res["search"]["full_grid_runs"]
-    cfg = load_serve_config(tmp_path / "serve.yaml", options_of(cli.serve))
+    cfg = load_serve_config(tmp_path / "serve.yaml", file_options())
     assert cfg == {"artifact": str(DEMO), "device": "cpu", **Setting(32, 512).flags()}
     saved = json.loads((tmp_path / "tune.json").read_text())
     assert saved["final"]["tuned"]["probes"][0]["rate"] == "inf"
@@ -267,7 +268,7 @@ def test_run_tune_keeps_the_defaults_when_they_measure_better(tmp_path, capsys):
         out=tmp_path,
         measure=Curves(knees),
     )
-    cfg = load_serve_config(tmp_path / "serve.yaml", options_of(cli.serve))
+    cfg = load_serve_config(tmp_path / "serve.yaml", file_options())
     assert (cfg["max_num_seqs"], cfg["max_num_batched_tokens"]) == (256, 2048)
     assert "keeps the defaults" in capsys.readouterr().out
 
@@ -292,7 +293,7 @@ def test_run_tune_without_the_defaults_and_with_a_saturated_setting(tmp_path, ca
     assert all(s != VLLM_DEFAULTS for s, _, _ in curves.calls)
     assert res["final"]["runs"] == 1  # a saturated setting is one rate-inf run
     assert "vLLM defaults" not in capsys.readouterr().out
-    assert load_serve_config(tmp_path / "serve.yaml", options_of(cli.serve))["max_num_seqs"] == 8
+    assert load_serve_config(tmp_path / "serve.yaml", file_options())["max_num_seqs"] == 8
 
 
 def test_prefix_caching_is_searched_only_where_it_applies():
@@ -400,7 +401,7 @@ def test_live_tune_on_the_demo_model(tmp_path):
         for e in rnd
         for p in e["probes"]
     )
-    cfg = load_serve_config(tmp_path / "serve.yaml", options_of(cli.serve))
+    cfg = load_serve_config(tmp_path / "serve.yaml", file_options())
     assert cfg["max_num_batched_tokens"] in (256, 2048) and cfg["device"] == "cpu"
     assert len(list((tmp_path / "servers").glob("server-*.yaml"))) >= 3
 
