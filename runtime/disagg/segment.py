@@ -279,8 +279,7 @@ class SegmentRegistry:
         self._lock = threading.Lock()
         self._written: dict[str, float] = {}  # name -> monotonic s written
         self._sizes: dict[str, int] = {}  # name -> bytes
-        self._uploads = 0  # uploads in progress
-        self._incoming: dict[int, int] = {}  # upload ticket -> bytes received so far
+        self._incoming: dict[int, int] = {}  # upload in progress (ticket) -> bytes received so far
         self._tickets = itertools.count()
         self.expired = 0  # segments unlinked by expiry (never imported), cumulative
 
@@ -299,25 +298,16 @@ class SegmentRegistry:
         with self._lock:
             return len(self._written)
 
-    def usage(self) -> tuple[int, int]:
-        """(segments held plus uploads in progress, their bytes so far)."""
-        with self._lock:
-            return (
-                len(self._written) + self._uploads,
-                sum(self._sizes.values()) + sum(self._incoming.values()),
-            )
-
     def begin_upload(self, max_count: int | None) -> int:
         """Count one more upload in progress (returns its ticket); KVStoreFull when `max_count`
         segments are held already."""
         with self._lock:
-            held = len(self._written) + self._uploads
+            held = len(self._written) + len(self._incoming)
             if max_count is not None and held >= max_count:
                 raise KVStoreFull(
                     f"KV segment upload: this server holds {held} KV segments, its "
                     f"limit (--kv-segments-max {max_count}); retry shortly"
                 )
-            self._uploads += 1
             ticket = next(self._tickets)
             self._incoming[ticket] = 0
             return ticket
@@ -337,7 +327,6 @@ class SegmentRegistry:
         """Upload `ticket` ended: stored as `name` (registered with its bytes), or failed."""
         with self._lock:
             nbytes = self._incoming.pop(ticket)
-            self._uploads -= 1
             if name is not None:
                 self._written[name] = time.monotonic()
                 self._sizes[name] = nbytes

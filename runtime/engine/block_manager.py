@@ -85,9 +85,8 @@ class _Block:
 class _SeqState:
     """Per-sequence hashing state, kept so hashes are computed once per block."""
 
-    keys: list[BlockKey] = field(
-        default_factory=list
-    )  # digests of leading full blocks of token_ids
+    # digests of leading full blocks of token_ids
+    keys: list[BlockKey] = field(default_factory=list)
     num_committed: int = 0  # leading blocks already offered to the prefix cache
 
 

@@ -37,9 +37,8 @@ class SamplingParams:
     # extra stop tokens (kept in output ids); stored as a frozenset for O(1) per-token lookups
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False  # keep generating past the EOS token
-    logprobs: int | None = (
-        None  # return this many top logprobs per generated token (0 = chosen only)
-    )
+    # return this many top logprobs per generated token (0 = chosen only)
+    logprobs: int | None = None
     # prefix-cache namespace (vLLM's cache_salt): requests share prefix blocks only when their
     # salts are equal (runtime/engine/block_manager.py), so tenants with different salts never do
     cache_salt: str | None = None

@@ -43,7 +43,6 @@ nobody can point the router, and the Authorization headers it forwards, at a ser
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -80,6 +79,7 @@ from slimserve.runtime.server.http import (
     ClientGone,
     ClosingStreamingResponse,
     bearer_auth,
+    bearer_matches,
     install_error_handlers,
     internal_auth,
     read_body,
@@ -622,10 +622,7 @@ def admin_auth(admin_key: str | None):
                 "to add and remove replicas at run time",
                 code="admin_disabled",
             )
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), admin_key.encode()
-        ):
+        if not bearer_matches(request, admin_key):
             raise APIError(
                 401,
                 "missing or incorrect admin key",

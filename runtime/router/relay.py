@@ -22,7 +22,8 @@ async def relay_segments(
     moved: Callable[[int], None] = lambda n: None,
 ) -> list[str]:
     """The segments' names on `target_url` after moving each one from `source_url`; `auth`: the
-    headers carrying the internal key both replicas require; `moved` gets the bytes of each. A failure is a 502 (`kv_relay_failed`) naming the replica and step."""
+    headers carrying the internal key both replicas require; `moved` gets the bytes of each. A
+    failure is a 502 (`kv_relay_failed`) naming the replica and step."""
     out = []
     for name in names:
         step = f"fetching KV segment {name} from prefill replica {source_url}"

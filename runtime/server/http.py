@@ -5,7 +5,6 @@ limits, client-disconnect watching."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import Awaitable
 from typing import Any
@@ -80,16 +79,17 @@ class ClosingStreamingResponse(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
+def bearer_matches(request: Request, key: str) -> bool:
+    """Whether `request` carries `Authorization: Bearer <key>` (constant-time compare)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and key_matches(key, token)
+
+
 def bearer_auth(api_key: str | None):
     """A dependency that checks `Authorization: Bearer <key>` (constant-time compare)."""
 
     async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), api_key.encode()
-        ):
+        if api_key is not None and not bearer_matches(request, api_key):
             raise APIError(
                 401,
                 "missing or incorrect API key; send 'Authorization: Bearer <key>'",

@@ -65,7 +65,7 @@ class MultiprocExecutor:
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.world, self.device = world, device
         self.threads = cpu_threads(world) if device.type == "cpu" else None
-        bind = self._bind_address()
+        self.bind = bind = self._bind_address()
         store = create_store(world, bind)
         self.secret = new_secret()  # signs what the ranks say through the store (signed_store.py)
         self.signed = SignedStore(store, self.secret)

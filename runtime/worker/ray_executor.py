@@ -21,6 +21,7 @@ worker publishes in the store (runtime/stats/rank_stats.py), at most about a sec
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -63,22 +64,24 @@ class RayExecutor(MultiprocExecutor):
     name = "ray"
 
     def _bind_address(self) -> str:
-        """This node's address as Ray knows it: the actors on other nodes connect there."""
-        return _ray().util.get_node_ip_address()
+        """This node's address as Ray knows it (so Ray is joined first: before that,
+        `get_node_ip_address` guesses from the default route, not `--node-ip-address`); the
+        actors on other nodes connect there."""
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        return ray.util.get_node_ip_address()
 
     def _start_workers(self, config, store) -> None:
         ray = _ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
         self._ray, self.store, self.steps = ray, self.signed, 0  # every value signed
         cuda = self.device.type == "cuda"
         bundle = {"GPU": 1} if cuda else {"CPU": self.threads or 1}
         self.pg = placement_group([bundle] * self.world, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
-        host = ray.util.get_node_ip_address()
         actor = ray.remote(num_gpus=1 if cuda else 0, num_cpus=0 if cuda else (self.threads or 1))(
             RayWorker
         )
@@ -92,21 +95,18 @@ class RayExecutor(MultiprocExecutor):
             self.actors.append(a)
             self.runs.append(
                 a.run.remote(
-                    rank, self.world, host, store.port, config, self.threads, cuda, self.secret
+                    rank, self.world, self.bind, store.port, config, self.threads, cuda, self.secret
                 )
             )
 
     def _post(self, header: bytes) -> None:
         self.store.set(f"step/{self.steps}", header)  # one write, read by every worker
         if self.steps:
-            self.store.delete_key(
-                f"step/{self.steps - 1}"
-            )  # every worker has read it: it ran that step
+            # every worker has read it: it ran that step
+            self.store.delete_key(f"step/{self.steps - 1}")
         self.steps += 1
 
     def _messages(self, rank: int, wait_s: float = 0.0) -> list[tuple[str, str]]:
-        import time
-
         deadline, out = time.monotonic() + wait_s, []
         while True:
             i = self._seen.get(rank, 0)
