@@ -61,10 +61,16 @@ class StubRunner:
         except ImportError:
             self._tables = None
 
-    def prepare(self, token_chunks, starts, block_tables, sample):
-        extra = (self._tables,) if self._tables is not None else ()
+    def prepare(self, token_chunks, starts, block_tables, sample, extra_rows=None):
         return prepare_batch(
-            token_chunks, starts, block_tables, sample, self.block_size, self.device, *extra
+            token_chunks,
+            starts,
+            block_tables,
+            sample,
+            self.block_size,
+            self.device,
+            self._tables,
+            extra_rows=extra_rows,
         )
 
     def execute(self, batch):

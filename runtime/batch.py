@@ -114,6 +114,7 @@ def prepare_batch(
     device: torch.device,
     table_cache: BlockTableCache | None = None,
     staging: StagingBuffer | None = None,
+    extra_rows: list[range] | None = None,
 ) -> BatchInputs:
     """Build BatchInputs on `device` from per-sequence new tokens.
 
@@ -121,11 +122,15 @@ def prepare_batch(
     one (= tokens already cached); block_tables[b]: its blocks, covering start + len(chunk)
     tokens; sample[b]: whether its last token's logits are needed. `table_cache` (the runner's)
     makes the block-table tensor incremental across steps; `staging` (the runner's, on a GPU)
-    sends every field in one copy.
+    sends every field in one copy. extra_rows[b]: more offsets into chunk b (before its last
+    token) whose logits are wanted too (prompt logprobs); the logits rows then go sequence by
+    sequence, each sequence's extra rows first, then its sampled row.
     """
     ids, pos, slots, cu, ctx, logits_idx = [], [], [], [0], [], []
-    for chunk, start, table, want in zip(token_chunks, starts, block_tables, sample):
+    extra = extra_rows or [range(0)] * len(token_chunks)
+    for chunk, start, table, want, more in zip(token_chunks, starts, block_tables, sample, extra):
         n = len(chunk)
+        logits_idx.extend(cu[-1] + r for r in more)
         ids.extend(chunk)
         positions = range(start, start + n)
         pos.extend(positions)

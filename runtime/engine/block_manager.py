@@ -173,12 +173,17 @@ class BlockManager:
         return keys[:n]
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached run of seq's full blocks, leaving >= 1 token to compute."""
+        """Block ids of the longest cached run of seq's full blocks, leaving >= 1 token to compute
+        (and every position whose logits give a prompt logprob wanted)."""
         if not self.enable_prefix_caching:
             return []
-        # (num_tokens - 1) // block_size: the last token must be computed to have logits to sample.
+        # (num_tokens - 1) // block_size: the last token must be computed to have logits to sample;
+        # with prompt logprobs, every position from prompt_logprobs_start - 1 on must be too.
+        computed = seq.num_tokens - 1
+        if seq.params.prompt_logprobs is not None:
+            computed = min(computed, seq.params.prompt_logprobs_start - 1)
         hits = []
-        for key in self._keys(seq, (seq.num_tokens - 1) // self._block_size):
+        for key in self._keys(seq, computed // self._block_size):
             block_id = self._cached.get(key)
             if block_id is None:
                 break

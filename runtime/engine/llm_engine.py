@@ -36,8 +36,8 @@ from slimserve.runtime.disagg.segment import SegmentRegistry
 from slimserve.runtime.disagg.transfer import ImportedKV, export_blocks, scatter
 from slimserve.runtime.engine.block_manager import BlockManager
 from slimserve.runtime.engine.detokenizer import DetokenizerState, make_decoder
-from slimserve.runtime.engine.sampler import sample
-from slimserve.runtime.engine.scheduler import Scheduler, SchedulerConfig
+from slimserve.runtime.engine.sampler import sample, token_logprobs
+from slimserve.runtime.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from slimserve.runtime.engine.sequence import (
     CompletionOutput,
     RequestOutput,
@@ -272,15 +272,20 @@ class LLMEngine:
         items = out.scheduled
         composition = batch_composition(items)
         clock.next("prepare")
+        # positions whose logits give prompt logprobs (empty unless a request asked for them)
+        extra = [s.seq.prompt_logprob_rows(s.start, s.num_new_tokens) for s in items]
         batch = self.runner.prepare(
             [s.seq.token_ids[s.start : s.start + s.num_new_tokens] for s in items],
             [s.start for s in items],
             [s.seq.block_table for s in items],
             [s.sample for s in items],
+            [range(r.start - s.start, r.stop - s.start) for r, s in zip(extra, items)],
         )
         clock.next("forward")
         logits = self.runner.execute(batch)
         clock.next("sample")
+        if any(extra):
+            logits = self._prompt_logprobs(logits, items, extra)
         sampled = [s for s in items if s.sample]
         reqs = [self.requests[s.seq.request_id] for s in sampled]
         result = sample(logits, [r.seq.params for r in reqs], [r.generator for r in reqs])
@@ -317,6 +322,38 @@ class LLMEngine:
             outputs.append(self._output(req))
         clock.finish(*composition)
         return outputs
+
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, items: list[ScheduledSeq], extra: list[range]
+    ) -> torch.Tensor:
+        """Store the prompt logprobs of this step's extra logits rows in their sequences and
+        return the sampled rows alone. Rows go item by item: its extra rows, then its sampled row
+        (runtime/batch.py `prepare_batch`)."""
+        rows, targets, keep, top_n, at = [], [], [], 0, 0
+        for item, positions in zip(items, extra):
+            seq = item.seq
+            if positions:
+                rows.extend(range(at, at + len(positions)))
+                targets.extend(seq.prompt_token_ids[p + 1] for p in positions)
+                top_n = max(top_n, seq.params.prompt_logprobs)
+                at += len(positions)
+            if item.sample:
+                keep.append(at)
+                at += 1
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        values = token_logprobs(logits.index_select(0, index), targets, top_n)
+        it = iter(values)
+        for item, positions in zip(items, extra):
+            seq = item.seq
+            if not positions:
+                continue
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None] * seq.num_prompt_tokens
+            n = seq.params.prompt_logprobs
+            for p in positions:
+                lp, tops = next(it)
+                seq.prompt_logprobs[p + 1] = (lp, tops if n == top_n else _first(tops, n))
+        return logits.index_select(0, torch.tensor(keep, dtype=torch.long, device=logits.device))
 
     def _export(self, req: _Request) -> None:
         """Write a finished prefill's prompt KV and first token into its segment; a failure
@@ -439,7 +476,13 @@ class LLMEngine:
             seq.num_cached_tokens,
             metrics,
             error=req.error,
+            prompt_logprobs=seq.prompt_logprobs,
         )
+
+
+def _first(tops: dict[int, float], n: int) -> dict[int, float]:
+    """The n best of a top-n dict (insertion order is best first)."""
+    return dict(list(tops.items())[:n])
 
 
 def _max_token_chars(tokenizer) -> int:

@@ -296,6 +296,29 @@ def _unpack(values: list[float], params: list[SamplingParams], plan: _Plan) -> S
     return SampleResult(token_ids, logprobs, [v != 0.0 for v in values[-s:]])
 
 
+def token_logprobs(
+    logits: torch.Tensor, targets: list[int], top_n: int
+) -> list[tuple[float, dict[int, float]]]:
+    """Per row of `logits` [R, V]: (logprob of targets[r], {token id: logprob} of the top_n),
+    from the raw model distribution (log_softmax of the untempered logits, as `sample` reports
+    logprobs); the prompt logprobs of runtime/engine/llm_engine.py. One device-to-host copy."""
+    lp = torch.log_softmax(logits.float(), -1)
+    ids = torch.tensor(targets, dtype=torch.long, device=lp.device)
+    parts = [lp.gather(1, ids.unsqueeze(1)).squeeze(1).double()]
+    n = min(top_n, lp.shape[1])
+    if n:
+        top = lp.topk(n, dim=-1)
+        parts += [top.values.double(), top.indices.double()]
+    r = lp.shape[0]
+    values = torch.cat([t.flatten() for t in parts]).cpu().tolist()
+    out = []
+    for i in range(r):
+        vals = values[r + i * n : r + (i + 1) * n]
+        ids_i = values[r + r * n + i * n : r + r * n + (i + 1) * n]
+        out.append((values[i], {int(t): v for t, v in zip(ids_i, vals)}))
+    return out
+
+
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """fp32 [S, V]: the distribution each row of `sample` draws from, in vocabulary order
     (greedy rows: one-hot on the argmax). For tests and benchmarks; `sample` never builds it."""

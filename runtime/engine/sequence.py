@@ -39,6 +39,13 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past the EOS token
     # return this many top logprobs per generated token (0 = chosen only)
     logprobs: int | None = None
+    # return the logprob of every prompt token (given the tokens before it) and this many top
+    # logprobs at each (0 = the prompt token's only; vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None
+    # the first prompt index whose logprob is wanted (earlier entries stay None); a scorer that
+    # needs only a continuation's logprobs sets it to the context's length, so the prefix cache
+    # may still serve the context's full blocks (runtime/engine/block_manager.py `_prefix_hits`)
+    prompt_logprobs_start: int = 1
     # prefix-cache namespace (vLLM's cache_salt): requests share prefix blocks only when their
     # salts are equal (runtime/engine/block_manager.py), so tenants with different salts never do
     cache_salt: str | None = None
@@ -56,6 +63,17 @@ class SamplingParams:
             raise SamplingError("top_k", f"must be -1 (off) or >= 1, got {self.top_k!r}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise SamplingError("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20
+        ):
+            raise SamplingError(
+                "prompt_logprobs", f"must be between 0 and 20, got {self.prompt_logprobs!r}"
+            )
+        if not isinstance(self.prompt_logprobs_start, int) or self.prompt_logprobs_start < 1:
+            raise SamplingError(
+                "prompt_logprobs_start",
+                f"must be an integer >= 1, got {self.prompt_logprobs_start!r}",
+            )
         self.stop = list(self.stop)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise SamplingError(
@@ -106,6 +124,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # per generated token: (chosen token logprob, {token id: logprob} of the top-n), if asked
     output_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    # per prompt token, the same, when params.prompt_logprobs is set (None before
+    # prompt_logprobs_start and until computed); a recompute after preemption rewrites them
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)  # physical KV block ids, in order
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the cache
@@ -137,6 +158,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def prompt_logprob_rows(self, start: int, n: int) -> range:
+        """Positions among tokens[start : start + n] whose logits give prompt logprobs: p
+        predicts prompt token p + 1, for p + 1 in [prompt_logprobs_start, num_prompt_tokens).
+        Empty when the request asked for none."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        first = max(start, self.params.prompt_logprobs_start - 1)
+        return range(first, min(start + n, self.num_prompt_tokens - 1))
 
     @property
     def prefix_salt(self) -> bytes | None:
@@ -189,6 +219,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, ttft_s, e2e_s, ...
     error: str | None = None  # set (with finish_reason "error") when this request failed alone
+    # per prompt token (SamplingParams.prompt_logprobs): None before prompt_logprobs_start;
+    # carried by every output once the prompt is computed
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] | None = None
 
 
 class OutputAccumulator:
@@ -234,6 +267,7 @@ class OutputAccumulator:
             last.num_cached_tokens,
             last.metrics,
             last.error,
+            last.prompt_logprobs,
         )
         self.last, self._text, self._ids, self._lps = None, [], [], None
         return merged

@@ -414,7 +414,8 @@ class ModelRunner:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def prepare(self, token_chunks, starts, block_tables, sample) -> BatchInputs:
+    def prepare(self, token_chunks, starts, block_tables, sample, extra_rows=None) -> BatchInputs:
+        """The step's batch (runtime/batch.py `prepare_batch`; extra_rows: prompt-logprob rows)."""
         return prepare_batch(
             token_chunks,
             starts,
@@ -424,6 +425,7 @@ class ModelRunner:
             self.device,
             self._tables,
             self._staging,
+            extra_rows,
         )
 
     @torch.inference_mode()
