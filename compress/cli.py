@@ -1,8 +1,9 @@
 """The `compress` command: `compress run RECIPE`, `compress eval MODEL`.
 
-Exit codes: 0 success (gate passed), 2 bad input (one line on stderr, no traceback; also an
+Exit codes: 0 success (gates passed), 2 bad input (one line on stderr, no traceback; also an
 output folder that is not an earlier artifact, or the model's own folder), 3 the perplexity gate
-failed (the artifact and report are still written, to `<output>.failed`, and say FAILED).
+or the task gate failed (the artifact and report are still written, to `<output>.failed`, and
+say FAILED).
 """
 
 from __future__ import annotations
@@ -72,11 +73,20 @@ def run(
     except _user_errors() as e:
         _fail(str(e))
     gate = result.summary["gate"]
-    verdict = "[green]PASSED[/]" if result.passed else "[bold red]FAILED[/]"
+    verdict = "[green]PASSED[/]" if gate["passed"] else "[bold red]FAILED[/]"
     console.print(
         f"gate {verdict}: ppl {result.summary['baseline']['ppl']:.4f} -> {result.summary['final']['ppl']:.4f} "
         f"({gate['ppl_increase'] * 100:+.2f}%, limit {gate['max_ppl_increase'] * 100:.2f}%)"
     )
+    for name, v in result.summary.get("task_gate", {}).get("tasks", {}).items():
+        mark = "[green]PASSED[/]" if v["passed"] else "[bold red]FAILED[/]"
+        console.print(
+            f"task gate {mark}: {name} {v['metric']} {v['before'] * 100:.2f} -> "
+            f"{v['after'] * 100:.2f} ({-v['drop_points']:+.2f} points, limit -{v['max_drop']:.2f}; "
+            f"McNemar p {v['p_value']:.3g}{', significant' if v['significant'] else ''}; "
+            f"n {v['n']})",
+            highlight=False,
+        )
     console.print(f"artifact: {result.artifact}  report: {result.artifact / 'report.md'}")
     if not result.passed:
         typer.echo(
@@ -118,12 +128,28 @@ def eval_cmd(
         "decoder layers one at a time | whole: load the float32 model | auto: "
         "layers when the float32 model would not fit in memory",
     ),
+    tasks: str | None = typer.Option(
+        None,
+        "--tasks",
+        help="task accuracy instead of perplexity: comma-separated tasks (piqa, arc_easy, "
+        "arc_challenge, hellaswag, winogrande, boolq, openbookqa, mmlu, mmlu_<subject>), "
+        "scored by log-likelihood on the serving engine",
+    ),
+    limit: int | None = typer.Option(
+        None, "--limit", min=1, help="with --tasks: the first N items of each task"
+    ),
 ) -> None:
-    """Perplexity of a model or artifact on a dataset (non-overlapping windows)."""
+    """Perplexity of a model or artifact on a dataset (non-overlapping windows), or its task
+    accuracy with --tasks (multiple-choice log-likelihood, lm-eval's conventions)."""
     from slimserve.compress.datasets import load_token_documents, parse_dataset
     from slimserve.compress.devices import resolve_device
     from slimserve.compress.layerwise_eval import MEMORY_MODES, model_perplexity
 
+    if tasks is not None:
+        _eval_tasks(model, tasks, limit, device, verify, trust_remote_code, as_json)
+        return
+    if limit is not None:
+        _fail("--limit: counts task items; use it with --tasks (perplexity has --max-windows)")
     if memory not in MEMORY_MODES:
         _fail(f"--memory {memory!r}: use one of {', '.join(MEMORY_MODES)}")
     try:
@@ -152,6 +178,48 @@ def eval_cmd(
             f"in {res.seconds:.1f}s",
             highlight=False,
         )
+
+
+def _eval_tasks(
+    model: str,
+    tasks: str,
+    limit: int | None,
+    device: str,
+    verify: str,
+    trust_remote_code: bool,
+    as_json: bool,
+) -> None:
+    from slimserve.compress.devices import resolve_device
+    from slimserve.compress.tasks.catalog import parse_tasks
+    from slimserve.compress.tasks.evaluate import evaluate_tasks
+
+    try:
+        names = parse_tasks(tasks)
+        dev = resolve_device(device, "--device")
+        run = evaluate_tasks(
+            model,
+            names,
+            limit,
+            progress=not as_json,
+            note=lambda m: None if as_json else console.print(m, highlight=False),
+            device=str(dev),
+            verify=verify,
+            trust_remote_code=trust_remote_code,
+        )
+    except (*_user_errors(), ValueError) as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps(run.to_dict()))
+        return
+    print(f"{'task':<16} {'items':>6}  {'acc':>15}  {'acc_norm':>15}")
+    for name, res in run.tasks.items():
+        cells = []
+        for metric in ("acc", "acc_norm"):
+            m = res.metrics.get(metric)
+            cells.append(
+                f"{m['value'] * 100:6.2f} ± {m['stderr'] * 100:5.2f}" if m else f"{'-':>15}"
+            )
+        print(f"{name:<16} {res.n:>6}  {cells[0]:>15}  {cells[1]:>15}")
 
 
 @app.command()

@@ -16,6 +16,7 @@ the whole model in float32, as before. Both paths write the same tensors
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -41,7 +42,13 @@ from slimserve.compress.quant.group_sizes import partial_group_modules, partial_
 from slimserve.compress.recipe import Recipe
 from slimserve.compress.report import write_report
 from slimserve.compress.stage import CompressionState, Stage, StageReport
-from slimserve.runtime.artifact.manifest import ArtifactManifest, hash_checkpoint
+from slimserve.compress.tasks.evaluate import TaskRun, evaluate_tasks, judge_task
+from slimserve.runtime.artifact.manifest import (
+    ArtifactManifest,
+    hash_checkpoint,
+    unverified_manifest,
+    write_manifest,
+)
 from slimserve.runtime.dtypes import DTYPES, checkpoint_dtype
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.loading.gguf import gguf_file, resolve_model
@@ -92,6 +99,8 @@ def run_recipe(
     )
     if why_whole and memory == "layers":
         raise RecipeError(f"the model cannot be compressed layer by layer: {why_whole}")
+    # the task gate's baseline: the source model on the serving engine, before anything loads
+    tasks_before = _score_tasks(recipe, source, device, progress, log, "baseline")
     skeleton = None
     if not why_whole:
         try:
@@ -156,7 +165,9 @@ def run_recipe(
         else None
     )
     try:
-        return _run(recipe, stages, state, store, measure, storage, source, t_start, log)
+        return _run(
+            recipe, stages, state, store, measure, storage, source, t_start, log, tasks_before
+        )
     finally:
         if store is not None:
             store.close()
@@ -172,6 +183,7 @@ def _run(
     source: str,
     t_start: float,
     log: Callable[[str], None],
+    tasks_before: TaskRun | None = None,
 ) -> RunResult:
     model, tok, ev = state.model, state.tokenizer, recipe.eval
     if state.device.type != "cpu":
@@ -213,6 +225,7 @@ def _run(
         eval=eval_info,
         partial_groups=partial_group_modules(state.quantized),
         kv_cache_skip_layers=list(state.kv_skip_layers),
+        kv_cache_dtype=state.kv_cache_dtype,
     )
     model.to(storage)
     model.config.dtype = storage  # config.json must name the dtype the tensors are stored in
@@ -236,10 +249,31 @@ def _run(
         "artifact": str(dest),
     }
 
-    def report(folder: Path) -> None:  # into the finished temporary folder, before the move
+    verdict = {"passed": True}
+
+    def report(folder: Path) -> Path | None:  # into the finished temporary folder, before the move
         summary["final"]["size_bytes"] = size_bytes(folder)
+        moved = None
+        if tasks_before is not None:
+            after = _score_tasks(recipe, str(folder), state.device, state.progress, log, "final")
+            task_gate = judge_gate(recipe, tasks_before, after)
+            verdict["passed"] = task_gate["passed"]
+            summary["tasks"] = {
+                "baseline": tasks_before.to_dict(),
+                "final": after.to_dict(),
+            }
+            summary["task_gate"] = task_gate
+            eval_info["task_gate"] = task_gate
+            # the manifest records the task gate too: loaders refuse a failed one (check_gate)
+            written = unverified_manifest(folder)
+            write_manifest(folder, dataclasses.replace(written, eval=eval_info))
+            if not task_gate["passed"]:
+                log(f"task gate FAILED: {', '.join(task_gate['failed'])}")
+                summary["artifact"] = str(failed_output(recipe.output))
+                moved = failed_output(recipe.output)
         summary["seconds"] = time.perf_counter() - t_start
         write_report(folder, summary)
+        return moved
 
     options = ExportOptions(
         model=model,
@@ -252,7 +286,58 @@ def _run(
         before_move=report,
     )
     artifact = export_artifact(recipe.export.format, options, layers=store)
-    return RunResult(artifact=artifact, summary=summary, passed=gate["passed"])
+    return RunResult(
+        artifact=artifact, summary=summary, passed=gate["passed"] and verdict["passed"]
+    )
+
+
+def _score_tasks(
+    recipe: Recipe,
+    model: str,
+    device: torch.device,
+    progress: bool,
+    log: Callable[[str], None],
+    label: str,
+) -> TaskRun | None:
+    """The recipe's gated tasks scored on `model` by the serving engine (None without a task
+    gate). The engine loads the artifact as `runtime serve` would, a failed perplexity gate
+    allowed (the report still wants its tasks)."""
+    gate = recipe.gate
+    if not gate.tasks:
+        return None
+    log(f"{label}: tasks {', '.join(gate.tasks)} (first {gate.limit or 'all'} items each)")
+    try:
+        return evaluate_tasks(
+            model,
+            list(gate.tasks),
+            gate.limit,
+            progress=progress,
+            note=lambda m: log(f"{label}: {m}"),
+            device=str(device),
+            allow_failed_gate=True,
+        )
+    except ArtifactError as e:
+        raise RecipeError(f"gate.tasks: the serving engine cannot score this model: {e}") from None
+
+
+def judge_gate(recipe: Recipe, before: TaskRun, after: TaskRun) -> dict:
+    """The task gate's record: each task's paired comparison (compress/tasks/evaluate.py
+    `judge_task`), which failed, and whether all passed."""
+    gate = recipe.gate
+    verdicts = {
+        name: judge_task(
+            before.tasks[name], after.tasks[name], spec.metric, spec.max_drop, gate.alpha
+        )
+        for name, spec in gate.tasks.items()
+    }
+    failed = [n for n, v in verdicts.items() if not v.passed]
+    return {
+        "passed": not failed,
+        "failed": failed,
+        "alpha": gate.alpha,
+        "limit": gate.limit,
+        "tasks": {n: v.to_dict() for n, v in verdicts.items()},
+    }
 
 
 def check_output(recipe: Recipe) -> None:

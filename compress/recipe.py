@@ -21,6 +21,8 @@ from slimserve.compress.devices import parse_device
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.registry import STAGE_SPECS, STAGES
 from slimserve.compress.stage import Stage
+from slimserve.compress.tasks.catalog import parse_tasks, task_metrics
+from slimserve.compress.tasks.data import TaskDataError
 
 
 class _Strict(BaseModel):
@@ -44,6 +46,19 @@ class EvalSpec(_Strict):
     batch_size: int = Field(8, gt=0)  # windows per forward pass
 
 
+class TaskGateSpec(_Strict):
+    max_drop: float = Field(1.0, ge=0)  # accuracy points the task may lose (1.0 = one point)
+    metric: Literal["acc", "acc_norm"] = "acc"  # which accuracy is judged
+
+
+class GateSpec(_Strict):
+    # task -> its allowance: the task fails when its accuracy drops by more than max_drop points
+    # and the paired test on the same items finds the drop significant (compress/tasks/evaluate.py)
+    tasks: dict[str, TaskGateSpec] = {}
+    limit: int | None = Field(None, gt=0)  # the first N items of each task (None: all)
+    alpha: float = Field(0.05, gt=0, lt=1)  # significance level of the paired test (McNemar)
+
+
 class ExportSpec(_Strict):
     format: Literal["compressed-tensors", "gptq", "awq"] = (
         "compressed-tensors"  # on-disk format of the artifact
@@ -65,6 +80,7 @@ class RecipeModel(_Strict):
     )
     calibration: CalibrationSpec = CalibrationSpec()
     eval: EvalSpec = EvalSpec()
+    gate: GateSpec = GateSpec()
     stages: list[dict[str, Any]] = Field(min_length=1)
     export: ExportSpec = ExportSpec()
 
@@ -91,6 +107,7 @@ class Recipe:
     eval: EvalSpec
     stages: tuple[StageSpec, ...]
     export: ExportSpec
+    gate: GateSpec = GateSpec()
 
     @property
     def base_dir(self) -> Path:
@@ -130,6 +147,7 @@ def parse_recipe(text: str, path: Path | None = None, output: str | Path | None 
     parse_device(top.device, "device")
     stages = tuple(_parse_stage(i, s) for i, s in enumerate(top.stages))
     _check_order(stages)
+    _check_gate(top.gate)
     base = path.parent if path else Path.cwd()
     return Recipe(
         path=path,
@@ -142,6 +160,7 @@ def parse_recipe(text: str, path: Path | None = None, output: str | Path | None 
         eval=top.eval,
         stages=stages,
         export=top.export,
+        gate=top.gate,
     )
 
 
@@ -193,6 +212,22 @@ def _check_order(stages: tuple[StageSpec, ...]) -> None:
                 f"stages[{i}].{spec.name}: no teacher; the teacher is the model before "
                 f"the first prune stage, so put a prune stage before it or set "
                 f"stages[{i}].{spec.name}.teacher to a checkpoint"
+            )
+
+
+def _check_gate(gate: GateSpec) -> None:
+    """Every gated task exists and reports the metric its gate judges."""
+    for name, spec in gate.tasks.items():
+        try:
+            (task,) = parse_tasks(name)
+        except TaskDataError as e:
+            raise RecipeError(f"gate.tasks.{name}: {e}") from None
+        if task != name:
+            raise RecipeError(f"gate.tasks.{name}: name one task per key")
+        metrics = task_metrics(name)
+        if spec.metric not in metrics:
+            raise RecipeError(
+                f"gate.tasks.{name}.metric: {name} reports {', '.join(metrics)}, not {spec.metric}"
             )
 
 

@@ -50,6 +50,9 @@ def write_report(out_dir: Path, summary: dict) -> dict[str, Path]:
     paths["md"].write_text(render_markdown(summary), encoding="utf-8")
     plot_report(summary, paths["png"])
     paths.update(plot_stage_details(summary, out_dir))
+    if summary.get("task_gate"):
+        paths["tasks"] = out_dir / "report-tasks.png"
+        plot_tasks(summary["task_gate"], paths["tasks"])
     return paths
 
 
@@ -94,13 +97,15 @@ def _fmt(x, spec: str) -> str:
 def render_markdown(summary: dict) -> str:
     """A PASSED/FAILED headline, the run's facts and a per-stage table."""
     base, final, gate = summary["baseline"], summary["final"], summary["gate"]
-    verdict = "PASSED" if gate.get("passed") else "FAILED"
+    task_gate = summary.get("task_gate")
+    passed = gate.get("passed") and (task_gate is None or task_gate["passed"])
+    verdict = "PASSED" if passed else "FAILED"
     size_ratio = base["size_bytes"] / final["size_bytes"] if final.get("size_bytes") else math.nan
     lines = [
         f"# Compression report: {verdict}",
         "",
         f"Perplexity {base['ppl']:.3f} → {final['ppl']:.3f} ({gate['ppl_increase'] * 100:+.2f} %, "
-        f"gate ≤ +{gate['max_ppl_increase'] * 100:.2f} %): **{verdict}**. "
+        f"gate ≤ +{gate['max_ppl_increase'] * 100:.2f} %): **{'PASSED' if gate.get('passed') else 'FAILED'}**. "
         f"Weights {base['size_bytes'] / MB:.2f} MB → {final['size_bytes'] / MB:.2f} MB ({size_ratio:.2f}× smaller).",
         "",
     ]
@@ -149,7 +154,64 @@ def render_markdown(summary: dict) -> str:
                 f"`{d['vllm']}`"
                 + ("; sensitivity: `report-kv_cache.png`)" if "sensitivity" in d else ")"),
             ]
+    lines += _task_lines(summary)
     return "\n".join(lines) + "\n"
+
+
+def _task_lines(summary: dict) -> list[str]:
+    """The task gate's table: accuracy before/after with 95 % intervals, the drop, its
+    significance (exact McNemar on the same items) and the verdict per task."""
+    task_gate = summary.get("task_gate")
+    if not task_gate:
+        return []
+    lines = [
+        "",
+        f"Task gate: **{'PASSED' if task_gate['passed'] else 'FAILED'}** (a task fails when "
+        f"it drops by more than its allowance and McNemar's p < {task_gate['alpha']}; first "
+        f"{task_gate['limit'] or 'all'} items of each task; plot: `report-tasks.png`)",
+        "",
+        "| task | metric | items | before % (95 % CI) | after % (95 % CI) | drop, points "
+        "(95 % CI) | McNemar p | allowed | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, v in task_gate["tasks"].items():
+        lo, hi = (-100 * x for x in v["diff_ci"])
+        lines.append(
+            f"| {name} | {v['metric']} | {v['n']} | {v['before'] * 100:.2f} "
+            f"({v['before_ci'][0] * 100:.1f}-{v['before_ci'][1] * 100:.1f}) | "
+            f"{v['after'] * 100:.2f} ({v['after_ci'][0] * 100:.1f}-{v['after_ci'][1] * 100:.1f}) | "
+            f"{v['drop_points']:+.2f} ({hi:+.2f} to {lo:+.2f}) | {v['p_value']:.3g} | "
+            f"{v['max_drop']:.2f} | {'PASSED' if v['passed'] else 'FAILED'} |"
+        )
+    return lines
+
+
+def plot_tasks(task_gate: dict, path: Path) -> None:
+    """Accuracy before and after per gated task, with 95 % Wilson intervals; failed tasks'
+    labels in red."""
+    names = list(task_gate["tasks"])
+    fig, ax = _figure(max(5.0, 1.4 * len(names) + 2), 3.8, 1)
+    width = 0.38
+    for k, (when, color) in enumerate((("before", "tab:blue"), ("after", "tab:orange"))):
+        xs = [i + (k - 0.5) * width for i in range(len(names))]
+        vals = [task_gate["tasks"][n][when] * 100 for n in names]
+        cis = [task_gate["tasks"][n][f"{when}_ci"] for n in names]
+        err = [
+            [v - lo * 100 for v, (lo, _) in zip(vals, cis)],
+            [hi * 100 - v for v, (_, hi) in zip(vals, cis)],
+        ]
+        ax.bar(xs, vals, width, yerr=err, capsize=3, color=color, label=when)
+    ax.set_xticks(range(len(names)), names)
+    for label, n in zip(ax.get_xticklabels(), names):
+        if not task_gate["tasks"][n]["passed"]:
+            label.set_color("tab:red")
+    ax.set(
+        title=f"Task accuracy ({'PASSED' if task_gate['passed'] else 'FAILED'})",
+        ylabel="accuracy %",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def plot_report(summary: dict, path: Path) -> None:

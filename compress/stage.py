@@ -78,6 +78,7 @@ class CompressionState:
     kv_skip_layers: list[int] = field(
         default_factory=list
     )  # decoder layers whose KV stays unquantized
+    kv_cache_dtype: str = ""  # "int8" / "int4": the online-quantized KV cache the artifact asks for
     calibration: torch.Tensor | None = (
         None  # [num_samples, seq_len] token ids, when a stage needs them
     )

@@ -5,7 +5,9 @@
  * twin and test oracle is `paged_attention_decode` in kernels/reference_attention.py.
  *
  * Layouts: query and out fp32 [n, H, D]; caches [num_blocks, block_size, Hkv, D] of fp32,
- * bf16 (raw uint16) or float8_e4m3fn codes (uint8, value = code * scale); block tables int32
+ * bf16 (raw uint16) or float8_e4m3fn codes (uint8, value = code * scale), or int8 / int4 rows
+ * [num_blocks, block_size, Hkv, R] of uint8 (R = D or D / 2 code bytes + fp16 scale and zero,
+ * value = code * scale + zero: kernels/kv_quant.py); block tables int32
  * [n, bt_stride]; context lengths int32 [n]. Query head h reads KV head h / (H / Hkv).
  * A task is one sequence (or one sequence and KV head when there are few sequences); each KV
  * head's group of query heads is attended together, so each cached key and value is read once per
@@ -16,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2, KV_INT8 = 3, KV_INT4 = 4 };
 
 static float fp8_e4m3_values[256];
 
@@ -31,6 +33,13 @@ static float fp8_e4m3_decode(unsigned code) {
 
 void slimserve_cpu_attention_init(void) {
     for (unsigned c = 0; c < 256; ++c) fp8_e4m3_values[c] = fp8_e4m3_decode(c);
+}
+
+static inline float f16_value(uint16_t h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    float v = e == 0 ? ldexpf((float)m, -24) : e == 31 ? (m ? NAN : INFINITY)
+                                                       : ldexpf((float)(1024 + m), e - 25);
+    return (h & 0x8000u) ? -v : v;
 }
 
 static inline float bf16_value(uint16_t x) {
@@ -96,13 +105,31 @@ INLINE void block_values(const float *restrict s, const float *restrict v, int64
 }
 
 /* The `count` rows of one KV head in a cache block as fp32: the block itself for an fp32 cache
- * (row stride *stride), else converted into buf [count, D] (*stride becomes D). */
+ * (row stride *stride), else converted into buf [count, D] (*stride becomes D). `first` and
+ * *stride count cache elements (bytes for fp8, int8 and int4). */
 INLINE const float *block_rows(const void *cache, int kind, int64_t first, int count,
                                       int D, int64_t *stride, float *restrict buf) {
     if (kind == KV_F32) return (const float *)cache + first;
     for (int i = 0; i < count; ++i) {
         float *dst = buf + (int64_t)i * D;
-        if (kind == KV_BF16) {
+        if (kind == KV_INT8 || kind == KV_INT4) {
+            const uint8_t *src = (const uint8_t *)cache + first + (int64_t)i * *stride;
+            const int codes = kind == KV_INT8 ? D : D / 2;
+            uint16_t sh, zh;
+            memcpy(&sh, src + codes, 2);
+            memcpy(&zh, src + codes + 2, 2);
+            const float sc = f16_value(sh), z = f16_value(zh);
+            if (kind == KV_INT8) {
+#pragma omp simd
+                for (int d = 0; d < D; ++d) dst[d] = (float)src[d] * sc + z;
+            } else {
+#pragma omp simd
+                for (int j = 0; j < D / 2; ++j) {
+                    dst[2 * j] = (float)(src[j] & 15u) * sc + z;
+                    dst[2 * j + 1] = (float)(src[j] >> 4) * sc + z;
+                }
+            }
+        } else if (kind == KV_BF16) {
             const uint16_t *src = (const uint16_t *)cache + first + (int64_t)i * *stride;
 #pragma omp simd
             for (int d = 0; d < D; ++d) dst[d] = bf16_value(src[d]);
@@ -136,13 +163,15 @@ INLINE void attend(const float *q, const void *kc, const void *vc, int kind, con
                    int L, int H, int Hkv, int D, int bs, int h0, int h1, float score_scale,
                    float v_scale, float *out, float *scores, float *acc, float *rows_buf) {
     const int G = H / Hkv;
-    const int64_t token_stride = (int64_t)Hkv * D;
+    /* a head's row in cache elements: D, or for int8 / int4 its code bytes + fp16 scale, zero */
+    const int64_t R = kind == KV_INT8 ? D + 4 : kind == KV_INT4 ? D / 2 + 4 : D;
+    const int64_t token_stride = (int64_t)Hkv * R;
     for (int h = h0; h < h1; ++h) {
         const float *qg = q + (int64_t)h * G * D;
         for (int t0 = 0; t0 < L; t0 += bs) {
             const int count = L - t0 < bs ? L - t0 : bs;
             int64_t stride = token_stride;
-            const float *k = block_rows(kc, kind, ((int64_t)table[t0 / bs] * bs) * token_stride + (int64_t)h * D,
+            const float *k = block_rows(kc, kind, ((int64_t)table[t0 / bs] * bs) * token_stride + (int64_t)h * R,
                                         count, D, &stride, rows_buf);
             block_scores(qg, k, stride, count, G, D, score_scale, scores, L, t0);
         }
@@ -151,7 +180,7 @@ INLINE void attend(const float *q, const void *kc, const void *vc, int kind, con
         for (int t0 = 0; t0 < L; t0 += bs) {
             const int count = L - t0 < bs ? L - t0 : bs;
             int64_t stride = token_stride;
-            const float *v = block_rows(vc, kind, ((int64_t)table[t0 / bs] * bs) * token_stride + (int64_t)h * D,
+            const float *v = block_rows(vc, kind, ((int64_t)table[t0 / bs] * bs) * token_stride + (int64_t)h * R,
                                         count, D, &stride, rows_buf);
             block_values(scores, v, stride, count, G, D, acc, L, t0);
         }

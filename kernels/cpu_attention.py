@@ -10,8 +10,10 @@ sequence (or per sequence and KV head when there are few sequences) on torch's O
 `SLIMSERVE_KERNELS=torch` selects the twin instead (runtime/layers/ops.py), as does a machine
 where the kernel does not build.
 
-Caches: fp32, bf16 and float8_e4m3fn (dequantized with k_scale / v_scale). fp16 caches are not
-handled here (`supports` says so) and stay on the twin.
+Caches: fp32, bf16 and float8_e4m3fn (dequantized with k_scale / v_scale), and int8 / int4 rows
+(uint8, kernels/kv_quant.py: each row dequantized with its own scale and zero as it is read; the
+kernel tells them apart by the row width). fp16 caches are not handled here (`supports` says so)
+and stay on the twin.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import ctypes
 
 import torch
 
-from slimserve.kernels import cpu_build
+from slimserve.kernels import cpu_build, kv_quant
 
 NAME = "cpu_attention"
-_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.uint8: -1}
+_INT_KINDS = {8: 3, 4: 4}  # uint8 caches by their bits (kernels/kv_quant.py `cache_bits`)
 
 
 def _configure(lib: ctypes.CDLL) -> None:
@@ -59,7 +62,8 @@ unavailable_reason = _LIB.unavailable_reason
 
 
 def supports(cache_dtype: torch.dtype) -> bool:
-    """Whether caches of this dtype can be read by the kernel (fp32, bf16, float8_e4m3fn)."""
+    """Whether caches of this dtype can be read by the kernel (fp32, bf16, float8_e4m3fn, and
+    uint8: int8 / int4 rows)."""
     return cache_dtype in _KINDS
 
 
@@ -81,7 +85,8 @@ def paged_attention_decode(
         raise RuntimeError(f"the CPU attention kernel is unavailable: {unavailable_reason()}")
     if key_cache.dtype != value_cache.dtype or not supports(key_cache.dtype):
         raise ValueError(
-            f"CPU attention reads fp32, bf16 or fp8 caches, not {key_cache.dtype}/{value_cache.dtype}"
+            "CPU attention reads fp32, bf16, fp8 or int8/int4 caches, not "
+            f"{key_cache.dtype}/{value_cache.dtype}"
         )
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
         raise ValueError("CPU attention takes CPU tensors")
@@ -89,7 +94,9 @@ def paged_attention_decode(
         raise ValueError("CPU attention needs contiguous caches")
     n, heads, dim = query.shape
     _, block_size, kv_heads, cache_dim = key_cache.shape
-    if cache_dim != dim or heads % kv_heads:
+    bits = kv_quant.cache_bits(key_cache, dim)
+    row = kv_quant.row_bytes(dim, bits) if bits else dim
+    if cache_dim != row or value_cache.shape != key_cache.shape or heads % kv_heads:
         raise ValueError(
             f"query [{n}, {heads}, {dim}] does not match caches of {kv_heads} heads x {cache_dim}"
         )
@@ -107,7 +114,7 @@ def paged_attention_decode(
         q.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        _KINDS[key_cache.dtype],
+        _INT_KINDS[bits] if bits else _KINDS[key_cache.dtype],
         tables.data_ptr(),
         tables.shape[1],
         lens.data_ptr(),

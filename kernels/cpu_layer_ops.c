@@ -2,14 +2,15 @@
  * (kernels/reference.py `rms_norm`, `fused_add_rms_norm`; kernels/reference_attention.py
  * `rope_and_write_kv`). Built and loaded by kernels/cpu_layer_ops.py, which documents the
  * contract. Values are fp32 (kind 0) or bf16 (kind 1, raw uint16); caches also fp8 e4m3
- * (kind 2). The math is fp32 and each result is rounded once to its dtype (nearest even), at the
+ * (kind 2) and int8 / int4 rows with their own fp16 scale and zero (kinds 3 and 4, the layout and
+ * arithmetic of kernels/kv_quant.py, codes bit for bit). The math is fp32 and each result is rounded once to its dtype (nearest even), at the
  * points where the twins round.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { K_F32 = 0, K_BF16 = 1, K_FP8_E4M3 = 2 };
+enum { K_F32 = 0, K_BF16 = 1, K_FP8_E4M3 = 2, K_INT8 = 3, K_INT4 = 4 };
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } b = {(uint32_t)x << 16};
@@ -54,6 +55,52 @@ static uint8_t f32_to_fp8_e4m3(float v) {
     if (m == 8) { m = 0; exp += 1; }
     if (exp > 15 || (exp == 15 && m == 7)) return sign | 0x7e;
     return sign | (uint8_t)(exp << 3) | (uint8_t)m;
+}
+
+/* float16 bits of v, nearest even (torch's .half()), subnormals included */
+static uint16_t f32_to_f16(float v) {
+    union { float f; uint32_t u; } b = {v};
+    const uint16_t sign = (uint16_t)((b.u >> 16) & 0x8000u);
+    const uint32_t a = b.u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u; /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u; /* rounds past 65504: infinity */
+    if (a < 0x38800000u) /* below 2^-14: a subnormal half, steps of 2^-24 (exact scaling) */
+        return sign | (uint16_t)nearbyintf(fabsf(v) * 16777216.0f);
+    const uint32_t r = a - 0x38000000u; /* rebias the exponent (127 - 15) */
+    return sign | (uint16_t)((r + 0xfffu + ((r >> 13) & 1u)) >> 13);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    float v = e == 0 ? ldexpf((float)m, -24) : e == 31 ? (m ? NAN : INFINITY)
+                                                       : ldexpf((float)(1024 + m), e - 25);
+    return (h & 0x8000u) ? -v : v;
+}
+
+/* One row of D values into `dst`: int8 / int4 codes of (x - zero) / scale, then scale and zero
+ * as fp16, per kernels/kv_quant.py (min/max of the row; a zero scale gives code 0). */
+static void quantize_row(const float *x, int D, int bits, uint8_t *dst) {
+    float lo = x[0], hi = x[0];
+    for (int i = 1; i < D; ++i) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+    }
+    const int q = (1 << bits) - 1;
+    const uint16_t sh = f32_to_f16((hi - lo) / (float)q), zh = f32_to_f16(lo);
+    const float sf = f16_to_f32(sh), zf = f16_to_f32(zh);
+    const int codes = bits == 8 ? D : D / 2;
+    if (bits == 4) memset(dst, 0, (size_t)codes);
+    for (int i = 0; i < D; ++i) {
+        int c = 0;
+        if (sf > 0.0f) {
+            const float r = nearbyintf((x[i] - zf) / sf);
+            c = r < 0.0f ? 0 : r > (float)q ? q : (int)r;
+        }
+        if (bits == 8) dst[i] = (uint8_t)c;
+        else dst[i / 2] |= (uint8_t)(c << ((i & 1) * 4));
+    }
+    memcpy(dst + codes, &sh, 2);
+    memcpy(dst + codes + 2, &zh, 2);
 }
 
 /* out = weight * round(normalize(s)) with s = x (+ residual, rounded; written to summed).
@@ -119,6 +166,19 @@ INLINE void rope_write_token(void *q, int64_t q_stride, void *k, int64_t k_strid
         }
         const int64_t slot = slots[t];
         if (slot < 0) return;
+        if (cache_kind == K_INT8 || cache_kind == K_INT4) {
+            const int bits = cache_kind == K_INT8 ? 8 : 4;
+            const int64_t R = (bits == 8 ? D : D / 2) + 4; /* row bytes (kernels/kv_quant.py) */
+            float row[D];
+            for (int h = 0; h < Hkv; ++h) {
+                const int64_t dst = (slot * Hkv + h) * R;
+                for (int i = 0; i < D; ++i) row[i] = load(k, kind, t * k_stride + (int64_t)h * D + i);
+                quantize_row(row, D, bits, (uint8_t *)key_cache + dst);
+                for (int i = 0; i < D; ++i) row[i] = load(v, kind, t * v_stride + (int64_t)h * D + i);
+                quantize_row(row, D, bits, (uint8_t *)value_cache + dst);
+            }
+            return;
+        }
         for (int h = 0; h < Hkv; ++h) {
             const int64_t src_k = t * k_stride + (int64_t)h * D, src_v = t * v_stride + (int64_t)h * D;
             const int64_t dst = (slot * Hkv + h) * (int64_t)D;

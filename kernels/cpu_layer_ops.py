@@ -6,8 +6,9 @@ the same rounding points as the twins; the math differs only in summation order 
 multiply-adds (tests/kernels/test_cpu_layer_ops.py holds them within one unit in the last place).
 
 Each function takes fp32 and bf16 tensors whose last dimension is contiguous; anything else
-(fp16, other layouts) goes to the twin, so callers need not check. Caches: fp32, bf16 or
-float8_e4m3fn. `available()` is False where the library does not build; runtime/layers/ops.py
+(fp16, other layouts) goes to the twin, so callers need not check. Caches: fp32, bf16,
+float8_e4m3fn, or int8 / int4 rows (uint8, kernels/kv_quant.py: quantized per token and KV head
+as they are written, codes bit for bit with the twin). `available()` is False where the library does not build; runtime/layers/ops.py
 then keeps the twins.
 """
 
@@ -17,11 +18,12 @@ import ctypes
 
 import torch
 
-from slimserve.kernels import cpu_build, reference, reference_attention
+from slimserve.kernels import cpu_build, kv_quant, reference, reference_attention
 
 NAME = "cpu_layer_ops"
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+_INT_CACHE_KINDS = {8: 3, 4: 4}  # uint8 caches by their bits (kernels/kv_quant.py `cache_bits`)
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
@@ -135,9 +137,12 @@ def rope_and_write_kv(
 ) -> None:
     """`reference_attention.rope_and_write_kv` in one pass: RoPE on query and key in place, the
     rotated key and the value stored at their slots (negative slots skipped; fp8 caches take
-    value / scale, saturated, nearest even)."""
+    value / scale, saturated, nearest even; int8 / int4 caches each row's codes and scales)."""
     dtype = query.dtype
     t, _, d = query.shape
+    bits = kv_quant.cache_bits(key_cache, d)
+    cache_kind = _INT_CACHE_KINDS[bits] if bits else _CACHE_KINDS.get(key_cache.dtype)
+    row = kv_quant.row_bytes(d, bits) if bits else d
     ok = (
         _library() is not None
         and dtype in _KINDS
@@ -149,11 +154,11 @@ def rope_and_write_kv(
         and key.shape[2] == value.shape[2] == d
         and key.shape[1] == value.shape[1]
         and key_cache.dtype == value_cache.dtype
-        and key_cache.dtype in _CACHE_KINDS
+        and cache_kind is not None
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
         and key_cache.shape == value_cache.shape
-        and key_cache.shape[2:] == key.shape[1:]
+        and key_cache.shape[2:] == (key.shape[1], row)
         and cos.dtype == sin.dtype == torch.float32
         and cos.is_contiguous()
         and sin.is_contiguous()
@@ -181,7 +186,7 @@ def rope_and_write_kv(
         sin.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        _CACHE_KINDS[key_cache.dtype],
+        cache_kind,
         slots.data_ptr(),
         num_slots,
         cpu_build.scalar(k_scale),

@@ -1,7 +1,9 @@
 """Paged attention over the block KV cache: decode (one query per sequence) and chunked prefill.
 
 Twins: `reference_attention.paged_attention_decode` / `_prefill`. Caches [num_blocks, block_size, Hkv, D]
-are fp16/bf16 or fp8 e4m3 codes with per-layer scales; block_tables int32 [B, max_blocks].
+are fp16/bf16 or fp8 e4m3 codes with per-layer scales, or int8 / int4 rows [.., Hkv, row bytes]
+with a scale and zero per token and KV head (kernels/kv_quant.py); block_tables int32
+[B, max_blocks].
 
 A program owns one KV head of one sequence and every query head of its GQA group, so each KV
 tile is read once per group: decode stacks the G = H / Hkv heads as rows of a [BLOCK_G >= 16, D]
@@ -9,7 +11,11 @@ tile (tl.dot needs 16 rows), prefill stacks (query token, head) pairs as rows of
 Scores and the online softmax (base 2) are fp32; P is rounded to the KV dtype for P @ V into an
 fp32 accumulator. fp8 tiles decode with integer ops to fp16 holding 2^-8 x value (exact, see
 kv_cache.fp8_e4m3_decode_scaled); 2^8 x k_scale folds into the score scale and 2^8 x v_scale
-into the output, so no per-element multiply.
+into the output, so no per-element multiply. int8 / int4 tiles are never dequantized element by
+element either: their codes (integers <= 255, exact in fp16 and bf16) go into the dots and each
+token's scale s and zero z are applied around them (`_attend_codes`): q.k = s (q.codes) +
+z sum(q), and P @ V = (P s) @ codes + P z, with P s carried at 2^8 x its value so fp16 keeps
+small weights out of its subnormals (the 2^-8 is taken back at the end, exactly).
 
 Decode splits long contexts (flash-decoding) when (sequence, KV head) programs are too few for
 the GPU: partitions of `partition` tokens each write fp32 partials (acc, max, sum), a reduce
@@ -33,12 +39,20 @@ import triton.language as tl
 
 from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2, num_sms
 from slimserve.kernels._rounding import round_to
-from slimserve.kernels.kv_cache import FP8, cache_view, load_kv_tile, scale_tensor
+from slimserve.kernels.kv_cache import (
+    FP8,
+    cache_quant,
+    cache_row,
+    cache_view,
+    load_kv_codes,
+    load_kv_tile,
+    scale_tensor,
+)
 
 _LOG2E = 1.4426950408889634
 _FP8_UNSCALE = 256.0  # fp8_e4m3_decode_scaled returns value * 2^-8
 _Q_DTYPES = (torch.float16, torch.bfloat16)
-_TL = {torch.float16: "fp16", torch.bfloat16: "bf16", FP8: "u8"}
+_TL = {torch.float16: "fp16", torch.bfloat16: "bf16", FP8: "u8", torch.uint8: "u8"}
 SPLIT_TILE = 16  # partials the reduce kernel combines per step
 
 
@@ -114,6 +128,157 @@ def _attend(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_codes(
+    q,
+    qsum,
+    kx,
+    ks,
+    kz,
+    vx,
+    vs,
+    vz,
+    s_mask,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    P_DTYPE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """`_attend` over an int8 / int4 tile: codes kx, vx [N, D] (int32) with their tokens'
+    scales and zeros [N] (fp32); qsum [M] = sum of q's row. acc is kept at 2^8 x its value."""
+    if DOT_F32:
+        kc = kx.to(tl.float32)
+        vc = vx.to(tl.float32)
+    else:
+        kc = kx.to(q.dtype)  # codes <= 255: exact in fp16 and bf16
+        vc = vx.to(q.dtype)
+    s = (tl.dot(q, tl.trans(kc)) * ks[None, :] + qsum[:, None] * kz[None, :]) * qk_scale
+    if MASKED:
+        s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pz = tl.sum(p * vz[None, :], 1) * 256.0
+    ps = p * (vs * 256.0)[None, :]
+    if DOT_F32:
+        ps = round_to(ps, P_DTYPE)
+    else:
+        ps = ps.to(P_DTYPE)
+    acc = tl.dot(ps, vc, acc * alpha[:, None]) + pz[:, None]
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    qsum,
+    kc_ptr,
+    vc_ptr,
+    bt_row,
+    toks,
+    tok_ok,
+    offs_d,
+    stride_kb,
+    stride_ko,
+    k_off,
+    stride_vb,
+    stride_vo,
+    v_off,
+    s_mask,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    P_DTYPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    QUANT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Load one KV tile of tokens `toks` (any cache kind) and take its online-softmax step."""
+    if QUANT != 0:
+        kx, ks, kz = load_kv_codes(
+            kc_ptr,
+            bt_row,
+            toks,
+            tok_ok,
+            offs_d,
+            stride_kb,
+            stride_ko,
+            k_off,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            QUANT,
+            MASKED,
+        )
+        vx, vs, vz = load_kv_codes(
+            vc_ptr,
+            bt_row,
+            toks,
+            tok_ok,
+            offs_d,
+            stride_vb,
+            stride_vo,
+            v_off,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            QUANT,
+            MASKED,
+        )
+        return _attend_codes(
+            q,
+            qsum,
+            kx,
+            ks,
+            kz,
+            vx,
+            vs,
+            vz,
+            s_mask,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            P_DTYPE,
+            DOT_F32,
+            MASKED,
+        )
+    else:
+        k = load_kv_tile(
+            kc_ptr,
+            bt_row,
+            toks,
+            tok_ok,
+            offs_d,
+            stride_kb,
+            stride_ko,
+            k_off,
+            BLOCK_SIZE,
+            IS_FP8,
+            MASKED,
+        )
+        v = load_kv_tile(
+            vc_ptr,
+            bt_row,
+            toks,
+            tok_ok,
+            offs_d,
+            stride_vb,
+            stride_vo,
+            v_off,
+            BLOCK_SIZE,
+            IS_FP8,
+            MASKED,
+        )
+        return _attend(q, k, v, s_mask, m_i, l_i, acc, qk_scale, P_DTYPE, DOT_F32, MASKED)
+
+
 # ints that change from step to step are not specialized on (divisibility by 16, == 1): one
 # compiled variant per config instead of several, compiled by the first requests
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
@@ -149,6 +314,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_F32: tl.constexpr,
+    QUANT: tl.constexpr = 0,  # 8 / 4: int8 / int4 row caches (kernels/kv_cache.py)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -174,6 +340,7 @@ def _decode_kernel(
         q = q.to(tl.float32)
     if IS_FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
+    qsum = tl.sum(q.to(tl.float32), 1)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -181,8 +348,11 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         ok = toks < end
-        k = load_kv_tile(
+        m_i, l_i, acc = _attend_tile(
+            q,
+            qsum,
             kc_ptr,
+            vc_ptr,
             bt_row,
             toks,
             ok,
@@ -190,28 +360,26 @@ def _decode_kernel(
             stride_kb,
             stride_ko,
             kvh * stride_kh,
-            BLOCK_SIZE,
-            IS_FP8,
-            True,
-        )
-        v = load_kv_tile(
-            vc_ptr,
-            bt_row,
-            toks,
-            ok,
-            offs_d,
             stride_vb,
             stride_vo,
             kvh * stride_vh,
+            ok[None, :],
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            p_dtype,
+            HEAD_DIM,
             BLOCK_SIZE,
             IS_FP8,
+            QUANT,
+            DOT_F32,
             True,
-        )
-        m_i, l_i, acc = _attend(
-            q, k, v, ok[None, :], m_i, l_i, acc, qk_scale, p_dtype, DOT_F32, True
         )
     if IS_FP8:
         acc = acc * (tl.load(vs_ptr) * 256.0)
+    if QUANT != 0:
+        acc = acc * (1.0 / 256.0)
     if SPLIT:
         part = (b * tl.num_programs(1) * G + heads).to(tl.int64) * num_splits + tl.program_id(2)
         tl.store(part_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
@@ -298,6 +466,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     IS_FP8: tl.constexpr,
     DOT_F32: tl.constexpr,
+    QUANT: tl.constexpr = 0,  # 8 / 4: int8 / int4 row caches (kernels/kv_cache.py)
 ):
     # First query of this tile within its sequence; the last tiles (the most KV to read under
     # the causal mask) are launched first, so the long programs do not form the tail.
@@ -326,6 +495,7 @@ def _prefill_kernel(
         q = q.to(tl.float32)
     if IS_FP8:
         qk_scale = qk_scale * tl.load(ks_ptr)
+    qsum = tl.sum(q.to(tl.float32), 1)
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
     pos = pos0 + qi  # [BLOCK_M] each row's position; it sees tokens <= pos
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -337,30 +507,72 @@ def _prefill_kernel(
     full_end = (pos0 // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
-        k = load_kv_tile(
-            kc_ptr, bt_row, t, t >= 0, offs_d, stride_kb, stride_ko, kh, BLOCK_SIZE, IS_FP8, False
-        )
-        v = load_kv_tile(
-            vc_ptr, bt_row, t, t >= 0, offs_d, stride_vb, stride_vo, vh, BLOCK_SIZE, IS_FP8, False
-        )
-        m_i, l_i, acc = _attend(
-            q, k, v, t[None, :] >= 0, m_i, l_i, acc, qk_scale, p_dtype, DOT_F32, False
+        m_i, l_i, acc = _attend_tile(
+            q,
+            qsum,
+            kc_ptr,
+            vc_ptr,
+            bt_row,
+            t,
+            t >= 0,
+            offs_d,
+            stride_kb,
+            stride_ko,
+            kh,
+            stride_vb,
+            stride_vo,
+            vh,
+            t[None, :] >= 0,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            p_dtype,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            IS_FP8,
+            QUANT,
+            DOT_F32,
+            False,
         )
     # Diagonal tiles, up to the last row's position; tiles past it are never loaded.
     kv_end = tl.minimum(ctx, pos0 + block_q)
     for n0 in range(full_end, kv_end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         ok = t < kv_end
-        k = load_kv_tile(
-            kc_ptr, bt_row, t, ok, offs_d, stride_kb, stride_ko, kh, BLOCK_SIZE, IS_FP8, True
-        )
-        v = load_kv_tile(
-            vc_ptr, bt_row, t, ok, offs_d, stride_vb, stride_vo, vh, BLOCK_SIZE, IS_FP8, True
-        )
         causal = (t[None, :] <= pos[:, None]) & ok[None, :]
-        m_i, l_i, acc = _attend(q, k, v, causal, m_i, l_i, acc, qk_scale, p_dtype, DOT_F32, True)
+        m_i, l_i, acc = _attend_tile(
+            q,
+            qsum,
+            kc_ptr,
+            vc_ptr,
+            bt_row,
+            t,
+            ok,
+            offs_d,
+            stride_kb,
+            stride_ko,
+            kh,
+            stride_vb,
+            stride_vo,
+            vh,
+            causal,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            p_dtype,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            IS_FP8,
+            QUANT,
+            DOT_F32,
+            True,
+        )
     if IS_FP8:
         acc = acc * (tl.load(vs_ptr) * 256.0)
+    if QUANT != 0:
+        acc = acc * (1.0 / 256.0)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     dt = out_ptr.dtype.element_ty
     o_off = (toks * tl.num_programs(1) * G + heads) * HEAD_DIM  # out is contiguous [T, H, D]
@@ -386,7 +598,10 @@ def _prepare(
     check_tensor("query", query, dtypes=_Q_DTYPES, ndim=3, last_contiguous=True)
     dev, (_, h, d) = query.device, query.shape
     kc, vc = cache_view("key_cache", key_cache), cache_view("value_cache", value_cache)
-    check_tensor("key_cache", key_cache, shape=(None, None, None, d), device=dev)
+    quant = cache_quant("key_cache", key_cache, d)
+    check_tensor(
+        "key_cache", key_cache, shape=(None, None, None, cache_row(key_cache, d, quant)), device=dev
+    )
     hkv = key_cache.shape[2]
     check_tensor(
         "value_cache",
@@ -396,10 +611,10 @@ def _prepare(
         device=dev,
     )
     check(
-        key_cache.dtype in (FP8, query.dtype),
+        key_cache.dtype in (FP8, query.dtype, torch.uint8),
         lambda: (
             f"key_cache has dtype {key_cache.dtype}; expected the query's dtype "
-            f"{query.dtype} or float8_e4m3fn"
+            f"{query.dtype}, float8_e4m3fn or uint8 (int8 / int4 rows)"
         ),
     )
     check(
@@ -453,6 +668,7 @@ def _prepare(
             BLOCK_SIZE=key_cache.shape[1],
             BLOCK_N=cfg.block_n,
             IS_FP8=fp8,
+            QUANT=quant,
             DOT_F32=_dot_f32(query),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
@@ -652,8 +868,9 @@ def aot_variants() -> list[AotVariant]:
     """Every variant the runtime launches on a GPU by default (see the module docstring)."""
     variants = []
     for qdt in _Q_DTYPES:
-        for kvdt in (qdt, FP8):
+        for kvdt, quant in ((qdt, 0), (FP8, 0), (torch.uint8, 8), (torch.uint8, 4)):
             q, kv = _TL[qdt], _TL[kvdt]
+            kind = f"int{quant}" if quant else kv
             ptrs = {
                 "out_ptr": f"*{q}",
                 "q_ptr": f"*{q}",
@@ -664,7 +881,13 @@ def aot_variants() -> list[AotVariant]:
                 "cu_ptr": "*i32",
             }
             for d in (64, 128):
-                base = {"HEAD_DIM": d, "BLOCK_SIZE": 16, "IS_FP8": kvdt == FP8, "DOT_F32": False}
+                base = {
+                    "HEAD_DIM": d,
+                    "BLOCK_SIZE": 16,
+                    "IS_FP8": kvdt == FP8,
+                    "DOT_F32": False,
+                    "QUANT": quant,
+                }
                 dc, pc = default_config("decode", d), default_config("prefill", d)
                 for split in (False, True):
                     consts = dict(
@@ -676,7 +899,7 @@ def aot_variants() -> list[AotVariant]:
                             _signature(_decode_kernel, ptrs, consts),
                             consts,
                             {"num_warps": dc.num_warps, "num_stages": dc.num_stages},
-                            name=f"decode_{q}_{kv}_d{d}{'_split' if split else ''}",
+                            name=f"decode_{q}_{kind}_d{d}{'_split' if split else ''}",
                         )
                     )
                 consts = dict(base, BLOCK_M=pc.block_m, BLOCK_N=pc.block_n)
@@ -686,7 +909,7 @@ def aot_variants() -> list[AotVariant]:
                         _signature(_prefill_kernel, ptrs, consts),
                         consts,
                         {"num_warps": pc.num_warps, "num_stages": pc.num_stages},
-                        name=f"prefill_{q}_{kv}_d{d}",
+                        name=f"prefill_{q}_{kind}_d{d}",
                     )
                 )
                 if kvdt == qdt:

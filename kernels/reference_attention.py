@@ -4,7 +4,9 @@ kernels/kv_cache.py, kernels/rope_kv_cache.py and kernels/paged_attention.py; th
 activation twins are in kernels/reference.py.
 
 Caches are [num_blocks, block_size, kv_heads, head_dim]; a sequence's tokens live in the blocks
-its block table lists, in order. fp8 caches hold e4m3 codes of value / scale.
+its block table lists, in order. fp8 caches hold e4m3 codes of value / scale. int8 / int4 caches
+are uint8 [num_blocks, block_size, kv_heads, row_bytes] with each row's codes, scale and zero
+(kernels/kv_quant.py); the scales are per token and head, so k_scale / v_scale do not apply.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from slimserve.kernels import kv_quant
 
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -35,13 +39,17 @@ def write_kv_cache(
 
     slot_mapping int64 [T]: slot = block * block_size + offset; a negative slot skips the token.
     An fp8 cache stores key / k_scale (value / v_scale) saturated and rounded to nearest even;
-    any other cache dtype stores the values cast as they are.
+    an int8 / int4 cache (uint8 rows, kernels/kv_quant.py) each row's codes and own scales; any
+    other cache dtype stores the values cast as they are.
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
+    bits = kv_quant.cache_bits(key_cache, key.shape[-1])
     for src, cache, scale in ((key[keep], key_cache, k_scale), (value[keep], value_cache, v_scale)):
-        flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hkv, D]
-        if cache.dtype == torch.float8_e4m3fn:
+        flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, Hkv, D or row bytes]
+        if bits:
+            flat[slots] = kv_quant.quantize_rows(src, bits)
+        elif cache.dtype == torch.float8_e4m3fn:
             flat[slots] = quantize_fp8(src, scale)
         else:
             flat[slots] = src.to(cache.dtype)
@@ -178,12 +186,23 @@ def plan_attention(
 
 
 def _gather_kv(
-    cache: torch.Tensor, blocks: torch.Tensor, rows: int, length: int, scale: float | torch.Tensor
+    cache: torch.Tensor,
+    blocks: torch.Tensor,
+    rows: int,
+    length: int,
+    scale: float | torch.Tensor,
+    head_dim: int,
 ) -> torch.Tensor:
     """fp32 [rows, Hkv, length, D] (a transposed view): the first `length` cached tokens of
-    `rows` block lists laid end to end (fp8 dequantized with its scale)."""
+    `rows` block lists laid end to end (fp8 dequantized with its scale, int8 / int4 with each
+    row's own)."""
     kv = cache.index_select(0, blocks)  # [rows * nblk, bs, Hkv, D]; faster than cache[blocks]
-    kv = kv.view(rows, -1, *cache.shape[2:])[:, :length].float()
+    kv = kv.view(rows, -1, *cache.shape[2:])[:, :length]
+    bits = kv_quant.cache_bits(cache, head_dim)
+    if bits:
+        kv = kv_quant.dequantize_rows(kv, head_dim, bits)
+    else:
+        kv = kv.float()
     if cache.dtype == torch.float8_e4m3fn:
         kv = kv * float(scale)
     return kv.transpose(1, 2)
@@ -203,17 +222,18 @@ def paged_attention(
     """`paged_attention_prefill` of a planned batch (`plan_attention`): the CPU serving path.
 
     key/value [T, Hkv, D]: this step's keys and values as just written to the cache (optional).
-    When the cache holds them exactly (their own dtype, or fp32; fp8 does not), a chunk without a
-    prefix attends over them directly instead of gathering its blocks back.
+    When the cache holds them exactly (their own dtype, or fp32; fp8, int8 and int4 do not), a
+    chunk without a prefix attends over them directly instead of gathering its blocks back.
     """
     out = torch.empty_like(query)
     gqa = query.shape[1] != key_cache.shape[2]
+    d = query.shape[-1]
     fresh = key is not None and value is not None and key_cache.dtype in (key.dtype, torch.float32)
     for b in plan.decode:
         n = b.rows.shape[0]
         q = query.index_select(0, b.rows).float().unsqueeze(2)  # [n, H, 1, D]
-        k = _gather_kv(key_cache, b.blocks, n, b.length, k_scale)
-        v = _gather_kv(value_cache, b.blocks, n, b.length, v_scale)
+        k = _gather_kv(key_cache, b.blocks, n, b.length, k_scale, d)
+        v = _gather_kv(value_cache, b.blocks, n, b.length, v_scale, d)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scale, enable_gqa=gqa)
         out.index_copy_(0, b.rows, o.squeeze(2).to(query.dtype))
     for s in plan.prefill:
@@ -223,8 +243,8 @@ def paged_attention(
             k = key[rows].float().transpose(0, 1).unsqueeze(0)
             v = value[rows].float().transpose(0, 1).unsqueeze(0)
         else:
-            k = _gather_kv(key_cache, s.blocks, 1, s.ctx, k_scale)
-            v = _gather_kv(value_cache, s.blocks, 1, s.ctx, v_scale)
+            k = _gather_kv(key_cache, s.blocks, 1, s.ctx, k_scale, d)
+            v = _gather_kv(value_cache, s.blocks, 1, s.ctx, v_scale, d)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=gqa
         )

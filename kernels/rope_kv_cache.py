@@ -12,7 +12,8 @@ and the sum round separately, as the eager ops do: the kernel is compiled withou
 contraction (`enable_fp_fusion=False`).
 
 The rotated k (rounded to k's dtype) and v go to the cache at slot_mapping[t] as
-`write_kv_cache` stores them (kernels/kv_cache.py: fp8 codes of x / scale, or a cast); a
+`write_kv_cache` stores them (kernels/kv_cache.py: fp8 codes of x / scale, int8 / int4 rows with
+their own scale and zero from the row's min and max over both halves, or a cast); a
 negative slot skips the cache write of that token (padding rows of a CUDA graph), its q and k
 are still rotated. q, k, v may be strided views of one fused qkv projection (last dim
 contiguous).
@@ -28,10 +29,27 @@ import triton.language as tl
 
 from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2
 from slimserve.kernels._rounding import round_to
-from slimserve.kernels.kv_cache import FP8, cache_view, scale_tensor, store_cache
+from slimserve.kernels.kv_cache import (
+    FP8,
+    cache_quant,
+    cache_row,
+    cache_view,
+    quant_codes,
+    quant_scale_zero,
+    scale_tensor,
+    store_cache,
+    store_codes,
+    store_scale_zero,
+)
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TL = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", FP8: "u8"}
+_TL = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    FP8: "u8",
+    torch.uint8: "u8",
+}
 NUM_WARPS = 4
 
 
@@ -51,6 +69,18 @@ def _rotate_rows(ptr, row_off, heads, stride_h, c, s, HALF: tl.constexpr, BLOCK_
     tl.store(ptr + off, o1.to(dt), mask=mask)
     tl.store(ptr + off + HALF, o2.to(dt), mask=mask)
     return o1, o2, h, d, mask
+
+
+@triton.jit
+def _quant_halves(dst_ptr, row_off, x1, x2, h_ok, HALF: tl.constexpr, QUANT: tl.constexpr):
+    """Rows given as their two halves x1, x2 [BLOCK_H, HALF] (fp32) quantized into the int8 /
+    int4 rows at dst_ptr + row_off [BLOCK_H] (kernels/kv_cache.py)."""
+    lo = tl.minimum(tl.min(x1, 1), tl.min(x2, 1))
+    hi = tl.maximum(tl.max(x1, 1), tl.max(x2, 1))
+    scale, zero = quant_scale_zero(lo, hi, QUANT)
+    store_codes(dst_ptr, row_off, 0, quant_codes(x1, scale, zero, QUANT), h_ok, QUANT)
+    store_codes(dst_ptr, row_off, HALF, quant_codes(x2, scale, zero, QUANT), h_ok, QUANT)
+    store_scale_zero(dst_ptr, row_off, scale, zero, h_ok, 2 * HALF, QUANT)
 
 
 @triton.jit
@@ -84,6 +114,7 @@ def _rope_kv_kernel(
     BLOCK_H: tl.constexpr,  # next_pow2(num_heads)
     BLOCK_HKV: tl.constexpr,  # next_pow2(num_kv_heads)
     IS_FP8: tl.constexpr,
+    QUANT: tl.constexpr = 0,  # 8 / 4: int8 / int4 rows (caches uint8 [.., Hkv, row bytes])
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, HALF)[None, :]
@@ -94,7 +125,19 @@ def _rope_kv_kernel(
         k_ptr, t * stride_kt, num_kv_heads, stride_kh, c, s, HALF, BLOCK_HKV
     )
     slot = tl.load(slot_ptr + t)
-    if slot >= 0:
+    if QUANT != 0 and slot >= 0:
+        blk = slot // BLOCK_SIZE
+        off = slot % BLOCK_SIZE
+        hs = tl.arange(0, BLOCK_HKV)
+        h_ok = hs < num_kv_heads
+        k_row = blk * stride_kcb + off * stride_kco + hs * stride_kch
+        _quant_halves(kc_ptr, k_row, k1, k2, h_ok, HALF, QUANT)
+        v_src = t * stride_vt + h * stride_vh + d
+        v1 = tl.load(v_ptr + v_src, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_ptr + v_src + HALF, mask=mask, other=0.0).to(tl.float32)
+        v_row = blk * stride_vcb + off * stride_vco + hs * stride_vch
+        _quant_halves(vc_ptr, v_row, v1, v2, h_ok, HALF, QUANT)
+    if QUANT == 0 and slot >= 0:
         ks = 1.0
         vs = 1.0
         if IS_FP8:
@@ -150,7 +193,10 @@ def rope_and_write_kv(
         )
     kc = cache_view("key_cache", key_cache)
     vc = cache_view("value_cache", value_cache)
-    check_tensor("key_cache", key_cache, shape=(None, None, hkv, d), device=dev)
+    quant = cache_quant("key_cache", key_cache, d)
+    check_tensor(
+        "key_cache", key_cache, shape=(None, None, hkv, cache_row(key_cache, d, quant)), device=dev
+    )
     check_tensor(
         "value_cache",
         value_cache,
@@ -193,17 +239,19 @@ def rope_and_write_kv(
         BLOCK_H=next_pow2(h),
         BLOCK_HKV=next_pow2(hkv),
         IS_FP8=key_cache.dtype == FP8,
+        QUANT=quant,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
 
 
 def aot_variants() -> list[AotVariant]:
-    """fp16/bf16 q/k/v x their dtype or fp8 cache, head_dim 64 and 128, 32 query / 8 KV heads
-    (Llama-3-8B; other head counts compile the same code with other BLOCK_H), block 16."""
+    """fp16/bf16 q/k/v x their dtype, fp8, int8 or int4 cache, head_dim 64 and 128, 32 query /
+    8 KV heads (Llama-3-8B; other head counts compile the same code with other BLOCK_H), block
+    16."""
     variants = []
     for xdt in (torch.float16, torch.bfloat16):
-        for cdt in (xdt, FP8):
+        for cdt, quant in ((xdt, 0), (FP8, 0), (torch.uint8, 8), (torch.uint8, 4)):
             for d in (64, 128):
                 x, c = _TL[xdt], _TL[cdt]
                 sig = {
@@ -241,6 +289,7 @@ def aot_variants() -> list[AotVariant]:
                     "BLOCK_H": 32,
                     "BLOCK_HKV": 8,
                     "IS_FP8": cdt == FP8,
+                    "QUANT": quant,
                 }
                 sig.update({k: "constexpr" for k in consts})
                 variants.append(
@@ -249,7 +298,7 @@ def aot_variants() -> list[AotVariant]:
                         sig,
                         consts,
                         {"num_warps": NUM_WARPS, "enable_fp_fusion": False},
-                        name=f"rope_kv_{x}_{c}_d{d}",
+                        name=f"rope_kv_{x}_{f'int{quant}' if quant else c}_d{d}",
                     )
                 )
     return variants

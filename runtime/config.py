@@ -9,7 +9,7 @@ from pathlib import Path
 from slimserve.runtime.artifact.manifest import VERIFY_MODES
 from slimserve.runtime.loading.gguf import gguf_file, resolve_model
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8", "int4")
 # Server limits (the defaults of `runtime serve`'s flags; docs/serving.md, "Reliability").
 DEFAULT_STEP_WATCHDOG_S = 300.0  # an engine step longer than this makes /health answer 503
 DEFAULT_STREAM_TIMEOUT_S = 60.0  # a stream whose client reads nothing this long is aborted
@@ -68,8 +68,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens (prefill chunks + decodes) in one step at most
     max_model_len: int | None = None  # prompt + output tokens per request; default: config's
     block_size: int = 16  # tokens per KV-cache block
-    kv_cache_dtype: str = "auto"  # "auto" (= compute dtype) or "fp8_e4m3" (scaled)
-    # with an fp8 cache, decoder layers whose KV stays unquantized (vLLM's
+    # "auto" (the artifact's: fp8 when calibrated, int8/int4 when its manifest records one; else
+    # the compute dtype), "fp8_e4m3" (scaled), "int8" or "int4" (per token and KV head, asymmetric,
+    # no calibration: kernels/kv_quant.py)
+    kv_cache_dtype: str = "auto"
+    # with an fp8, int8 or int4 cache, decoder layers whose KV stays unquantized (vLLM's
     # --kv-cache-dtype-skip-layers); None: the artifact's (slimserve.json kv_cache_skip_layers);
     # a string is read as "1,16" ("" or "none": no layer)
     kv_cache_skip_layers: list[int] | str | None = None

@@ -119,14 +119,20 @@ class ServeOptions:
     )
     block_size: int = option(_ENGINE["block_size"], engine=True, help="tokens per KV-cache block")
     kv_cache_dtype: str = option(
-        _ENGINE["kv_cache_dtype"], engine=True, tune=True, help="auto | fp8_e4m3"
+        _ENGINE["kv_cache_dtype"],
+        engine=True,
+        tune=True,
+        help=(
+            "auto | fp8_e4m3 | int8 | int4 (int8/int4: scales per token and KV head, no "
+            "calibration; auto: the artifact's)"
+        ),
     )
     kv_cache_dtype_skip_layers: str | None = option(
         None,
         "--kv-cache-dtype-skip-layers",
         engine="kv_cache_skip_layers",
         help=(
-            "with an fp8 KV cache, layers whose K/V stay unquantized, e.g. 1,16 (none: every "
+            "with an fp8, int8 or int4 KV cache, layers whose K/V stay unquantized, e.g. 1,16 (none: every "
             "layer fp8); default: the artifact's (slimserve.json)"
         ),
     )

@@ -45,7 +45,7 @@ WEIGHTS_NAME = "model.safetensors"
 # module name, its QuantizedWeight -> the tensors that replace `<name>.weight` on disk
 LinearTensorsFn = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
 # called with the finished temporary folder just before it is fsynced and moved into place
-BeforeMoveFn = Callable[[Path], None]
+BeforeMoveFn = Callable[[Path], Path | None]
 # writes an artifact's weight files into the (temporary) folder it is given
 WeightsWriter = Callable[[Path], None]
 FAILED_SUFFIX = ".failed"  # where a run whose gate failed writes its artifact: `<output>.failed`
@@ -73,7 +73,8 @@ class ExportOptions:
     # attention module name -> static fp8 (k_scale, v_scale); written as `<attn>.k_scale`/`.v_scale`
     # [1] in the model dtype with a `kv_cache_scheme` block
     kv_scales: dict[str, tuple[float, float]] | None = None
-    # called with the finished temporary folder just before it is moved into place
+    # called with the finished temporary folder just before it is moved into place; a Path it
+    # returns is where the folder goes instead of out_dir (checked with `replace_problem` too)
     before_move: BeforeMoveFn | None = None
 
     @classmethod
@@ -162,7 +163,8 @@ def write_artifact(
         files = artifact_file_hashes(tmp)
         write_manifest(tmp, dataclasses.replace(opts.manifest, files=files))
         if opts.before_move is not None:
-            opts.before_move(tmp)
+            # it may send the artifact elsewhere (a run whose task gate failed: `<output>.failed`)
+            out_dir = Path(opts.before_move(tmp) or out_dir)
         _finish_files(tmp)
         _move_into_place(tmp, out_dir)
     except BaseException:

@@ -26,6 +26,14 @@ error matters depends on the layers after it; `LayerSensitivity` measures it lay
 the layers are calibrated). Every layer still gets calibrated scales in the artifact (a
 reader that ignores the skip list serves all layers in fp8); the manifest's
 `kv_cache_skip_layers` lists the skipped ones.
+
+`dtype: int8` / `int4`. No scales to choose: the serving engine quantizes each token's K and V
+per KV head as it writes them (kernels/kv_quant.py), so the stage needs no calibration windows
+and does not run layer by layer. It records the dtype in the manifest (`kv_cache_dtype`, which
+`--kv-cache-dtype auto` serves) with `skip_layers` as `kv_cache_skip_layers`, and makes the
+model attend over K/V read back from such a cache (runtime/loading/hf_fp8kv.py
+`set_kv_int_bits`), so the pipeline's perplexity after the stage is the int cache's.
+`skip_sensitive` scores fp8 and is refused with an int dtype.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from torch import nn
 
 from slimserve.compress.calibration import capture_first_layer_inputs, layer_on_device
 from slimserve.compress.errors import RecipeError
-from slimserve.compress.mappings import mapping_for
+from slimserve.compress.mappings import decoder_layers, mapping_for
 from slimserve.compress.stage import CompressionState, LayerInputs, Stage, StageReport, replay
 from slimserve.runtime.artifact.kv_scales import (
     SUPPORTED_KV_DTYPES,
@@ -50,9 +58,11 @@ from slimserve.runtime.artifact.weights import decoder_layer_index
 from slimserve.runtime.loading.hf_fp8kv import (
     clear_kv_scale_buffers,
     observing_attention,
+    set_kv_int_bits,
     set_kv_scale_buffers,
     use_fp8kv_attention,
 )
+from slimserve.runtime.models.load import ARTIFACT_KV_DTYPES
 
 MAX_HEADROOM = 64.0  # puts the calibration max at 7 in e4m3 units, still 2^8.8 above the subnormals
 MAX_SCALE_SEARCH = 32
@@ -63,7 +73,9 @@ class KvCacheOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    dtype: str = "fp8_e4m3"  # KV-cache storage dtype; only fp8_e4m3 (float8_e4m3fn) for now
+    # KV-cache storage dtype: fp8_e4m3 (calibrated static scales), int8 or int4 (per token and
+    # KV head, computed as the cache is written; no calibration)
+    dtype: str = "fp8_e4m3"
     headroom: float = (
         2.0  # the smallest scale tried is headroom x absmax / 448 (1: absmax maps to 448)
     )
@@ -99,10 +111,9 @@ class KvCacheOptions(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _check_dtype(cls, v: str) -> str:
-        if v not in SUPPORTED_KV_DTYPES:
-            raise ValueError(
-                f"dtype {v!r} is not supported; supported: {', '.join(SUPPORTED_KV_DTYPES)}"
-            )
+        known = (*SUPPORTED_KV_DTYPES, *ARTIFACT_KV_DTYPES)
+        if v not in known:
+            raise ValueError(f"dtype {v!r} is not supported; supported: {', '.join(known)}")
         return v
 
     @field_validator("headroom")
@@ -134,6 +145,10 @@ class KvCacheStage(Stage):
 
     def __init__(self, options: KvCacheOptions):
         self.options = options
+        self.online = options.dtype in ARTIFACT_KV_DTYPES  # int8 / int4: nothing to calibrate
+        if self.online:
+            self.needs_calibration = False
+            self.layerwise = False
         self._sensitivity: LayerSensitivity | None = (
             None  # built layer by layer with skip_sensitive
         )
@@ -148,6 +163,20 @@ class KvCacheStage(Stage):
         )
 
     def preflight(self, config):
+        if self.online and self.options.skip_sensitive:
+            raise RecipeError(
+                f"stages.kv_cache: skip_sensitive scores layers for fp8 on calibration windows; "
+                f"with dtype {self.options.dtype} list the layers in skip_layers instead"
+            )
+        heads = getattr(config, "num_attention_heads", None)
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // heads if heads and hasattr(config, "hidden_size") else None
+        )
+        if self.options.dtype == "int4" and head_dim is not None and head_dim % 2:
+            raise RecipeError(
+                f"stages.kv_cache: dtype int4 needs an even head_dim (two codes a byte); this "
+                f"model's is {head_dim}; use dtype int8"
+            )
         layers = getattr(config, "num_hidden_layers", None)
         if layers is None:
             return None
@@ -161,11 +190,26 @@ class KvCacheStage(Stage):
             raise RecipeError(
                 f"stages.kv_cache: skip_layers ({len(self.options.skip_layers)}) and "
                 f"skip_sensitive ({self.options.skip_sensitive}) leave none of the {layers} "
-                "layers in fp8; skip fewer"
+                f"layers in {self.options.dtype}; skip fewer"
             )
         return None
 
+    def apply(self, state: CompressionState) -> None:
+        """int8 / int4: every decoder layer not in skip_layers attends over K/V read back from
+        such a cache; the manifest records the dtype (no scales)."""
+        t0 = time.perf_counter()
+        bits = 8 if self.options.dtype == "int8" else 4
+        mapping = mapping_for(state.model)
+        skip = set(self.options.skip_layers)
+        for i, layer in enumerate(decoder_layers(state.model, mapping)):
+            set_kv_int_bits(layer.get_submodule(mapping.attention), 0 if i in skip else bits)
+        use_fp8kv_attention(state.model)
+        state.kv_cache_dtype = self.options.dtype
+        self.report.seconds += time.perf_counter() - t0
+
     def prepare(self, state: CompressionState) -> None:
+        if self.online:
+            return
         # Layers without scales yet attend as sdpa; each gets its scales in compress_layer, so the
         # next layer is calibrated on the outputs of an fp8-KV layer (or an exact one where skipped).
         use_fp8kv_attention(state.model)
@@ -208,6 +252,8 @@ class KvCacheStage(Stage):
     def finalize(self, state: CompressionState) -> StageReport:
         t0 = time.perf_counter()
         skip = set(self.options.skip_layers)
+        if self.online:
+            del self.report.details["headroom"], self.report.details["scale_search"]
         if self._sensitivity is not None:
             kl = self._sensitivity.kl(state.model, mapping_for(state.model), state.device)
             windows = int(self._sensitivity.windows.shape[0])
@@ -223,8 +269,11 @@ class KvCacheStage(Stage):
                 "chosen": sorted(chosen),
             }
         state.kv_skip_layers = sorted(skip)
-        self.report.details["skip_layers"] = state.kv_skip_layers
-        if skip:
+        # (int8 / int4 name them apart: the report's skip_layers line is about fp8 and vLLM's flag)
+        self.report.details["unquantized_layers" if self.online else "skip_layers"] = (
+            state.kv_skip_layers
+        )
+        if skip and not self.online:
             self.report.details["vllm"] = (
                 "--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers "
                 + " ".join(map(str, state.kv_skip_layers))

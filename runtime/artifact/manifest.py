@@ -60,6 +60,10 @@ class ArtifactManifest:
     # scales (the kv_cache stage's skip_layers / skip_sensitive): every loader here honours it;
     # vLLM takes it as `--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 1 16`
     kv_cache_skip_layers: list[int] = field(default_factory=list)
+    # The KV-cache dtype the artifact asks `--kv-cache-dtype auto` for when it is not fp8 (whose
+    # scales are tensors of the checkpoint): "int8" or "int4" (per token and head, computed as
+    # the cache is written: kernels/kv_quant.py; no calibration); "": none recorded
+    kv_cache_dtype: str = ""
     tool_version: str = field(default_factory=tool_version)  # slimserve version that wrote it
     format_version: int = FORMAT_VERSION  # version of this manifest's schema
 
@@ -299,13 +303,19 @@ def check_gate(
     directory: str | Path, manifest: ArtifactManifest | None, allow_failed_gate: bool = False
 ) -> None:
     """Refuse (ArtifactError) an artifact whose manifest says its perplexity gate failed
-    (`eval.gate.passed` is false), unless `allow_failed_gate`; anything else passes."""
-    gate = (
-        manifest.eval.get("gate")
-        if manifest is not None and isinstance(manifest.eval, dict)
-        else None
-    )
-    if allow_failed_gate or not isinstance(gate, dict) or gate.get("passed") is not False:
+    (`eval.gate.passed` is false) or its task gate did (`eval.task_gate.passed`), unless
+    `allow_failed_gate`; anything else passes."""
+    ev = manifest.eval if manifest is not None and isinstance(manifest.eval, dict) else {}
+    gate, tasks = ev.get("gate"), ev.get("task_gate")
+    if allow_failed_gate:
+        return
+    if isinstance(tasks, dict) and tasks.get("passed") is False:
+        failed = ", ".join(sorted(tasks.get("failed") or [])) or "passed: false"
+        raise ArtifactError(
+            f"{directory}: its task gate FAILED ({failed}; {MANIFEST_NAME} eval.task_gate); "
+            "pass --allow-failed-gate (LLM: allow_failed_gate=True) to load it anyway"
+        )
+    if not isinstance(gate, dict) or gate.get("passed") is not False:
         return
     inc, limit = gate.get("ppl_increase"), gate.get("max_ppl_increase")
     result = (

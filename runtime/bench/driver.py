@@ -663,7 +663,9 @@ def bench_main(
     hf_device: Annotated[str, Opt(help="device of the HF baseline")] = "cpu",
     max_num_seqs: Annotated[int | None, Opt(help="engine flag for the served MODEL")] = None,
     max_num_batched_tokens: Annotated[int | None, Opt(help="engine flag")] = None,
-    kv_cache_dtype: Annotated[str | None, Opt(help="engine flag: auto | fp8_e4m3")] = None,
+    kv_cache_dtype: Annotated[
+        str | None, Opt(help="engine flag: auto | fp8_e4m3 | int8 | int4")
+    ] = None,
     kv_cache_memory: Annotated[str | None, Opt(help="engine flag, e.g. 512MiB")] = None,
     device: Annotated[str | None, Opt(help="engine flag: auto | cpu | cuda")] = None,
     dtype: Annotated[

@@ -2,7 +2,9 @@
 
 A block is `[block_size, num_kv_heads, head_dim]` of `kv_dtype` per layer, for K and for V (the
 cache of runtime/worker/model_runner.py), except in the layers an fp8 cache keeps unquantized
-(`skip_layers`, cached in `skip_dtype`). With an fp8 cache the stored values are `k / k_scale`, so the
+(`skip_layers`, cached in `skip_dtype`). An int8 / int4 cache (`kv_dtype` "int8" / "int4") is
+uint8 rows of `row_bytes(layer)` per head, each with its own scale and zero (kernels/kv_quant.py),
+so its blocks travel as they are and no scales travel beside them. With an fp8 cache the stored values are `k / k_scale`, so the
 decode side must also hold the same scales: they are compared as tensors of any shape (one per
 layer today, one per head once calibrated per head), exactly, value for value. The model's shape
 (vocabulary, hidden size, attention heads) is compared too: a cache computed by another model has
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from slimserve.runtime.disagg.errors import KVLayoutError
+from slimserve.runtime.worker.model_runner import INT_KV_BITS, kv_row_bytes
 
 # field -> the flag that sets it on `runtime serve` (how the user fixes a mismatch)
 FIXES = {
@@ -35,7 +38,7 @@ FIXES = {
 
 @dataclass(frozen=True)
 class KVLayout:
-    kv_dtype: str  # torch dtype name of the cache, e.g. "float32", "float8_e4m3fn"
+    kv_dtype: str  # torch dtype name of the cache, e.g. "float32", "float8_e4m3fn"; or int8, int4
     block_size: int
     num_kv_heads: int
     head_dim: int
@@ -51,9 +54,16 @@ class KVLayout:
     )
 
     def layer_dtype(self, layer: int) -> torch.dtype:
-        """The cache dtype of one layer."""
+        """The cache dtype of one layer (uint8 for int8 / int4 rows)."""
         skipped = self.skip_layers and str(layer) in self.skip_layers.split(",")
-        return getattr(torch, self.skip_dtype if skipped else self.kv_dtype)
+        name = self.skip_dtype if skipped else self.kv_dtype
+        return torch.uint8 if name in INT_KV_BITS else getattr(torch, name)
+
+    def row_bytes(self, layer: int) -> int:
+        """Bytes of one token's row of one KV head in this layer's cache."""
+        return kv_row_bytes(
+            self.head_dim, self.layer_dtype(layer), INT_KV_BITS.get(self.kv_dtype, 0)
+        )
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -117,11 +127,12 @@ def _scales_of(model: torch.nn.Module) -> tuple[tuple[torch.Tensor, torch.Tensor
 def layout_of(runner: Any) -> KVLayout:
     """The layout of a ModelRunner's KV cache (runtime/worker/model_runner.py)."""
     spec = runner.model.spec
-    fp8 = runner.kv_dtype.itemsize == 1
+    fp8 = runner.kv_dtype == torch.float8_e4m3fn
     skipped = [i for i, dt in enumerate(runner.kv_dtypes) if dt != runner.kv_dtype]
     skip_dtype = str(runner.kv_dtypes[skipped[0]]).removeprefix("torch.") if skipped else ""
+    bits = getattr(runner, "kv_bits", 0)
     return KVLayout(
-        str(runner.kv_dtype).removeprefix("torch."),
+        f"int{bits}" if bits else str(runner.kv_dtype).removeprefix("torch."),
         runner.block_size,
         runner.kv_heads,
         spec.head_dim,

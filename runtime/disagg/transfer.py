@@ -35,7 +35,7 @@ class ImportedKV:
     num_tokens: int  # prompt tokens whose K/V the blocks hold
     first_token: int  # the token the prefill side sampled after the prompt
     first_logprob: Logprob | None  # its logprob entry, when the request asked for logprobs
-    keys: list[torch.Tensor]  # per layer: uint8 [blocks, block_size, kv_heads, head_dim * itemsize]
+    keys: list[torch.Tensor]  # per layer: uint8 [blocks, block_size, kv_heads, row bytes]
     values: list[torch.Tensor]
 
     @property
@@ -128,7 +128,7 @@ def load_import(name: str, layout: KVLayout, prompt_token_ids: list[int]) -> Imp
             nb,
             layout.block_size,
             layout.num_kv_heads,
-            layout.head_dim * layout.layer_dtype(i).itemsize,
+            layout.row_bytes(i),
         ]
         k, v = tensors.get(f"k{i}"), tensors.get(f"v{i}")
         for t, what in ((k, "k"), (v, "v")):

@@ -289,10 +289,7 @@ class AsyncEngine:
         for max_model_len tokens, the prompt's ids in the header, and room for FP8 scales."""
         layout = self.engine.kv_layout
         per_token = (
-            2
-            * layout.num_kv_heads
-            * layout.head_dim
-            * sum(layout.layer_dtype(i).itemsize for i in range(layout.num_layers))
+            2 * layout.num_kv_heads * sum(layout.row_bytes(i) for i in range(layout.num_layers))
         )
         return (
             per_token * (self.max_model_len + layout.block_size) + 64 * self.max_model_len + 2**20

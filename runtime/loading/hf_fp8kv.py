@@ -5,6 +5,8 @@ Registered with transformers' `AttentionInterface`, it fake-quantizes `key_state
 implementation, so perplexity measured in the compression pipeline and after `load_model` (HF
 path) both see fp8 KV. `install_kv_scales` sets those buffers and selects that implementation.
 `observing_attention` lets the calibrating stage see each call's query, K (after RoPE) and V.
+A module given `set_kv_int_bits` instead reads K/V back from an int8 / int4 cache (per token and
+KV head, kernels/kv_quant.py), as the serving engine stores them.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from slimserve.kernels import kv_quant
 from slimserve.runtime.artifact.kv_scales import fp8_e4m3_roundtrip
 from slimserve.runtime.artifact.weights import decoder_layer_index
 
 KV_ATTENTION = "slimserve_fp8kv"  # name registered with transformers' AttentionInterface
 _OBSERVER = "_slimserve_kv_observer"  # instance attribute `observing_attention` sets
+_INT_BITS = "_slimserve_kv_bits"  # instance attribute `set_kv_int_bits` sets (8 or 4)
 AttentionObserver = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", dict], None
 ]
@@ -44,9 +48,24 @@ def fp8kv_attention_forward(
     if observer is not None:
         observer(query, key, value, attention_mask, kwargs)
     k_scale, v_scale = getattr(module, "k_scale", None), getattr(module, "v_scale", None)
-    if k_scale is not None and v_scale is not None:
+    bits = module.__dict__.get(_INT_BITS)
+    if bits:
+        key, value = (kv_int_roundtrip(t, bits) for t in (key, value))
+    elif k_scale is not None and v_scale is not None:
         key, value = fp8_e4m3_roundtrip(key, k_scale), fp8_e4m3_roundtrip(value, v_scale)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def kv_int_roundtrip(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """What an int8 / int4 cache gives back for x [..., head_dim] (rows per token and head), in
+    x's dtype."""
+    d = x.shape[-1]
+    return kv_quant.dequantize_rows(kv_quant.quantize_rows(x, bits), d, bits).to(x.dtype)
+
+
+def set_kv_int_bits(attn: nn.Module, bits: int) -> None:
+    """Make `attn` attend over K/V read back from an int cache of `bits` (8, 4; 0: exact)."""
+    attn.__dict__[_INT_BITS] = bits
 
 
 def register_fp8kv_attention() -> str:

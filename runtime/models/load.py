@@ -47,8 +47,10 @@ class BuiltModel:
     eos_token_ids: tuple[int, ...]  # config's and generation_config's EOS ids
     dtype: torch.dtype  # compute dtype
     # decoder layers (indices of the whole model, also under a pipeline split) whose KV cache stays
-    # unquantized when the others are fp8: the manifest's kv_cache_skip_layers
+    # unquantized when the others are fp8, int8 or int4: the manifest's kv_cache_skip_layers
     kv_skip_layers: tuple[int, ...] = ()
+    # the manifest's kv_cache_dtype ("int8", "int4"): what `--kv-cache-dtype auto` serves; "": none
+    kv_cache_dtype: str = ""
 
 
 def _eos_ids(path: Path, config, tokenizer) -> tuple[int, ...]:
@@ -151,6 +153,7 @@ def build_model(
         if has_tokenizer(path) and (shard is None or shard.rank == 0)
         else None
     )
+    kv_dtype = _kv_cache_dtype(manifest, bool(kv_scales))
     return BuiltModel(
         model.eval(),
         spec,
@@ -159,8 +162,32 @@ def build_model(
         quantized,
         _eos_ids(path, config, tokenizer),
         dtype,
-        _kv_skip_layers(manifest, spec.num_layers) if kv_scales else (),
+        _kv_skip_layers(manifest, spec.num_layers) if kv_scales or kv_dtype else (),
+        kv_dtype,
     )
+
+
+ARTIFACT_KV_DTYPES = ("int8", "int4")  # what a manifest's kv_cache_dtype may record
+
+
+def _kv_cache_dtype(manifest: ArtifactManifest | None, has_kv_scales: bool) -> str:
+    """The manifest's kv_cache_dtype, checked: a known name, and not beside fp8 K/V scales (an
+    artifact is calibrated for fp8 or asks for an online int cache, not both)."""
+    name = manifest.kv_cache_dtype if manifest is not None else ""
+    if not name:
+        return ""
+    if name not in ARTIFACT_KV_DTYPES:
+        raise ArtifactError(
+            f"{MANIFEST_NAME}: kv_cache_dtype {name!r} is not one of "
+            f"{', '.join(ARTIFACT_KV_DTYPES)}; re-export the artifact"
+        )
+    if has_kv_scales:
+        raise ArtifactError(
+            f"{MANIFEST_NAME}: kv_cache_dtype {name} with fp8 k/v scales in the checkpoint is "
+            "not a supported combination (an int cache computes its own scales); re-export "
+            "with one kv_cache stage of dtype fp8_e4m3 or of dtype int8/int4"
+        )
+    return name
 
 
 def _kv_skip_layers(manifest: ArtifactManifest | None, num_layers: int) -> tuple[int, ...]:

@@ -77,6 +77,7 @@ from slimserve.runtime.server.http import (
 )
 from slimserve.runtime.server.metrics import RequestTracker, ServerMetrics
 from slimserve.runtime.server.protocol import (
+    MAX_PROMPTS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -341,26 +342,48 @@ class OpenAIServing:
         )
         self._check_model(req.model)
         self._check_cache_salt(req.cache_salt)
-        if req.echo and req.logprobs is not None:
+        prompts = req.prompt  # one or more (runtime/server/protocol.py CompletionRequest)
+        if len(prompts) * req.n > MAX_PROMPTS:
             raise APIError(
                 400,
-                "echo: echo with logprobs needs prompt logprobs, which this "
-                "server does not compute; drop one of them",
-                param="echo",
+                f"n: {len(prompts)} prompts x n={req.n} make {len(prompts) * req.n} choices; "
+                f"at most {MAX_PROMPTS} are served per request",
+                param="n",
             )
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        if max_tokens == 0 and not req.echo:
+            raise APIError(
+                400,
+                "max_tokens: must be >= 1; 0 is served only with echo: true (the prompt alone, "
+                "with its logprobs when logprobs is set)",
+                param="max_tokens",
+            )
+        # max_tokens 0 with echo: the prompt alone (scoring), as vLLM; the engine still
+        # generates one token, which the answer leaves out
+        hide_output = max_tokens == 0 and req.echo
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(
+                400,
+                "prompt_logprobs: not served with stream=true (as vLLM); use echo with "
+                "logprobs to stream the prompt's logprobs",
+                param="prompt_logprobs",
+            )
+        # vLLM: echo with logprobs returns the prompt tokens' logprobs too
+        wanted = [req.prompt_logprobs, req.logprobs if req.echo else None]
+        prompt_lps = max((k for k in wanted if k is not None), default=None)
         params = sampling_params(
             req,
-            max_tokens=16 if req.max_tokens is None else req.max_tokens,
+            max_tokens=1 if hide_output else max_tokens,
             logprobs=req.logprobs,
             max_model_len=self.engine.max_model_len,
+            prompt_logprobs=prompt_lps,
         )
-        self._check_prompt_size(req.prompt, "prompt")
-        echo = ""
+        for p in prompts:
+            self._check_prompt_size(p, "prompt")
+        echo = None
         if req.echo:
-            echo = (
-                req.prompt
-                if isinstance(req.prompt, str)
-                else await asyncio.to_thread(self._decode, req.prompt)
+            echo = await asyncio.to_thread(
+                lambda: [p if isinstance(p, str) else self._decode(p) for p in prompts]
             )
         rid = f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormat(
@@ -370,9 +393,13 @@ class OpenAIServing:
             self.engine.tokenizer,
             logprobs=req.logprobs is not None,
             echo=echo,
+            n=req.n,
+            top_logprobs=req.logprobs or 0,
+            prompt_logprobs=req.prompt_logprobs,
+            hide_output=hide_output,
             include_usage=req.include_usage,
         )
-        return await self._answer(request, req.prompt, params, fmt, n=req.n, stream=req.stream)
+        return await self._answer(request, prompts, params, fmt, n=req.n, stream=req.stream)
 
     async def chat(self, request: Request) -> Response:
         req: ChatCompletionRequest = parse_request(
@@ -405,7 +432,7 @@ class OpenAIServing:
         if req.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return await self._answer(
-            request, ids, params, fmt, n=req.n, stream=req.stream, field_names=names
+            request, [ids], params, fmt, n=req.n, stream=req.stream, field_names=names
         )
 
     # -- shared ----------------------------------------------------------------------------------
@@ -491,16 +518,20 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         kv: dict[str, str] | None = None,
+        watch: bool = True,
     ) -> _Run:
-        """Submit to the engine and wait for the first output (where it validates the prompt)."""
+        """Submit to the engine and wait for the first output (where it validates the prompt).
+        watch=False: the caller watches for the client's disconnect (and cancels us)."""
         self._admit()
         try:
             gen = self.engine.generate(prompt, params, request_id, **(kv or {}))
             tracker = self.metrics.track()
             self.active.add(request_id)
             try:
-                first = await unless_disconnected(request, gen.__anext__())
-            except ClientGone:
+                first = await (
+                    unless_disconnected(request, gen.__anext__()) if watch else gen.__anext__()
+                )
+            except (ClientGone, asyncio.CancelledError):
                 self.active.discard(request_id)
                 self.engine.abort(request_id)
                 tracker.finish("abort")
@@ -520,10 +551,11 @@ class OpenAIServing:
         request_id: str,
         field_names: dict[str, str],
         kv: dict[str, str] | None = None,
+        watch: bool = True,
     ) -> _Run:
         """_start, with the engine's refusals turned into API errors."""
         try:
-            return await self._start(request, prompt, params, request_id, kv)
+            return await self._start(request, prompt, params, request_id, kv, watch)
         except KVTransferError as e:
             raise APIError(e.status, str(e), param=KV_HEADER, code=e.code) from None
         except RequestError as e:
@@ -559,7 +591,7 @@ class OpenAIServing:
     async def _answer(
         self,
         request: Request,
-        prompt: str | list[int],
+        prompts: list[str | list[int]],
         params: SamplingParams,
         fmt: _Format,
         *,
@@ -568,11 +600,26 @@ class OpenAIServing:
         field_names: dict[str, str] | None = None,
     ) -> Response:
         prefill, segments = self._handover(request, n)
+        if (prefill or segments) and len(prompts) > 1:
+            raise APIError(
+                400,
+                "prompt: a prefill/decode hand-over serves one prompt per request; send one "
+                "request per prompt",
+                param="prompt",
+            )
+        if (prefill or segments) and params.prompt_logprobs is not None:
+            # a decode server continues from handed-over KV: it never computes the prompt
+            raise APIError(
+                400,
+                "logprobs: prompt logprobs (echo with logprobs, prompt_logprobs) are not served "
+                "across a prefill/decode hand-over; send the request to a colocated server",
+                param="logprobs",
+            )
         if prefill:
-            return await self._prefill_only(request, prompt, params, fmt, n, field_names or {})
+            return await self._prefill_only(request, prompts[0], params, fmt, n, field_names or {})
         try:
             runs = await self._start_all(
-                request, prompt, params, fmt.id, n, field_names or {}, segments
+                request, prompts, params, fmt.id, n, field_names or {}, segments
             )
             if stream:
                 return ClosingStreamingResponse(
@@ -584,6 +631,9 @@ class OpenAIServing:
             finals = await unless_disconnected(request, self._collect_all(runs))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
+        if isinstance(fmt, CompletionFormat) and fmt.echo_logprobs:
+            # a token string per prompt token and alternative: decoded off the event loop
+            return JSONResponse(await asyncio.to_thread(fmt.response, finals))
         return JSONResponse(fmt.response(finals))
 
     async def _prefill_only(
@@ -599,7 +649,7 @@ class OpenAIServing:
         names = [new_name() for _ in range(n)]
         try:
             runs = await self._start_all(
-                request, prompt, params, fmt.id, n, field_names, exports=names
+                request, [prompt], params, fmt.id, n, field_names, exports=names
             )
             finals = await unless_disconnected(request, self._collect_all(runs))
         except ClientGone:
@@ -611,7 +661,7 @@ class OpenAIServing:
     async def _start_all(
         self,
         request: Request,
-        prompt: str | list[int],
+        prompts: list[str | list[int]],
         params: SamplingParams,
         request_id: str,
         n: int,
@@ -619,13 +669,60 @@ class OpenAIServing:
         imports: list[str] | None = None,
         exports: list[str] | None = None,
     ) -> list[_Run]:
-        """One engine request per choice (ids `<id>-<i>` when n > 1), started in turn so later
-        choices find the prompt in the prefix cache; a refusal ends the ones already started.
-        imports / exports: per choice, the KV segment it continues from / prefills into."""
+        """One engine request per choice, `n` per prompt, in prompt order (ids `<id>-<k>` for
+        choice k when there are several). A prompt's choices start in turn, so later ones find
+        the prompt in the prefix cache; several prompts start at once. A refusal ends the ones
+        already started. imports / exports: per choice, the KV segment it continues from /
+        prefills into (one prompt)."""
+        total = len(prompts) * n
+        rids = [request_id if total == 1 else f"{request_id}-{k}" for k in range(total)]
+        if len(prompts) == 1:
+            return await self._start_choices(
+                request, prompts[0], params, rids, field_names, imports, exports
+            )
+        tasks = [
+            asyncio.ensure_future(
+                self._start_choices(
+                    request, p, params, rids[j * n : (j + 1) * n], field_names, watch=False
+                )
+            )
+            for j, p in enumerate(prompts)
+        ]
+        try:
+            await unless_disconnected(request, asyncio.wait(tasks))
+        finally:  # client gone or we were cancelled: the unfinished ones abort what they began
+            for task in tasks:
+                task.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(tasks)
+            failed = [t for t in tasks if t.cancelled() or t.exception() is not None]
+            if failed:
+                for task in tasks:
+                    if task not in failed:
+                        for run in task.result():
+                            self.active.discard(run.request_id)
+                            await self._abort(run)
+        if failed:
+            first = failed[0]
+            raise ClientGone() if first.cancelled() else first.exception()  # type: ignore[misc]
+        return [run for task in tasks for run in task.result()]
+
+    async def _start_choices(
+        self,
+        request: Request,
+        prompt: str | list[int],
+        params: SamplingParams,
+        rids: list[str],
+        field_names: dict[str, str],
+        imports: list[str] | None = None,
+        exports: list[str] | None = None,
+        watch: bool = True,
+    ) -> list[_Run]:
+        """One prompt's choices (engine ids `rids`), started in turn; a refusal ends the ones
+        already started."""
         runs: list[_Run] = []
         try:
-            for i, p in enumerate(choice_params(params, n)):
-                rid = request_id if n == 1 else f"{request_id}-{i}"
+            for i, p in enumerate(choice_params(params, len(rids))):
                 kv = (
                     {"kv_import": imports[i]}
                     if imports
@@ -633,7 +730,7 @@ class OpenAIServing:
                     if exports
                     else {}
                 )
-                runs.append(await self._first(request, prompt, p, rid, field_names, kv))
+                runs.append(await self._first(request, prompt, p, rids[i], field_names, kv, watch))
         except BaseException:
             for run in runs:
                 self.active.discard(run.request_id)
@@ -739,13 +836,17 @@ class OpenAIServing:
                 async for i, out in outputs:
                     run = runs[i]
                     run.tracker.update(out)
-                    run.num_tokens += len(out.outputs[0].token_ids)
+                    d = delta(out)
+                    run.num_tokens += fmt.completion_tokens(d)
                     run.last, run.finished = out, out.finished
                     if out.error is not None:
                         raise RequestFailed(out.error)
-                    d = delta(out)
                     if d.text or d.token_ids or d.finish_reason:
-                        yield sse(fmt.chunk(d, i))
+                        if isinstance(fmt, CompletionFormat) and fmt.echo_logprobs:
+                            # the first chunk decodes every prompt token: off the event loop
+                            yield sse(await asyncio.to_thread(fmt.chunk, d, i))
+                        else:
+                            yield sse(fmt.chunk(d, i))
             if fmt.include_usage:
                 yield sse(
                     fmt.usage_chunk(

@@ -21,6 +21,8 @@ from slimserve.runtime.engine.stops import MAX_STOP_STRING_CHARS, MAX_STOP_STRIN
 MAX_BODY_BYTES = 32 * 2**20  # request bodies above this are refused (413) before parsing
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_CHOICES = 16  # the largest `n`: each choice is its own engine request
+# the most choices one /v1/completions request makes (prompts x n): each is an engine request
+MAX_PROMPTS = 256
 # `stop` limits (defined in runtime/engine/stops.py, enforced by SamplingParams): more or longer stop
 # strings are refused with a 400 naming the limit, so stop matching stays cheap per token.
 
@@ -133,30 +135,41 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any  # str or list[int] (one prompt); validated below
+    prompt: Any  # one or more prompts, each a string or a list of token ids; validated below
     logprobs: int | None = None  # top-n logprobs per generated token (0 = chosen token only)
-    echo: bool = False  # prepend the prompt to the returned text
+    # prepend the prompt to the returned text; with logprobs, the prompt tokens' logprobs come
+    # first in `logprobs` (vLLM's layout: the first prompt token's are null)
+    echo: bool = False
+    # vLLM's extension: each choice also carries `prompt_logprobs`, the logprob of every prompt
+    # token and this many alternatives, keyed by token id (not with stream=true, as vLLM)
+    prompt_logprobs: int | None = None
 
     @field_validator("prompt", mode="plain")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        """Accept one prompt: a string, a list of token ids, or a one-element list of either."""
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]
-        if isinstance(v, str):
-            if not v:
-                raise ValueError("is empty; send some text")
-            return v
-        if isinstance(v, list) and v and all(type(t) is int for t in v):
-            return v
-        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+    def _prompts(cls, v: Any) -> list[str | list[int]]:
+        """One prompt (a string, a list of token ids) or several (a list of strings, a list of
+        token-id lists), as OpenAI; always returned as a list of prompts."""
+        if isinstance(v, str) or (isinstance(v, list) and v and all(type(t) is int for t in v)):
+            v = [v]
+        if not isinstance(v, list) or not v:
+            if isinstance(v, list):
+                raise ValueError("is empty; send some text or token ids")
+            raise ValueError("must be a string or a list of token ids (integers)")
+        if len(v) > MAX_PROMPTS:
+            raise ValueError(f"has {len(v)} prompts; at most {MAX_PROMPTS} are served per request")
+        kinds = {type(p) for p in v}
+        if kinds not in ({str}, {list}):
             raise ValueError(
-                f"got {len(v)} prompts; only one prompt per request is served, "
-                "send one request per prompt"
+                "must be a string, a list of token ids, a list of strings or a list of "
+                "token-id lists (not a mix)"
             )
-        if isinstance(v, list) and not v:
-            raise ValueError("is empty; send some text or token ids")
-        raise ValueError("must be a string or a list of token ids (integers)")
+        for i, p in enumerate(v):
+            where = f"prompt {i} " if len(v) > 1 else ""
+            if not p:
+                raise ValueError(f"{where}is empty; send some text or token ids")
+            if isinstance(p, list) and not all(type(t) is int for t in p):
+                raise ValueError(f"{where}must be a list of token ids (integers)")
+        return v
 
 
 class ChatMessage(_Strict):
@@ -232,7 +245,12 @@ def parse_request(raw: bytes, model: type[_SamplingFields]) -> Any:
 
 
 def sampling_params(
-    req: _SamplingFields, *, max_tokens: int, logprobs: int | None, max_model_len: int
+    req: _SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    max_model_len: int,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's SamplingParams for a request; APIError(400) names the field out of range."""
     if max_tokens > max_model_len:
@@ -263,6 +281,7 @@ def sampling_params(
             stop_token_ids=frozenset(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             cache_salt=req.cache_salt,
         )
     except SamplingError as e:

@@ -206,8 +206,8 @@ def tune_main(
         Opt(
             help="values to search: auto (the model's: fp8 for an "
             "artifact with calibrated KV scales) and/or fp8_e4m3 "
-            "(scale 1.0 without them: changes the outputs, so only "
-            "when listed)"
+            "(scale 1.0 without them), int8, int4 (per-token "
+            "scales; these change the outputs, so only when listed)"
         ),
     ] = "auto",
     prefix_caching: Annotated[

@@ -22,7 +22,7 @@ import time
 import torch
 from torch.distributed import PrefixStore
 
-from slimserve.kernels import cpu_attention, cpu_layer_ops
+from slimserve.kernels import cpu_attention, cpu_layer_ops, kv_quant
 from slimserve.kernels._launch import kernel_backend
 from slimserve.runtime.batch import BatchInputs, BlockTableCache, StagingBuffer, prepare_batch
 from slimserve.runtime.config import EngineConfig
@@ -42,16 +42,53 @@ from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 log = logging.getLogger(__name__)
 
 
+INT_KV_BITS = {"int8": 8, "int4": 4}  # --kv-cache-dtype names of the uint8-row caches
+
+
+def kv_row_bytes(head_dim: int, dtype: torch.dtype, bits: int = 0) -> int:
+    """Bytes of one token's row of one KV head in a cache of `dtype`: head_dim elements, or for
+    a uint8 cache of `bits` (8, 4) its codes + fp16 scale and zero (kernels/kv_quant.py)."""
+    if dtype == torch.uint8:
+        return kv_quant.row_bytes(head_dim, bits)
+    return head_dim * dtype.itemsize
+
+
 def kv_block_bytes(
     num_layers: int,
     block_size: int,
     num_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype | list[torch.dtype],
+    bits: int = 0,
 ) -> int:
-    """Bytes of one block across all layers, K and V; `dtype` one for all layers or one per layer."""
+    """Bytes of one block across all layers, K and V; `dtype` one for all layers or one per layer;
+    `bits` (8, 4) of the layers whose cache is uint8 rows (int8 / int4)."""
     dtypes = dtype if isinstance(dtype, list) else [dtype] * num_layers
-    return 2 * block_size * num_kv_heads * head_dim * sum(d.itemsize for d in dtypes)
+    return 2 * block_size * num_kv_heads * sum(kv_row_bytes(head_dim, d, bits) for d in dtypes)
+
+
+def kv_capacity(
+    budget: int,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_len: int,
+    plain: torch.dtype,
+) -> list[tuple[str, int, int]]:
+    """(cache, blocks, sequences of `seq_len` tokens) that `budget` bytes hold for the
+    unquantized cache (`plain`) and fp8, int8, int4 caches, every layer quantized: the start-up
+    log's capacity table (docs/results-serving.md)."""
+    rows = []
+    kinds = [(str(plain).removeprefix("torch."), plain, 0), ("fp8_e4m3", torch.float8_e4m3fn, 0)]
+    kinds += [(name, torch.uint8, bits) for name, bits in INT_KV_BITS.items()]
+    for name, dtype, bits in kinds:
+        if bits == 4 and head_dim % 2:
+            continue
+        per_block = kv_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype, bits)
+        blocks = budget // per_block
+        rows.append((name, blocks, blocks // max(1, -(-seq_len // block_size))))
+    return rows
 
 
 class ModelRunner:
@@ -119,6 +156,7 @@ class ModelRunner:
             self.model, max(config.max_num_batched_tokens, config.max_num_seqs)
         ):
             clock.lap("linear_warmup")  # oneDNN's GEMM primitives (runtime/layers/cpu_linear.py)
+        self.kv_bits = 0  # 8 / 4 for an int8 / int4 cache (`_kv_dtype` sets it)
         self.kv_dtype = self._kv_dtype()
         self.kv_dtypes = self._kv_dtypes()  # per layer: kv_dtype, or unquantized where skipped
         if self.device.type == "cpu" and not self._triton_on():
@@ -130,6 +168,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv(self.num_blocks)  # this stage's layers
         self.max_model_len = self._max_model_len()
         clock.lap("kv_cache")
+        if self.group is None or self.group.rank == 0:
+            log.info("%s", self._capacity_line())
         self._tables = BlockTableCache()  # block tables as tensors, kept across steps
         # a GPU step's inputs in one pinned copy; on CPU the tensors are already where they run
         self._staging = StagingBuffer(self.device) if self.device.type != "cpu" else None
@@ -149,14 +189,50 @@ class ModelRunner:
         log.info("start-up: %s", startup_line(self.startup, self.activation_bytes))
 
     def _allocate_kv(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (num_blocks, self.block_size, self.kv_heads, self.spec.head_dim)
-        return [
-            (
-                torch.zeros(shape, dtype=dt, device=self.device),
-                torch.zeros(shape, dtype=dt, device=self.device),
+        """Per layer (K, V) [num_blocks, block_size, kv_heads, head_dim] of the layer's dtype, or
+        uint8 [..., row bytes] for an int8 / int4 layer (codes, then its scale and zero)."""
+        out = []
+        for dt in self.kv_dtypes:
+            width = self.spec.head_dim
+            if dt == torch.uint8:
+                width = kv_quant.row_bytes(width, self.kv_bits)
+            shape = (num_blocks, self.block_size, self.kv_heads, width)
+            out.append(
+                (
+                    torch.zeros(shape, dtype=dt, device=self.device),
+                    torch.zeros(shape, dtype=dt, device=self.device),
+                )
             )
-            for dt in self.kv_dtypes
-        ]
+        return out
+
+    @property
+    def kv_cache_name(self) -> str:
+        """The cache as --kv-cache-dtype names it (int8, int4, fp8_e4m3) or its torch dtype."""
+        if self.kv_bits:
+            return f"int{self.kv_bits}"
+        if self.kv_dtype == torch.float8_e4m3fn:
+            return "fp8_e4m3"
+        return str(self.kv_dtype).removeprefix("torch.")
+
+    def _capacity_line(self) -> str:
+        """This cache's blocks, and what the same bytes would hold in the other cache dtypes
+        (sequences of max_model_len tokens each)."""
+        budget = max(self.kv_budget, self.num_blocks * self._block_bytes())
+        rows = kv_capacity(
+            budget,
+            self.model.spec.num_layers,
+            self.block_size,
+            self.kv_heads,
+            self.spec.head_dim,
+            self.max_model_len,
+            self._plain_kv_dtype(),
+        )
+        others = "; ".join(f"{n} {b} blocks, {s} seqs" for n, b, s in rows)
+        return (
+            f"KV cache: {self.kv_cache_name}, {self.num_blocks} blocks of {self.block_size} "
+            f"tokens ({budget / 2**20:.1f} MiB budget); the same memory, every layer in one dtype, at "
+            f"{self.max_model_len} tokens a sequence: {others}"
+        )
 
     def profile_batch(self) -> tuple[BatchInputs, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The largest step the scheduler can make and a scratch KV cache just big enough for it:
@@ -271,7 +347,7 @@ class ModelRunner:
         if ops.select(self.device) is ops.CPU:
             log.info(
                 "CPU kernels: C (decode attention, RMSNorm, RoPE + KV-cache write), KV cache %s",
-                str(self.kv_dtype).removeprefix("torch."),
+                self.kv_cache_name,
             )
         elif kernel_backend() == "auto":
             why = "; ".join(
@@ -286,8 +362,16 @@ class ModelRunner:
             )
 
     def _kv_dtype(self) -> torch.dtype:
-        """fp8 when asked, or under `auto` when the artifact was calibrated for fp8 KV; else the
-        unquantized cache dtype (`_plain_kv_dtype`)."""
+        """uint8 rows for int8 / int4 (asked, or under `auto` recorded in the artifact's
+        manifest; `kv_bits` says which); fp8 when asked, or under `auto` when the artifact was
+        calibrated for fp8 KV; else the unquantized cache dtype (`_plain_kv_dtype`)."""
+        asked = self.config.kv_cache_dtype
+        name = self.built.kv_cache_dtype if asked == "auto" else asked
+        if name in INT_KV_BITS:
+            bits = INT_KV_BITS[name]
+            kv_quant.code_bytes(self.spec.head_dim, bits)  # int4 with an odd head_dim: refused
+            self.kv_bits = bits
+            return torch.uint8
         if self.config.kv_cache_dtype == "fp8_e4m3" or (
             self.config.kv_cache_dtype == "auto" and self.built.has_kv_scales
         ):
@@ -311,13 +395,13 @@ class ModelRunner:
         return self.dtype
 
     def _kv_dtypes(self) -> list[torch.dtype]:
-        """One cache dtype per layer this runner holds: `kv_dtype`, except that with an fp8 cache
-        the layers the artifact keeps unquantized (its manifest's kv_cache_skip_layers, or
-        --kv-cache-dtype-skip-layers; indices of the whole model) cache K/V without fp8
-        (`_plain_kv_dtype`), with their k/v scales set to 1 (kernels read scales only from fp8
-        caches; the disaggregation layout compares them)."""
+        """One cache dtype per layer this runner holds: `kv_dtype`, except that with an fp8, int8
+        or int4 cache the layers the artifact keeps unquantized (its manifest's
+        kv_cache_skip_layers, or --kv-cache-dtype-skip-layers; indices of the whole model) cache
+        K/V unquantized (`_plain_kv_dtype`), with their k/v scales set to 1 (kernels read scales
+        only from fp8 caches; the disaggregation layout compares them)."""
         n, total = self.model.spec.num_layers, self.spec.num_layers
-        if self.kv_dtype != torch.float8_e4m3fn:
+        if self.kv_dtype != torch.float8_e4m3fn and not self.kv_bits:
             return [self.kv_dtype] * n
         asked = self.config.kv_cache_skip_layers
         skip = set(self.built.kv_skip_layers if asked is None else asked)
@@ -341,7 +425,7 @@ class ModelRunner:
         if skip:
             log.info(
                 "KV cache: %s except layers %s (%s)",
-                str(self.kv_dtype).removeprefix("torch."),
+                self.kv_cache_name,
                 ", ".join(map(str, sorted(skip))),
                 str(plain).removeprefix("torch."),
             )
@@ -369,6 +453,7 @@ class ModelRunner:
             self.kv_heads,
             self.spec.head_dim,
             self.kv_dtypes,
+            self.kv_bits,
         )
 
     def _num_blocks(self) -> int:
@@ -381,6 +466,7 @@ class ModelRunner:
             else:
                 budget = self.config.cpu_kv_cache_memory
         blocks = budget // per_block
+        self.kv_budget = budget  # bytes the cache was sized from (the capacity line's)
         if self.group is not None:  # one block manager for all ranks: the smallest count
             blocks = self.group.min_int(blocks)
         if blocks < 2:
