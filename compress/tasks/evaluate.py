@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from slimserve.compress.progress import counting_bar
@@ -77,16 +77,17 @@ class TaskRun:
 def evaluate_tasks(
     model: str,
     names: Sequence[str],
-    limit: int | None = None,
+    limit: int | None | Mapping[str, int | None] = None,
     *,
     progress: bool = True,
     note: Callable[[str], None] = print,
     **engine_args,
 ) -> TaskRun:
     """Score the tasks `names` (checked with catalog.parse_tasks) on `model`, the first `limit`
-    items of each leaf task. engine_args go to the runtime's LLM (device, dtype, verify,
-    allow_failed_gate, trust_remote_code, ...)."""
-    per_task = {name: load_items(name, limit) for name in names}
+    items of each leaf task (a mapping: per name, absent names all). engine_args go to the
+    runtime's LLM (device, dtype, kv_cache_dtype, verify, allow_failed_gate, ...)."""
+    limits = limit if isinstance(limit, Mapping) else dict.fromkeys(names, limit)
+    per_task = {name: load_items(name, limits.get(name)) for name in names}
     t0 = time.perf_counter()
     llm = LLM(model, **engine_args)
     try:

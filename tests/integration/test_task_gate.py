@@ -2,8 +2,9 @@
 (significant drop, artifact to `<output>.failed`, loaders refuse it), a harmless one passes.
 
 The task is PIQA-shaped data made here from the stdlib code the demo model learned: each item's
-goal is the start of a source line, one solution its true end and the other the end of another
-line, so the trained model is right far more often than chance.
+goal is three lines of stdlib source and the first half of the next, one solution that line's
+true end and the other the end of another line: the demo model is right on about two items in three
+(0.68 on 80), a model pruned to one layer near chance (0.45).
 """
 
 import json
@@ -19,12 +20,12 @@ from slimserve.runtime.artifact.manifest import check_gate, read_manifest
 from slimserve.runtime.errors import ArtifactError
 from tests.helpers import DEMO_MODEL
 
-ITEMS = 80
+ITEMS = 160
 
 RECIPE = """
 model: {model}
 output: {out}
-eval: {{dataset: stdlib, seq_len: 64, max_windows: 2, max_ppl_increase: 100.0}}
+eval: {{dataset: stdlib, seq_len: 64, max_windows: 2, max_ppl_increase: 100000.0}}
 calibration: {{num_samples: 4, seq_len: 64}}
 gate:
   limit: {items}
@@ -35,8 +36,10 @@ stages:
 """
 
 
-def stdlib_lines(n: int) -> list[str]:
-    """n distinct code lines of 30-70 characters from stdlib sources (what the demo model read)."""
+def stdlib_items(n: int) -> list[tuple[str, str, str]]:
+    """n (context, true end, other end) from stdlib sources (what the demo model read): the three
+    lines before a code line of 30-70 characters and its first half, its second half, and the
+    second half of another such line."""
     import argparse
     import collections
     import json as json_mod
@@ -44,27 +47,32 @@ def stdlib_lines(n: int) -> list[str]:
     lines = []
     for mod in (argparse, collections, json_mod):
         with open(mod.__file__, encoding="utf-8") as f:
-            for line in f:
-                s = line.strip()
-                if 30 <= len(s) <= 70 and not s.startswith("#") and s not in lines:
-                    lines.append(s)
-    random.Random(0).shuffle(lines)
-    return lines[:n]
+            lines += [line.rstrip() for line in f]
+    picks = [
+        i
+        for i in range(3, len(lines))
+        if 30 <= len(lines[i].strip()) <= 70 and not lines[i].strip().startswith("#")
+    ]
+    random.Random(0).shuffle(picks)
+    out = []
+    for i, j in zip(picks[:n], picks[n : 2 * n], strict=True):
+        line, other = lines[i], lines[j].strip()
+        cut = len(line) - len(line.strip()) + len(line.strip()) // 2
+        out.append(
+            ("\n".join(lines[i - 3 : i]) + "\n" + line[:cut], line[cut:], other[len(other) // 2 :])
+        )
+    return out
 
 
 @pytest.fixture(scope="module")
 def task_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("task-data")
-    lines = stdlib_lines(2 * ITEMS)
     rng = random.Random(1)
     rows = {"goal": [], "sol1": [], "sol2": [], "label": []}
-    for i in range(ITEMS):
-        true, other = lines[i], lines[ITEMS + i]
-        cut = len(true) // 2
-        right, wrong = true[cut:].strip(), other[len(other) // 2 :].strip()
+    for goal, right, wrong in stdlib_items(ITEMS):
         label = rng.randrange(2)
         sols = (right, wrong) if label == 0 else (wrong, right)
-        rows["goal"].append(true[:cut].strip())
+        rows["goal"].append(goal)
         rows["sol1"].append(sols[0])
         rows["sol2"].append(sols[1])
         rows["label"].append(label)
@@ -85,7 +93,7 @@ def test_a_wrecked_model_fails_the_task_gate(tmp_path, task_data, monkeypatch):
     gate = res.summary["task_gate"]
     v = gate["tasks"]["piqa"]
     assert gate["failed"] == ["piqa"] and not v["passed"] and v["significant"]
-    assert v["before"] > 0.75 and v["drop_points"] > 2.0 and v["p_value"] < 0.05
+    assert v["before"] > 0.6 and v["drop_points"] > 2.0 and v["p_value"] < 0.05
     assert v["n"] == ITEMS
     assert res.artifact == tmp_path / "wrecked.failed"
     assert not (tmp_path / "wrecked").exists()
