@@ -27,11 +27,17 @@ cannot take the others down; whatever a step saved comes back):
    ranks load their slices from files). This needs two GPUs: on one GPU the entry is TP=1 only,
    the bf16 eager rows of step 2, and the output says "one GPU: TP=1 only". The dry run runs
    TP=2 over two CPU processes (gloo) at the tiny shape.
-5. **sweeps**: the W4A16 / W8A8 tile sweeps of the kernel benchmark's full plan, if the budget
+5. **kv decode**: the paged decode attention kernel alone (`kernels/paged_attention.py`) over
+   bf16, FP8, INT8 and INT4 caches at 8k and 32k contexts, batch 16, the 8B's attention shape
+   (32 query / 8 KV heads, head_dim 128, blocks of 16 scattered over the cache): microseconds a
+   call (median of 20 after 3 warm-up calls, synchronized), each against bf16 and fp8, and the
+   cache bytes read per second. INT8 / INT4 read uint8 rows (codes, then an fp16 scale and zero
+   per token and KV head: kernels/kv_quant.py) and dequantize in the kernel.
+6. **sweeps**: the W4A16 / W8A8 tile sweeps of the kernel benchmark's full plan, if the budget
    has at least 150 s left.
 
-It prints one table (hardware, model shape and workload in its header) and the tensor-parallel
-one, and writes `gpu_check.json` (default: $OUT, else the current folder). `--dry-run` runs the
+It prints one table (hardware, model shape and workload in its header), the tensor-parallel
+one and the KV-decode one, and writes `gpu_check.json` (default: $OUT, else the current folder). `--dry-run` runs the
 same steps on the CPU at tiny shapes, the kernels through the Triton interpreter, so CI keeps
 the script working (tests/eval/test_gpu_check.py); its numbers mean nothing.
 """
@@ -62,8 +68,10 @@ from slimserve.runtime.stats.rank_stats import model_bytes
 from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 
 WEIGHTS = ("bf16", "W4A16", "W8A8")
-KV = ("auto", "fp8_e4m3")
-STEPS = ("kernels", "decode", "hf", "tp", "sweeps")
+KV = ("auto", "fp8_e4m3")  # the decode rows' default caches
+KV_CHOICES = (*KV, "int8", "int4")  # what --kv may list
+KV_DECODE = ("bf16", "fp8", "int8", "int4")  # the kv-decode step's caches
+STEPS = ("kernels", "decode", "hf", "tp", "kvdecode", "sweeps")
 
 
 def _choices(allowed: tuple[str, ...]):
@@ -106,7 +114,16 @@ def _plan(dry_run: bool) -> dict:
             "warmup": 0,
             "max_model_len": 64,
             "kv_cache_memory": "16MiB",
-            "limits": {"kernels": 300, "decode": 300, "hf": 120, "tp": 200, "sweeps": 0},
+            # batch, contexts, (query heads, KV heads, head_dim, block size), timed calls
+            "kv_decode": {"batch": 2, "contexts": (40, 100), "attn": (4, 2, 32, 16), "reps": 1},
+            "limits": {
+                "kernels": 300,
+                "decode": 300,
+                "hf": 120,
+                "tp": 200,
+                "kvdecode": 60,
+                "sweeps": 0,
+            },
         }
     return {
         "shape": "llama3-8b",
@@ -119,7 +136,15 @@ def _plan(dry_run: bool) -> dict:
         "max_model_len": 512,
         "warmup": 4,
         "kv_cache_memory": "8GiB",
-        "limits": {"kernels": 200, "decode": 200, "hf": 90, "tp": 300, "sweeps": 150},
+        "kv_decode": {"batch": 16, "contexts": (8192, 32768), "attn": (32, 8, 128, 16), "reps": 20},
+        "limits": {
+            "kernels": 200,
+            "decode": 200,
+            "hf": 90,
+            "tp": 300,
+            "kvdecode": 90,
+            "sweeps": 150,
+        },
     }
 
 
@@ -174,9 +199,10 @@ def step_bytes(engine, batch: int, context: float, spec: ModelSpec) -> float:
     weights = model_bytes(model)  # in their run-time form: the W4A16 repack counted
     emb = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).weight
     weights -= emb.numel() * emb.element_size() * (1 - batch / emb.shape[0])
-    # per layer: an fp8 cache keeps the artifact's skipped layers unquantized (runner.kv_dtypes)
-    kv_bytes = sum(k.element_size() for k, _ in engine.runner.kv_caches)
-    kv = batch * context * 2 * spec.num_kv_heads * spec.head_dim * kv_bytes
+    # per layer: an fp8 cache keeps the artifact's skipped layers unquantized (runner.kv_dtypes);
+    # a row of an int8 / int4 cache is its codes plus scale and zero (its last dimension)
+    row_bytes = sum(k.shape[-1] * k.element_size() for k, _ in engine.runner.kv_caches)
+    kv = batch * context * 2 * spec.num_kv_heads * row_bytes
     return weights + kv
 
 
@@ -204,7 +230,7 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
         for kv in plan.get("kv", KV):
             row0 = {
                 "weights": weights,
-                "kv": "fp8" if kv == "fp8_e4m3" else "bf16",
+                "kv": {"fp8_e4m3": "fp8", "int8": "int8", "int4": "int4"}.get(kv, "bf16"),
                 "graphs": "off",
             }
             if plan["device"].startswith("cuda"):
@@ -275,6 +301,106 @@ def run_decode(plan: dict, hbm_tbps: float) -> list[dict]:
             if plan["device"].startswith("cuda"):
                 torch.cuda.empty_cache()
     return rows
+
+
+# -- step 5: the paged decode kernel over bf16 / fp8 / int8 / int4 caches ------------------------
+
+
+def _kv_caches(kind: str, nblk: int, hkv: int, d: int, bs: int, dtype, device: str):
+    """(K, V, k_scale, v_scale) caches of `kind` over `nblk` blocks of random N(0, 1) values:
+    fp8 with scale 1, int8 / int4 as the rows the engine writes (kernels/kv_quant.py)."""
+    from slimserve.kernels import kv_quant
+
+    g = torch.Generator(device=device).manual_seed(nblk)
+    out = []
+    for _ in range(2):
+        x = torch.randn(nblk, bs, hkv, d, generator=g, device=device, dtype=dtype)
+        if kind == "fp8":
+            x = x.to(torch.float8_e4m3fn)
+        elif kind in ("int8", "int4"):
+            x = kv_quant.quantize_rows(x, int(kind[3:]))
+        out.append(x)
+    return out[0], out[1], 1.0, 1.0
+
+
+def _time_call(fn, reps: int, device: str) -> float:
+    """Median microseconds of `reps` synchronized calls after 3 warm-up calls (one in a dry run)."""
+    for _ in range(3 if reps > 1 else 1):
+        fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(1e6 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
+def run_kv_decode(plan: dict) -> list[dict]:
+    """The paged decode kernel alone over each cache of KV_DECODE at each context: us a call,
+    GB/s of cache read, and the ratio to the bf16 and fp8 rows of the same context."""
+    from slimserve.kernels import paged_attention as PA
+
+    cfg, dev, dtype = plan["kv_decode"], plan["device"], plan["dtype"]
+    h, hkv, d, bs = cfg["attn"]
+    b, rows = cfg["batch"], []
+    for ctx in cfg["contexts"]:
+        per_seq = -(-ctx // bs)
+        nblk = b * per_seq + 3
+        g = torch.Generator().manual_seed(ctx)
+        tables = torch.randperm(nblk, generator=g)[: b * per_seq].view(b, per_seq).int().to(dev)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(b, h, d, generator=g).to(dev, dtype)
+        base = {}
+        for kind in KV_DECODE:
+            row = {"kv": kind, "batch": b, "ctx": ctx}
+            try:
+                kc, vc, ks, vs = _kv_caches(kind, nblk, hkv, d, bs, dtype, dev)
+
+                def call(kc=kc, vc=vc, ks=ks, vs=vs):
+                    return PA.paged_attention_decode(q, kc, vc, tables, lens, d**-0.5, ks, vs)
+
+                us = _time_call(call, cfg["reps"], dev)
+                read = 2 * b * ctx * hkv * kc.shape[-1] * kc.element_size()
+                row.update(us=us, gb_s=read / us / 1e3, bytes_read=read)
+                base[kind] = us
+                for ref in ("bf16", "fp8"):
+                    if ref in base and kind != ref:
+                        row[f"x_{ref}"] = base[ref] / us  # > 1: faster than that cache
+                del kc, vc
+            except Exception:
+                row["error"] = traceback.format_exc()[-2000:]
+                print(f"kv decode {kind} ctx {ctx}: FAILED\n{row['error'][-1500:]}", flush=True)
+            rows.append(row)
+            if "us" in row:
+                print(
+                    f"kv decode {kind:>4} ctx {ctx:>6} batch {b}: {row['us']:10.1f} us, "
+                    f"{row['gb_s']:7.1f} GB/s",
+                    flush=True,
+                )
+            if dev.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _kv_decode_table(rows: list[dict], plan: dict) -> str:
+    h, hkv, d, bs = plan["kv_decode"]["attn"]
+    lines = [
+        f"Paged decode attention alone | {h} query / {hkv} KV heads, head_dim {d}, blocks of "
+        f"{bs}, scattered | batch {plan['kv_decode']['batch']}",
+        "| ctx | KV | us | GB/s of cache | x bf16 (time) | x fp8 (time) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "us" not in r:
+            lines.append(f"| {r['ctx']} | {r['kv']} | FAILED | | | |")
+            continue
+        xs = [f"{r[k]:.2f}x" if k in r else "" for k in ("x_bf16", "x_fp8")]
+        lines.append(
+            f"| {r['ctx']} | {r['kv']} | {r['us']:.1f} | {r['gb_s']:.1f} | {xs[0]} | {xs[1]} |"
+        )
+    return "\n".join(lines)
 
 
 # -- step 3: transformers generate with a static cache ----------------------------------------------
@@ -492,6 +618,7 @@ def _child(
         "decode": lambda: run_decode(plan, hbm_tbps),
         "hf": lambda: run_hf(plan),
         "tp": lambda: run_tp(plan),
+        "kvdecode": lambda: run_kv_decode(plan),
     }[step]
     Path(result).write_text(json.dumps(run()))
     return 0
@@ -583,9 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--kv",
-        type=_choices(KV),
+        type=_choices(KV_CHOICES),
         default=list(KV),
-        help=f"decode rows' KV caches (default: {','.join(KV)})",
+        help=f"decode rows' KV caches, of {','.join(KV_CHOICES)} (default: {','.join(KV)})",
     )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -656,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report["steps"]["tp"], tp_rows = _step("tp", args, plan, env)
             report["tensor_parallel"]["rows"] += tp_rows
+    report["kv_decode"] = []
+    if "kvdecode" in args.steps:
+        if args.budget_s - (time.monotonic() - t0) < plan["limits"]["kvdecode"]:
+            report["steps"]["kvdecode"] = "skipped (budget)"
+        else:
+            report["steps"]["kvdecode"], report["kv_decode"] = _step("kvdecode", args, plan, env)
     left = args.budget_s - (time.monotonic() - t0)
     if "sweeps" in args.steps:
         if plan["limits"]["sweeps"] and left >= plan["limits"]["sweeps"]:
@@ -683,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.hbm_tbps} TB/s\n" + _table(report)
     )
     print("\n" + _tp_table(report["tensor_parallel"]))
+    if report["kv_decode"]:
+        print("\n" + _kv_decode_table(report["kv_decode"], plan))
     print(
         "steps: "
         + ", ".join(f"{k} {v}" for k, v in report["steps"].items())
@@ -693,7 +828,10 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(v.startswith(("ok ", "skipped")) for v in report["steps"].values())
     ok = ok and all(
         "error" not in r
-        for r in report["decode"] + report["transformers"] + report["tensor_parallel"]["rows"]
+        for r in report["decode"]
+        + report["transformers"]
+        + report["tensor_parallel"]["rows"]
+        + report["kv_decode"]
     )
     return 0 if ok else 1
 

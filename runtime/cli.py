@@ -249,6 +249,7 @@ def serve(o: ServeOptions) -> None:
         highlight=False,
         soft_wrap=True,
     )
+    console.print(engine.kv_capacity_line(), highlight=False, soft_wrap=True)
     if ranks > 1:
         kv = [r.kv_cache_bytes / 2**20 for r in engine.rank_stats()]  # each rank's own numbers
         console.print(

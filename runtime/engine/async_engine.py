@@ -319,6 +319,11 @@ class AsyncEngine:
         runner = self.engine.runner
         return startup_line(runner.startup, runner.activation_bytes)
 
+    def kv_capacity_line(self) -> str:
+        """The KV cache's blocks and what the same memory holds in bf16 / fp8 / int8 / int4
+        (runtime/worker/model_runner.py `capacity_line`): `runtime serve` prints it."""
+        return self.engine.runner.capacity_line()
+
     def rank_stats(self) -> list[RankStats]:
         """Per rank (rank 0 only without tensor/pipeline parallelism): weight, KV-cache and
         process memory, collective time. Any thread; cheap (no worker is asked, nothing waits

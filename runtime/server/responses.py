@@ -204,7 +204,9 @@ class CompletionFormat(_Format):
     def _prompt_entries(self, d: Delta) -> list[tuple[float, dict[int, float]] | None]:
         plps = d.prompt_logprobs
         if plps is None:
-            if d.finish_reason in ("abort", "error"):  # ended before its prompt was computed
+            # ended before its prompt was computed, or a one-token prompt: its only entry is the
+            # first token's, which has none (the engine computes no row for it)
+            if d.finish_reason in ("abort", "error") or len(d.prompt_token_ids) <= 1:
                 return [None] * len(d.prompt_token_ids)
             raise RuntimeError("the engine sent no prompt logprobs for an echo with logprobs")
         return plps

@@ -169,7 +169,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         clock.lap("kv_cache")
         if self.group is None or self.group.rank == 0:
-            log.info("%s", self._capacity_line())
+            log.info("%s", self.capacity_line())
         self._tables = BlockTableCache()  # block tables as tensors, kept across steps
         # a GPU step's inputs in one pinned copy; on CPU the tensors are already where they run
         self._staging = StagingBuffer(self.device) if self.device.type != "cpu" else None
@@ -214,9 +214,9 @@ class ModelRunner:
             return "fp8_e4m3"
         return str(self.kv_dtype).removeprefix("torch.")
 
-    def _capacity_line(self) -> str:
+    def capacity_line(self) -> str:
         """This cache's blocks, and what the same bytes would hold in the other cache dtypes
-        (sequences of max_model_len tokens each)."""
+        (sequences of max_model_len tokens each): logged at start-up, printed by `runtime serve`."""
         budget = max(self.kv_budget, self.num_blocks * self._block_bytes())
         rows = kv_capacity(
             budget,

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(460)
 
 
 def test_dry_run_measures_every_configuration(tmp_path):
@@ -20,7 +20,7 @@ def test_dry_run_measures_every_configuration(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=380,
+        timeout=440,
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
@@ -46,6 +46,14 @@ def test_dry_run_measures_every_configuration(tmp_path):
     two = tp["rows"][1]
     assert two["tok_s"] > 0 and two["comm_calls_per_step"] > 0 and two["comm_ms_per_step"] > 0
     assert "Tensor parallelism | dry run: TP=2" in proc.stdout
+    # the paged decode kernel alone over bf16 / fp8 / int8 / int4 caches (fp16 in the dry run)
+    assert report["steps"]["kvdecode"].startswith("ok")
+    kv = [(r["ctx"], r["kv"]) for r in report["kv_decode"]]
+    assert kv == [(c, k) for c in (40, 100) for k in ("bf16", "fp8", "int8", "int4")]
+    assert all(r["us"] > 0 and r["bytes_read"] > 0 for r in report["kv_decode"])
+    int4, bf16 = report["kv_decode"][3], report["kv_decode"][0]
+    assert int4["bytes_read"] * 3 < bf16["bytes_read"]  # (16 + 4) bytes a row against 64
+    assert "Paged decode attention alone" in proc.stdout
 
 
 def test_one_gpu_tensor_parallel_entry_is_tp1_only_and_says_so():

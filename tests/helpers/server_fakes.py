@@ -83,6 +83,9 @@ class FakeEngine:
     def startup_line(self) -> str:
         return "load 0.00 s, total 0.0 s"
 
+    def kv_capacity_line(self) -> str:
+        return "KV cache: float32, 64 blocks of 16 tokens (fake)"
+
     async def start(self):
         self.started = True
 

@@ -63,6 +63,29 @@ def test_cuda_graph_replay_gives_the_eager_tokens():
     assert LLM(str(DEMO_MODEL), **{**kw, "dtype": "float32"}).engine.runner.graphs is None
 
 
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_int_kv_cache_on_the_kernel_path(kv):
+    """fp16 on the Triton path (the fused RoPE + quantizing write, paged decode and chunked
+    prefill over int rows) with an int8 / int4 cache: decode steps replayed from CUDA graphs give
+    the eager tokens, and the eager tokens those of the CPU's C kernels and twins on the same
+    cache (fp32 there; int8 agrees on nearly every token, the check that both read the same
+    codes back)."""
+    kw = dict(device="cuda", dtype="float16", kv_cache_memory="256MiB", max_num_seqs=6)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+    graphed = LLM(str(DEMO_MODEL), kv_cache_dtype=kv, cuda_graphs=True, **kw)
+    assert graphed.engine.runner.kv_bits == int(kv[3:])
+    eager = tokens(LLM(str(DEMO_MODEL), kv_cache_dtype=kv, cuda_graphs=False, **kw))
+    assert tokens(graphed) == eager
+    if kv == "int8":
+        cpu = _greedy("cpu", kv_cache_dtype=kv)
+        same = sum(a == b for x, y in zip(cpu, eager) for a, b in zip(x, y))
+        assert same >= 0.9 * sum(map(len, cpu)), (cpu, eager)
+
+
 def test_mixed_kv_cache_on_the_kernel_path():
     """fp16 on the Triton path with an fp8 cache whose layers are all kept unquantized serves the
     unquantized cache's tokens; one kept layer gives per-layer cache dtypes and still serves."""

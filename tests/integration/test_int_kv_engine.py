@@ -1,6 +1,7 @@
 """The engine with INT8 / INT4 KV caches (kernels/kv_quant.py): prefix hits, forced preemption,
-tensor parallel (TP=2 over gloo), the disaggregation layout and /metrics usage, each against the
-same engine with the same cache dtype and nothing of that feature, token for token.
+tensor parallel (TP=2 over gloo), the prefill/decode hand-over of the blocks, the disaggregation
+layout and /metrics usage, each against the same engine with the same cache dtype and nothing of
+that feature, token for token.
 
 Why equality holds: a row's codes depend only on that token's K/V, which fp32 computes the same
 way whether the token was prefilled, recomputed after a preemption or found in the prefix cache
@@ -13,11 +14,15 @@ too: int8 should agree on nearly all of them (a check that the quantized path is
 import pytest
 import torch
 
+from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.disagg.errors import KVLayoutError
 from slimserve.runtime.disagg.layout import layout_of
+from slimserve.runtime.disagg.segment import new_name
+from slimserve.runtime.disagg.transfer import load_import
+from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.llm import LLM
-from slimserve.runtime.worker.model_runner import kv_block_bytes
+from slimserve.runtime.worker.model_runner import kv_block_bytes, kv_capacity
 from tests.helpers import DEMO_MODEL
 
 PREFIX = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n"
@@ -110,6 +115,24 @@ def test_tensor_parallel_2_generates_the_tokens_of_one_process(reference):
         tp.shutdown()
 
 
+def test_pipeline_parallel_2_generates_the_tokens_of_one_process(reference):
+    """Two stages of two layers each, every stage its own int rows."""
+    kv, want = reference
+    pp = LLM(
+        str(DEMO_MODEL),
+        kv_cache_dtype=kv,
+        enable_prefix_caching=False,
+        pipeline_parallel_size=2,
+        kv_cache_memory=16 * 2**20,
+        **FP32,
+    )
+    try:
+        assert len(pp.engine.runner.kv_caches) == 2 and pp.engine.runner.kv_bits == int(kv[3])
+        assert _run(pp) == want
+    finally:
+        pp.shutdown()
+
+
 def test_layout_names_the_int_cache_and_refuses_another(reference):
     kv, _ = reference
     runner = LLM(str(DEMO_MODEL), kv_cache_dtype=kv, **FP32).engine.runner
@@ -130,3 +153,68 @@ def test_skip_layers_keep_those_layers_unquantized():
     layout = layout_of(runner)
     assert (layout.skip_layers, layout.row_bytes(0), layout.row_bytes(1)) == ("0,3", 256, 36)
     assert len(_run(llm, PROMPTS[:2], [4, 4])) == 2
+
+
+def _finish(engine: LLMEngine) -> dict:
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    return outs
+
+
+def test_prefill_decode_handover_moves_the_int_blocks(reference, tmp_path, monkeypatch):
+    """Prefill on one engine, its blocks exported (codes, scales and zeros as they are) and
+    imported by another: the decode side continues with the tokens of one engine."""
+    kv, want = reference
+    monkeypatch.setenv("SLIMSERVE_KV_DIR", str(tmp_path / "kv"))
+    prefill, decode = (
+        LLMEngine(EngineConfig(model=str(DEMO_MODEL), kv_cache_dtype=kv, **FP32)) for _ in range(2)
+    )
+    for i in (0, 2):
+        params = SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0)
+        first = prefill.make_sequence(f"p{i}", PROMPTS[i], params)
+        first.params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        name = new_name()
+        prefill.add_sequence(first, kv_export=name)
+        assert _finish(prefill)[f"p{i}"].error is None
+        seq = decode.make_sequence(f"d{i}", PROMPTS[i], params)
+        decode.add_sequence(
+            seq, kv_import=load_import(name, decode.kv_layout, seq.prompt_token_ids)
+        )
+        assert _finish(decode)[f"d{i}"].outputs[0].token_ids == want[i]
+    assert decode.block_manager.usage == 0.0
+
+
+def test_metrics_count_the_int_rows(reference):
+    """/metrics' KV numbers: the rank's cache bytes are the uint8 rows it holds, and usage moves
+    with the blocks a running sequence takes."""
+    kv, _ = reference
+    llm = LLM(str(DEMO_MODEL), kv_cache_dtype=kv, kv_cache_memory=2**20, **FP32)
+    runner, engine = llm.engine.runner, llm.engine
+    held = sum(k.numel() + v.numel() for k, v in runner.kv_caches)  # uint8: one byte each
+    assert runner.kv_cache_bytes == held == runner.rank_stats()[0].kv_cache_bytes
+    engine.add_request("m", PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()
+    n = len(engine.requests["m"].seq.prompt_token_ids)
+    held = engine.stats().kv_cache_usage * runner.num_blocks
+    assert held == pytest.approx(round(held)) and -(-n // 16) <= round(held) <= -(-(n + 1) // 16)
+    _finish(engine)
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def test_capacity_at_the_same_memory():
+    """int8 holds close to 2x the blocks of bf16 and int4 close to 4x, less the 4 bytes of scale
+    and zero per row; the start-up line names them all."""
+    rows = {
+        name: blocks for name, blocks, _ in kv_capacity(2**30, 30, 16, 3, 64, 2048, torch.bfloat16)
+    }
+    per_row = {"bfloat16": 128, "fp8_e4m3": 64, "int8": 68, "int4": 36}
+    for name, size in per_row.items():
+        assert rows[name] == 2**30 // (2 * 16 * 3 * 30 * size)
+    assert (
+        1.85 < rows["int8"] / rows["bfloat16"] < 1.9 and 3.5 < rows["int4"] / rows["bfloat16"] < 3.6
+    )
+    runner = LLM(str(DEMO_MODEL), kv_cache_dtype="int4", **FP32).engine.runner
+    line = runner.capacity_line()
+    assert line.startswith(f"KV cache: int4, {runner.num_blocks} blocks of 16 tokens")
+    assert all(name in line for name in ("float32", "fp8_e4m3", "int8", "int4"))

@@ -50,3 +50,35 @@ def test_skip_layers_recorded_and_skip_sensitive_refused(tmp_path, tiny_checkpoi
     bad = _recipe(tmp_path, tiny_checkpoint, "  - kv_cache: {dtype: int4, skip_sensitive: 1}", "b")
     with pytest.raises(RecipeError, match=r"skip_sensitive .* with dtype int4 list the layers"):
         run_recipe(bad, log=lambda m: None, progress=False)
+
+
+def test_int4_with_an_odd_head_dim_is_refused_before_anything_runs():
+    from types import SimpleNamespace
+
+    from slimserve.compress.quant.kv_cache import KvCacheOptions, KvCacheStage
+
+    config = SimpleNamespace(num_attention_heads=4, head_dim=33, num_hidden_layers=2)
+    with pytest.raises(RecipeError, match=r"int4 needs an even head_dim .* is 33; use dtype int8"):
+        KvCacheStage(KvCacheOptions(dtype="int4")).preflight(config)
+    assert KvCacheStage(KvCacheOptions(dtype="int8")).preflight(config) is None
+
+
+def test_a_manifest_kv_dtype_that_cannot_be_served_is_one_line(tmp_path, tiny_checkpoint):
+    from slimserve.runtime.errors import ArtifactError
+
+    text = RECIPE.format(
+        model=tiny_checkpoint, out=tmp_path / "fp8", stages="  - kv_cache: {dtype: fp8_e4m3}"
+    )
+    text += "calibration: {dataset: stdlib, num_samples: 2, seq_len: 32}\n"
+    fp8 = parse_recipe(text, tmp_path / "fp8.yaml")
+    art = run_recipe(fp8, log=lambda m: None, progress=False).artifact
+    path = art / "slimserve.json"
+    manifest = json.loads(path.read_text())
+    for value, needle in [
+        ("int8", r"kv_cache_dtype int8 with fp8 k/v scales .* not a supported combination"),
+        ("int3", r"kv_cache_dtype 'int3' is not one of int8, int4"),
+    ]:
+        path.write_text(json.dumps({**manifest, "kv_cache_dtype": value}))
+        with pytest.raises(ArtifactError, match=needle) as e:
+            LLM(str(art), device="cpu", dtype="float32")
+        assert "\n" not in str(e.value)

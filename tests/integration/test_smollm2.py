@@ -122,3 +122,32 @@ def test_chat_template_is_served(reference):
     assert r.json()["usage"]["prompt_tokens"] == len(
         tok(_chat(tok, QUESTIONS[1]), add_special_tokens=False).input_ids
     )
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_int_kv_cache_serves_the_chat_check(kv):
+    """Served with an int8 / int4 KV cache (per token and KV head, no calibration) in the CPU's
+    default dtype: the chat check still gets its answer."""
+    from fastapi.testclient import TestClient
+
+    from slimserve.runtime.config import EngineConfig
+    from slimserve.runtime.engine.async_engine import AsyncEngine
+    from slimserve.runtime.server.app import build_app
+
+    engine = AsyncEngine.from_config(
+        EngineConfig(model=MODEL, device="cpu", kv_cache_dtype=kv, kv_cache_memory="64MiB")
+    )
+    assert engine.engine.runner.kv_cache_name == kv
+    with TestClient(build_app(engine)) as client:
+        r = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "SmolLM2-135M-Instruct.Q4_1",
+                "max_tokens": N,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": QUESTIONS[0]}],
+            },
+        )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert "Paris" in choice["message"]["content"] and choice["finish_reason"] == "stop", choice

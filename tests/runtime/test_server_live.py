@@ -97,7 +97,7 @@ def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
     for args, needle in [
         ([str(tmp_path / "missing")], "model:"),
         ([str(tmp_path), "--block-size", "3"], "block_size:"),
-        ([str(tmp_path), "--kv-cache-dtype", "int4"], "kv_cache_dtype:"),
+        ([str(tmp_path), "--kv-cache-dtype", "int2"], "kv_cache_dtype:"),
         ([str(tmp_path), "--kv-cache-memory", "lots"], "kv_cache_memory:"),
     ]:
         r = run(cli.app, ["serve", *args])
@@ -158,6 +158,7 @@ def test_serve_cli_config_errors_and_startup(monkeypatch, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "1024 tokens" in r.output  # the engine's capacity, from stats()
+    assert "64 blocks of 16 tokens (fake)" in r.output  # kv_capacity_line(), printed
     cfg = seen["config"]
     assert (
         cfg.max_num_seqs,

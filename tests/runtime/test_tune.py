@@ -304,6 +304,9 @@ def test_prefix_caching_is_searched_only_where_it_applies():
     settings, note = grid.settings(requests(shared=True))
     assert sorted(s.enable_prefix_caching for s in settings) == [False, False, True, True]
     assert len(parse_grid("8,16", "8,256", "auto,fp8_e4m3", "both").settings([])[0]) == 12
+    # int8 / int4 caches are searched when listed, and each setting serves with its own
+    settings = parse_grid("8", "256", "auto,int8,int4", "on").settings([])[0]
+    assert [s.kv_cache_dtype for s in settings] == ["auto", "int8", "int4"]
 
 
 @pytest.mark.parametrize(
@@ -319,7 +322,7 @@ def test_prefix_caching_is_searched_only_where_it_applies():
             "the grid is empty",
         ),
         (["--slo-tpot-p99", "50", "--max-num-seqs", "8,x"], "--max-num-seqs '8,x': give positive"),
-        (["--slo-tpot-p99", "50", "--kv-cache-dtype", "int4"], "--kv-cache-dtype 'int4'"),
+        (["--slo-tpot-p99", "50", "--kv-cache-dtype", "int2"], "--kv-cache-dtype 'int2'"),
         (["--slo-tpot-p99", "50", "--prefix-caching", "maybe"], "--prefix-caching 'maybe'"),
         (["--slo-tpot-p99", "50", "--dataset", "/nonexistent/p.jsonl"], "no such file"),
         (["--slo-tpot-p99", "50", "--bisect-steps", "0"], "--bisect-steps 0"),
