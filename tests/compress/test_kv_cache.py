@@ -79,8 +79,11 @@ def test_scale_from_absmax():
 
 def test_options_refuse_other_dtypes_listing_supported():
     assert KvCacheOptions().dtype == "fp8_e4m3"
-    with pytest.raises(ValidationError, match="'int8' is not supported; supported: fp8_e4m3"):
-        KvCacheOptions(dtype="int8")
+    assert KvCacheOptions(dtype="int8").dtype == "int8"  # per token, no calibration
+    with pytest.raises(
+        ValidationError, match="'int2' is not supported; supported: fp8_e4m3, int8, int4"
+    ):
+        KvCacheOptions(dtype="int2")
     with pytest.raises(
         RecipeError, match=r"stages\[0\].kv_cache.dtype: dtype 'fp8_e5m2'.*fp8_e4m3"
     ):

@@ -136,7 +136,7 @@ def test_skip_options_are_checked_before_any_work():
         RecipeError, match=r"skip_layers: \[4, 9\] are not layers of this 4-layer model; use 0 to 3"
     ):
         KvCacheStage(KvCacheOptions(skip_layers=[0, 4, 9])).preflight(cfg)
-    with pytest.raises(RecipeError, match="leave none of the 4 layers in fp8; skip fewer"):
+    with pytest.raises(RecipeError, match="leave none of the 4 layers in fp8_e4m3; skip fewer"):
         KvCacheStage(KvCacheOptions(skip_layers=[0, 1], skip_sensitive=2)).preflight(cfg)
     assert KvCacheStage(KvCacheOptions(skip_layers=[3], skip_sensitive=2)).preflight(cfg) is None
     for bad, match in (

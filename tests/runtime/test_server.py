@@ -303,7 +303,6 @@ BAD = [  # (endpoint, body, param named in the error)
     ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": []}, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
     ("completions", {"prompt": [1, "b"]}, "prompt"),
     ("completions", {"prompt": 5}, "prompt"),
     ("completions", {"prompt": "hi", "n": 17}, "n"),
@@ -312,7 +311,6 @@ BAD = [  # (endpoint, body, param named in the error)
     ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
     ("completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
     ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
@@ -355,6 +353,16 @@ def test_bad_requests_get_openai_400(client, engine, endpoint, body, param):
     if param:
         assert param in err["message"]
     assert engine.closed_early == []  # nothing half-started in the engine
+
+
+def test_a_list_of_prompts_is_one_choice_each(client):
+    """OpenAI's completions take a batch of prompts (lm-eval sends them): a choice per prompt,
+    indexed in order, and usage counts every prompt."""
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["prompt_tokens"] == 2 and body["usage"]["completion_tokens"] == 6
 
 
 def test_unknown_model_route_and_internal_error_do_not_leak(engine):
