@@ -39,7 +39,7 @@ from slimserve.kernels._rounding import round_to
 FP8 = torch.float8_e4m3fn
 CACHE_DTYPES = (torch.float16, torch.bfloat16, FP8, torch.uint8)  # uint8: int8 / int4 rows
 _KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TL = {
+TRITON_TYPE = {  # torch dtype -> the Triton pointer type of an AOT signature
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
     torch.float32: "fp32",
@@ -438,10 +438,10 @@ def aot_variants() -> list[AotVariant]:
         ]:
             for d in (64, 128):
                 sig = {
-                    "key_ptr": f"*{_TL[kdt]}",
-                    "value_ptr": f"*{_TL[kdt]}",
-                    "kc_ptr": f"*{_TL[cdt]}",
-                    "vc_ptr": f"*{_TL[cdt]}",
+                    "key_ptr": f"*{TRITON_TYPE[kdt]}",
+                    "value_ptr": f"*{TRITON_TYPE[kdt]}",
+                    "kc_ptr": f"*{TRITON_TYPE[cdt]}",
+                    "vc_ptr": f"*{TRITON_TYPE[cdt]}",
                     "slot_ptr": "*i64",
                     "ks_ptr": "*fp32",
                     "vs_ptr": "*fp32",
@@ -463,7 +463,7 @@ def aot_variants() -> list[AotVariant]:
                         sig,
                         consts,
                         {"num_warps": NUM_WARPS},
-                        name=f"write_kv_{_TL[kdt]}_{f'int{quant}' if quant else _TL[cdt]}_d{d}",
+                        name=f"write_kv_{TRITON_TYPE[kdt]}_{f'int{quant}' if quant else TRITON_TYPE[cdt]}_d{d}",
                     )
                 )
     return variants

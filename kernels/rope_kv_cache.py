@@ -31,6 +31,7 @@ from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2
 from slimserve.kernels._rounding import round_to
 from slimserve.kernels.kv_cache import (
     FP8,
+    TRITON_TYPE,
     cache_quant,
     cache_row,
     cache_view,
@@ -43,13 +44,6 @@ from slimserve.kernels.kv_cache import (
 )
 
 _X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_TL = {
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.float32: "fp32",
-    FP8: "u8",
-    torch.uint8: "u8",
-}
 NUM_WARPS = 4
 
 
@@ -253,7 +247,7 @@ def aot_variants() -> list[AotVariant]:
     for xdt in (torch.float16, torch.bfloat16):
         for cdt, quant in ((xdt, 0), (FP8, 0), (torch.uint8, 8), (torch.uint8, 4)):
             for d in (64, 128):
-                x, c = _TL[xdt], _TL[cdt]
+                x, c = TRITON_TYPE[xdt], TRITON_TYPE[cdt]
                 sig = {
                     "q_ptr": f"*{x}",
                     "k_ptr": f"*{x}",

@@ -47,7 +47,7 @@ from slimserve.compress.quant.smoothing import (
 )
 from slimserve.compress.quant.stages import WeightQuantOptions, describe_scheme
 from slimserve.compress.stage import CompressionState, LayerContext, Stage, StageReport
-from slimserve.compress.targets import check_patterns
+from slimserve.compress.targets import check_patterns, check_reach
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.runtime.artifact.targets import matches
 
@@ -128,6 +128,7 @@ class AwqStage(Stage):
     def prepare(self, state: CompressionState) -> None:
         self._t0 = time.perf_counter()
         check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")
+        check_reach(state.model, ["Linear"], self.options.ignore, self.name)
         refuse_after_quantizer(state, self.name)
         self._check_group_size(state.model)
 

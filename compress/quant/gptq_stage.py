@@ -27,7 +27,7 @@ from slimserve.compress.quant.gptq import accumulate_hessian, gptq_shared, outpu
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.compress.quant.stages import WeightQuantOptions, write_quantized
 from slimserve.compress.stage import CompressionState, LayerContext, Stage, StageReport
-from slimserve.compress.targets import check_patterns, select_linears
+from slimserve.compress.targets import check_patterns, check_reach, select_linears
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError
 from slimserve.runtime.loading.lazy_weights import available_memory
 
@@ -101,6 +101,7 @@ class GptqStage(Stage):
         self._t0 = time.perf_counter()
         check_patterns(state.model, self.options.targets, f"stages.{self.name}.targets")
         check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")
+        check_reach(state.model, self.options.targets, self.options.ignore, self.name)
         layers = mapping_for(state.model).layers + "."
         self._targets = select_linears(state.model, self.options.targets, self.options.ignore)
         self._outside = [n for n in self._targets if not n.startswith(layers)]

@@ -27,7 +27,7 @@ from slimserve.compress.quant.smoothing import (
 )
 from slimserve.compress.quant.smoothquant import smoothquant_scales
 from slimserve.compress.stage import CompressionState, LayerContext, Stage, StageReport
-from slimserve.compress.targets import check_patterns
+from slimserve.compress.targets import check_patterns, check_reach
 
 
 class SmoothQuantOptions(BaseModel):
@@ -58,6 +58,7 @@ class SmoothQuantStage(Stage):
     def prepare(self, state: CompressionState) -> None:
         self._t0 = time.perf_counter()
         check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")
+        check_reach(state.model, ["Linear"], self.options.ignore, self.name)
         refuse_after_quantizer(state, self.name)
 
     @torch.no_grad()

@@ -12,7 +12,7 @@ from torch import nn
 from slimserve.compress.quant.activations import attach_input_quant
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.compress.stage import CompressionState, ModuleReport, Stage, StageReport
-from slimserve.compress.targets import check_patterns, select_linears
+from slimserve.compress.targets import check_patterns, check_reach, select_linears
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantScheme, SchemeError, preset
 
@@ -69,6 +69,7 @@ class RtnStage(Stage):
     def prepare(self, state: CompressionState) -> None:
         check_patterns(state.model, self.options.targets, f"stages.{self.name}.targets")
         check_patterns(state.model, self.options.ignore, f"stages.{self.name}.ignore")
+        check_reach(state.model, self.options.targets, self.options.ignore, self.name)
 
     @torch.no_grad()
     def apply(self, state: CompressionState) -> None:

@@ -65,6 +65,39 @@ def save_tiny_llama(out: Path) -> Path:
     return out
 
 
+def save_tiny_moe(out: Path, model_type: str) -> Path:
+    """Write a tiny random mixture-of-experts model of `model_type` (qwen3_moe or mixtral: 2
+    layers, hidden 64, 4 experts, top-2, bf16) with the tiny tokenizer to `out`. transformers 5
+    holds each layer's experts as stacked 3-D tensors (`mlp.experts.gate_up_proj` [E, 2I, H])."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slimserve.runtime.corpus import read_texts
+
+    tok = tiny_tokenizer(read_texts("validation")[:6])
+    experts = {
+        "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16},
+        "mixtral": {"num_local_experts": 4},
+    }[model_type]
+    cfg = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+        **experts,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def tiny_llama():
     """A 1-layer bf16 Llama (vocab 64, hidden 32, GQA 2/1) in memory, seeded: export tests."""
     from transformers import AutoModelForCausalLM, LlamaConfig

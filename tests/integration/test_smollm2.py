@@ -91,6 +91,19 @@ def test_engine_greedy_tokens_match_transformers(reference):
     assert outs[0].outputs[0].finish_reason == "stop"
 
 
+def _ask(client, question: str):
+    """One greedy chat turn of N tokens against the served model."""
+    return client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "SmolLM2-135M-Instruct.Q4_1",
+            "max_tokens": N,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": question}],
+        },
+    )
+
+
 def test_chat_template_is_served(reference):
     from fastapi.testclient import TestClient
 
@@ -105,15 +118,7 @@ def test_chat_template_is_served(reference):
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == [
             "SmolLM2-135M-Instruct.Q4_1"
         ]
-        r = client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "SmolLM2-135M-Instruct.Q4_1",
-                "max_tokens": N,
-                "temperature": 0,
-                "messages": [{"role": "user", "content": QUESTIONS[1]}],
-            },
-        )
+        r = _ask(client, QUESTIONS[1])
     assert r.status_code == 200, r.text
     want = _hf_greedy(model, tok, _chat(tok, QUESTIONS[1]), N)
     assert r.json()["choices"][0]["message"]["content"] == tok.decode(
@@ -128,7 +133,6 @@ def test_int8_kv_cache_serves_the_chat_check():
     """Served with an int8 KV cache (per token and KV head, no calibration) in the CPU's default
     dtype: the chat check still gets its answer. (int4 does not: its keys cost SmolLM2 +14.6%
     perplexity and the answer goes wrong; docs/results-serving.md, "INT8 and INT4 KV cache".)"""
-    kv = "int8"
     from fastapi.testclient import TestClient
 
     from slimserve.runtime.config import EngineConfig
@@ -136,19 +140,11 @@ def test_int8_kv_cache_serves_the_chat_check():
     from slimserve.runtime.server.app import build_app
 
     engine = AsyncEngine.from_config(
-        EngineConfig(model=MODEL, device="cpu", kv_cache_dtype=kv, kv_cache_memory="64MiB")
+        EngineConfig(model=MODEL, device="cpu", kv_cache_dtype="int8", kv_cache_memory="64MiB")
     )
-    assert engine.engine.runner.kv_cache_name == kv
+    assert engine.engine.runner.kv_cache_name == "int8"
     with TestClient(build_app(engine)) as client:
-        r = client.post(
-            "/v1/chat/completions",
-            json={
-                "model": "SmolLM2-135M-Instruct.Q4_1",
-                "max_tokens": N,
-                "temperature": 0,
-                "messages": [{"role": "user", "content": QUESTIONS[0]}],
-            },
-        )
+        r = _ask(client, QUESTIONS[0])
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert "Paris" in choice["message"]["content"] and choice["finish_reason"] == "stop", choice
