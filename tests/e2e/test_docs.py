@@ -691,9 +691,21 @@ def check_mapping(data, model, where: str) -> list[str]:
             problems.append(f"{where}: unknown key {key!r} (known: {sorted(fields)})")
             continue
         sub = nested_model(fields[key])
-        if sub is not None:
+        if sub is None:
+            continue
+        if free_keys(fields[key]) and isinstance(value, dict):  # dict[str, Model]: any keys
+            for k, v in value.items():
+                problems += check_mapping(v, sub, f"{where}.{key}.{k}")
+        else:
             problems += check_mapping(value, sub, f"{where}.{key}")
     return problems
+
+
+def free_keys(annotation) -> bool:
+    """Whether an annotation is (or holds in a union) a dict whose keys the user names."""
+    if typing.get_origin(annotation) is dict:
+        return True
+    return any(free_keys(a) for a in typing.get_args(annotation))
 
 
 def check_recipe(data: dict, where: str) -> list[str]:
