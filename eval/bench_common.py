@@ -22,8 +22,9 @@ class ChildRun:
     stderr_tail: str  # the last meaningful line on stderr ('' when none)
 
 
-def run_child(cmd: list[str], log_path: Path) -> ChildRun:
-    """Run `cmd`, stdout/stderr into files beside `log_path`; time it and read its rusage via wait4."""
+def run_child(cmd: list[str], log_path: Path, env: dict | None = None) -> ChildRun:
+    """Run `cmd` (in `env`, default ours), stdout/stderr into files beside `log_path`; time it
+    and read its rusage via wait4."""
     out_path, err_path = log_path.with_suffix(".out"), log_path.with_suffix(".err")
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         t0 = time.perf_counter()
@@ -33,7 +34,7 @@ def run_child(cmd: list[str], log_path: Path) -> ChildRun:
             stdout=out,
             stderr=err,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "COLUMNS": "500"},
+            env={**(os.environ if env is None else env), "COLUMNS": "500"},
         )
         _, status, usage = os.wait4(proc.pid, 0)
         seconds = time.perf_counter() - t0

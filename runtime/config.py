@@ -33,6 +33,22 @@ def parse_size(text: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_cpu_threads(value: int | str | None) -> int | str:
+    """EngineConfig.cpu_threads: "auto" or a positive count (an int, or its text)."""
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        if not text.isdigit():
+            raise ValueError(f"cpu_threads: {value!r} is neither auto nor a count; use e.g. 2")
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"cpu_threads: must be auto or a count >= 1, got {value!r}")
+    return value
+
+
 def parse_layers(value: list[int] | str | None) -> list[int] | None:
     """Layer indices from "1,16" (or a list of ints); "" / "none" is no layer; None stays None."""
     if value is None:
@@ -102,6 +118,9 @@ class EngineConfig:
     # how the other ranks start: "mp" (processes on this machine) or "ray" (Ray actors, one per GPU,
     # on the nodes of a Ray cluster; runtime/worker/ray_executor.py)
     distributed_executor_backend: str = "mp"
+    # CPU compute threads of a one-rank engine (runtime/worker/threads.py): "auto" (the usable
+    # cores, fewer while other processes keep cores busy) or a fixed count
+    cpu_threads: int | str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -117,6 +136,7 @@ class EngineConfig:
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
         self.kv_cache_skip_layers = parse_layers(self.kv_cache_skip_layers)
+        self.cpu_threads = parse_cpu_threads(self.cpu_threads)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len: must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:

@@ -221,6 +221,15 @@ class ServeOptions:
         _ENGINE["device"], replicas=OWN, engine=True, help="auto | cpu | cuda | cuda:N"
     )
     dtype: str = option(_ENGINE["dtype"], engine=True, help="auto | float16 | bfloat16 | float32")
+    cpu_threads: str = option(
+        _ENGINE["cpu_threads"],
+        "--cpu-threads",
+        engine=True,
+        help=(
+            "CPU compute threads: auto (every usable core, fewer while other processes keep "
+            "cores busy; capped by OMP_NUM_THREADS) | N (fixed)"
+        ),
+    )
     trust_remote_code: bool = option(False, "--trust-remote-code", engine=True)
     verify: str = option(
         "strict",

@@ -64,6 +64,10 @@ class EngineStats:
     num_blocks: int
     block_size: int
     capacity_tokens: int  # num_blocks * block_size
+    # CPU compute threads now and how often they changed (runtime/worker/threads.py); 0, 0 for
+    # an engine whose threads nobody governs (CUDA, -tp/-pp ranks)
+    cpu_threads: int = 0
+    cpu_thread_changes: int = 0
 
 
 @dataclass(eq=False)
@@ -253,6 +257,8 @@ class LLMEngine:
             bm.num_blocks,
             bm.block_size,
             bm.num_blocks * bm.block_size,
+            gov.threads if (gov := self.runner.threads) else 0,
+            gov.changes if gov else 0,
         )
 
     # -- the step ------------------------------------------------------------------------------

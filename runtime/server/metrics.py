@@ -148,6 +148,11 @@ class _EngineCollector(Collector):
                 "Tokens the KV cache holds (blocks x block size).",
                 "capacity_tokens",
             ),
+            (
+                "cpu_threads",
+                "CPU threads the engine computes with now (0: not governed, e.g. on CUDA).",
+                "cpu_threads",
+            ),
         ]
         out: list[Metric] = []
         for name, doc, attr in g:
@@ -158,6 +163,13 @@ class _EngineCollector(Collector):
                 P + "num_preemptions",
                 "Cumulative sequence preemptions (KV freed, recomputed later).",
                 value=None if stats is None else stats.num_preemptions,
+            )
+        )
+        out.append(
+            CounterMetricFamily(
+                P + "cpu_thread_changes",
+                "Times the engine changed its CPU threads to the cores other processes left.",
+                value=None if stats is None else stats.cpu_thread_changes,
             )
         )
         return out

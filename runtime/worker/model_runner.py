@@ -38,6 +38,7 @@ from slimserve.runtime.models.load import BuiltModel, build_model
 from slimserve.runtime.stats.rank_stats import RankStats, model_bytes, process_memory_bytes
 from slimserve.runtime.worker.cpu_malloc import keep_freed_memory
 from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
+from slimserve.runtime.worker.threads import ThreadGovernor
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +128,13 @@ class ModelRunner:
         if self.device.type == "cuda" and self.device.index is not None:
             # Triton launches on the current device: without this `cuda:1` would run on cuda:0
             torch.cuda.set_device(self.device)
+        # a one-rank CPU engine sizes its compute threads to the free cores, step by step
+        # (runtime/worker/threads.py); split ranks keep the executor's fixed share
+        self.threads: ThreadGovernor | None = None
         if self.device.type == "cpu":
             keep_freed_memory()  # activations stay in the heap between steps (runtime/worker/cpu_malloc.py)
+            if group is None:
+                self.threads = ThreadGovernor(config.cpu_threads)
         self._setup(config, built)
 
     def _setup(self, config: EngineConfig, built: BuiltModel | None) -> None:
@@ -519,6 +525,8 @@ class ModelRunner:
         """fp32 logits [S, vocab] of the rows to sample: decode-only steps replay a CUDA graph
         when they are on, everything else runs eagerly."""
         self.steps += 1
+        if self.threads is not None:
+            self.threads.tick()
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch)
         if self.group is None:

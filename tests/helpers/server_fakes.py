@@ -34,6 +34,8 @@ class FakeStats:
     num_blocks: int = 64
     block_size: int = 16
     capacity_tokens: int = 1024
+    cpu_threads: int = 2
+    cpu_thread_changes: int = 1
 
 
 class FakeTokenizer:

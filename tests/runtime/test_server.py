@@ -270,6 +270,8 @@ def test_models_health_metrics_and_lifespan(engine):
         "slimserve:kv_cache_usage_perc 0.25",
         "slimserve:prefix_cache_hit_rate 0.5",
         "slimserve:num_preemptions_total 3.0",
+        "slimserve:cpu_threads 2.0",
+        "slimserve:cpu_thread_changes_total 1.0",
         "slimserve:prompt_tokens_total 4.0",
         "slimserve:generation_tokens_total 5.0",
         "slimserve:time_to_first_token_seconds_count 2.0",
