@@ -19,6 +19,8 @@
 #include <string.h>
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2, KV_INT8 = 3, KV_INT4 = 4 };
+/* or-ed into `kind` by the caller when every query value is a bf16 value (a bf16 model's) */
+enum { QUERY_BF16 = 16 };
 
 static float fp8_e4m3_values[256];
 
@@ -142,6 +144,72 @@ INLINE const float *block_rows(const void *cache, int kind, int64_t first, int c
     return buf;
 }
 
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_BF16_TILES 1
+
+/* In-place transpose of 16 rows of 16 32-bit elements (r[i] lane j -> r[j] lane i). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* u[4b + k] holds, in 128-bit lane l, rows 4b..4b+3 of column 4l + (k's column in the lane) */
+    for (int i = 0; i < 4; ++i) {
+        t[i] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(u[i], u[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(u[i + 8], u[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+}
+
+/* Scores of the G query heads (bf16 pairs qp [G, D / 2] as uint32) against `count` <= 16 bf16
+ * cache rows starting at k (row stride `stride` elements), s[g * L + t0 + i]: the rows are
+ * transposed by bf16 pairs in registers, so one vdpbf16ps adds a pair of dimensions for 16 keys
+ * at once (fp32 accumulation, no horizontal sums). */
+static inline void tile_scores_bf16(const uint32_t *restrict qp, const uint16_t *restrict k,
+                                    int64_t stride, int count, int G, int D, float score_scale,
+                                    float *restrict s, int L, int t0) {
+    const int P = D / 2; /* bf16 pairs per row: 32 or 64 */
+    __m512i kt[4][16];   /* [pairs / 16][16 columns] */
+    for (int c = 0; c < P / 16; ++c) {
+        for (int i = 0; i < 16; ++i)
+            kt[c][i] = i < count ? _mm512_loadu_si512((const void *)(k + (int64_t)i * stride + 32 * c))
+                                 : _mm512_setzero_si512();
+        transpose16(kt[c]);
+    }
+    const __mmask16 live = (__mmask16)((1u << count) - 1u);
+    for (int g = 0; g < G; ++g) {
+        const uint32_t *q = qp + (int64_t)g * P;
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int c = 0; c < P / 16; ++c) {
+            for (int j = 0; j < 16; j += 2) {
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)kt[c][j],
+                                      (__m512bh)_mm512_set1_epi32((int)q[16 * c + j]));
+                a1 = _mm512_dpbf16_ps(a1, (__m512bh)kt[c][j + 1],
+                                      (__m512bh)_mm512_set1_epi32((int)q[16 * c + j + 1]));
+            }
+        }
+        const __m512 v = _mm512_mul_ps(_mm512_add_ps(a0, a1), _mm512_set1_ps(score_scale));
+        _mm512_mask_storeu_ps(s + (int64_t)g * L + t0, live, v);
+    }
+}
+#endif
+
 static void softmax_rows(float *scores, int G, int L) {
     for (int g = 0; g < G; ++g) {
         float *s = scores + (int64_t)g * L;
@@ -159,15 +227,35 @@ static void softmax_rows(float *scores, int G, int L) {
 }
 
 /* Attention of the query heads of KV heads [h0, h1) of one sequence (G = H / Hkv heads each). */
-INLINE void attend(const float *q, const void *kc, const void *vc, int kind, const int32_t *table,
+INLINE void attend(const float *q, const void *kc, const void *vc, int kind, int q_bf16, const int32_t *table,
                    int L, int H, int Hkv, int D, int bs, int h0, int h1, float score_scale,
                    float v_scale, float *out, float *scores, float *acc, float *rows_buf) {
     const int G = H / Hkv;
     /* a head's row in cache elements: D, or for int8 / int4 its code bytes + fp16 scale, zero */
     const int64_t R = kind == KV_INT8 ? D + 4 : kind == KV_INT4 ? D / 2 + 4 : D;
     const int64_t token_stride = (int64_t)Hkv * R;
+#ifdef HAVE_BF16_TILES
+    const int tiles = q_bf16 && kind == KV_BF16 && (D == 64 || D == 128) && bs % 16 == 0 && G <= 64;
+#endif
     for (int h = h0; h < h1; ++h) {
         const float *qg = q + (int64_t)h * G * D;
+#ifdef HAVE_BF16_TILES
+        if (tiles) {
+            /* the query heads as bf16 pairs (exact: a bf16 model's queries are bf16 values) */
+            uint32_t qp[64 * 64];
+            for (int i = 0; i < G * D / 32; ++i) {
+                const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 32 * i + 16),
+                                                       _mm512_loadu_ps(qg + 32 * i));
+                _mm512_storeu_si512((void *)(qp + 16 * i), (__m512i)b);
+            }
+            for (int t0 = 0; t0 < L; t0 += 16) {
+                const int count = L - t0 < 16 ? L - t0 : 16;
+                const int64_t first = ((int64_t)table[t0 / bs] * bs + t0 % bs) * token_stride + (int64_t)h * R;
+                tile_scores_bf16(qp, (const uint16_t *)kc + first, token_stride, count, G, D,
+                                 score_scale, scores, L, t0);
+            }
+        } else
+#endif
         for (int t0 = 0; t0 < L; t0 += bs) {
             const int count = L - t0 < bs ? L - t0 : bs;
             int64_t stride = token_stride;
@@ -190,10 +278,10 @@ INLINE void attend(const float *q, const void *kc, const void *vc, int kind, con
 }
 
 /* attend with the head size a constant (the common 64 and 128), so its loops unroll whole. */
-#define ATTEND_ARGS const float *q, const void *kc, const void *vc, int kind, const int32_t *table, \
+#define ATTEND_ARGS const float *q, const void *kc, const void *vc, int kind, int q_bf16, const int32_t *table, \
     int L, int H, int Hkv, int D, int bs, int h0, int h1, float score_scale, float v_scale,          \
     float *out, float *scores, float *acc, float *rows_buf
-#define ATTEND_WITH(DIM) attend(q, kc, vc, kind, table, L, H, Hkv, DIM, bs, h0, h1, score_scale, \
+#define ATTEND_WITH(DIM) attend(q, kc, vc, kind, q_bf16, table, L, H, Hkv, DIM, bs, h0, h1, score_scale, \
                                 v_scale, out, scores, acc, rows_buf)
 static void attend_d64(ATTEND_ARGS) { (void)D; ATTEND_WITH(64); }
 static void attend_d128(ATTEND_ARGS) { (void)D; ATTEND_WITH(128); }
@@ -224,6 +312,8 @@ int slimserve_paged_decode_attention(const float *query, const void *key_cache,
     const int per_row = n >= 4 * threads ? Hkv : 1;
     const int chunks = Hkv / per_row;
     const int tasks = n * chunks;
+    const int q_bf16 = (kind & QUERY_BF16) != 0;
+    kind &= ~QUERY_BF16;
     void (*attend_fn)(ATTEND_ARGS) = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
@@ -234,7 +324,7 @@ int slimserve_paged_decode_attention(const float *query, const void *key_cache,
         for (int task = 0; task < tasks; ++task) {
             if (!scratch) continue;
             const int r = task / chunks, h0 = (task % chunks) * per_row;
-            attend_fn(query + (int64_t)r * H * D, key_cache, value_cache, kind,
+            attend_fn(query + (int64_t)r * H * D, key_cache, value_cache, kind, q_bf16,
                    block_tables + (int64_t)r * bt_stride, context_lens[r], H, Hkv, D, block_size,
                    h0, h0 + per_row, scale * k_scale, v_scale, out + (int64_t)r * H * D, scratch,
                    scratch + (size_t)G * max_len, scratch + (size_t)G * max_len + (size_t)G * D);

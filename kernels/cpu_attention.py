@@ -26,6 +26,7 @@ from slimserve.kernels import cpu_build, kv_quant
 
 NAME = "cpu_attention"
 _KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.uint8: -1}
+QUERY_BF16 = 16  # or-ed into the kind: the query's values are bf16 (the kernel's exact fast path)
 _INT_KINDS = {8: 3, 4: 4}  # uint8 caches by their bits (kernels/kv_quant.py `cache_bits`)
 
 
@@ -114,7 +115,8 @@ def paged_attention_decode(
         q.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        _INT_KINDS[bits] if bits else _KINDS[key_cache.dtype],
+        (_INT_KINDS[bits] if bits else _KINDS[key_cache.dtype])
+        | (QUERY_BF16 if query.dtype == torch.bfloat16 else 0),
         tables.data_ptr(),
         tables.shape[1],
         lens.data_ptr(),

@@ -61,6 +61,23 @@ def test_matches_the_torch_twin(dtype, h, h_kv, d, bs):
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    "h,h_kv,d,bs", [(6, 2, 64, 16), (8, 8, 128, 16), (9, 3, 64, 32), (4, 1, 128, 64), (9, 3, 64, 4)]
+)
+def test_bf16_queries_on_a_bf16_cache_match_the_twin(h, h_kv, d, bs):
+    """A bf16 query over a bf16 cache takes the kernel's tiled path on CPUs with AVX512-BF16
+    (keys transposed by bf16 pairs, 16 at a time, partial tiles and blocks of 32 or 64 included):
+    each value is within the bf16 rounding of the twin's fp32 result."""
+    lens = [1, 15, 16, 17, bs + 1, 3 * bs + 5, 200]
+    q, kc, vc, tables, ctx = _case(torch.bfloat16, h, h_kv, d, bs, lens)
+    qb = q.to(torch.bfloat16)
+    got = ca.paged_attention_decode(qb, kc, vc, tables, ctx, d**-0.5)
+    want = ra.paged_attention_decode(qb.float(), kc, vc, tables, ctx, d**-0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
+
+
+@needs_kernel
 def test_query_dtype_kept_and_scale_tensors_taken():
     q, kc, vc, tables, ctx = _case(torch.bfloat16, 6, 2, 64, 16, [7, 40])
     qb = q.to(torch.bfloat16)
