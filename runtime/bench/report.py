@@ -40,6 +40,8 @@ ROWS = [
     ],
     ("collectives, rank 0 (ms/step)", "step_breakdown.collectives.ms_per_step", ".2f"),
     ("output throughput / HF (x)", "ratio_vs_hf", ".2f"),
+    ("output throughput / vLLM (x)", "ratio_vs_vllm", ".2f"),
+    ("P99 TPOT / vLLM's (x)", "tpot_p99_vs_vllm", ".2f"),
 ]
 
 
@@ -145,6 +147,13 @@ def caption(result: dict) -> str:
             f"padding, greedy, EOS off, {hf.get('dtype', 'float32')} on {hf['device']}; "
             f"{hf['padding_waste']:.0%} of its generated tokens ran past a request's length"
         )
+    if peer := result.get("vllm"):
+        a = peer["agreement"]
+        lines.append(
+            f"vLLM: {peer['version']} (own venv), `vllm serve` {peer['dtype']}, prefix caching "
+            f"off, cores {peer['cores']}; greedy texts of the first {a['prompts']} prompts "
+            f"({a['tokens']} tokens) identical to ours: {a['identical']}/{a['answered_by_both']}"
+        )
     return "\n".join(lines)
 
 
@@ -159,15 +168,19 @@ def format_table(result: dict) -> Table:
     table.add_column("metric")
     for run in runs:
         table.add_column(run_label(run), justify="right")
+    peer_runs = (result.get("vllm") or {}).get("runs", [])
+    for run in peer_runs:
+        table.add_column(f"vLLM, {run_label(run)}", justify="right")
     if hf:
         table.add_column("HF generate", justify="right")
-    cols = runs + ([hf] if hf else [])
+    cols = runs + peer_runs + ([hf] if hf else [])
     has_slo = any(run["goodput"] is not None for run in runs)
     has_comm = any(_get(run, "step_breakdown.collectives") for run in runs)  # a split model
     for label, key, spec in ROWS:
         if (
             (key == "goodput" and not has_slo)
             or (key == "ratio_vs_hf" and not hf)
+            or (key in ("ratio_vs_vllm", "tpot_p99_vs_vllm") and not peer_runs)
             or (key.startswith("step_breakdown.collectives") and not has_comm)
         ):
             continue
@@ -232,6 +245,17 @@ def save_sweep_plot(result: dict, path: Path) -> None:
                     xytext=(4, 4),
                     fontsize=8,
                 )
+        peer = sorted(
+            (r for r in (result.get("vllm") or {}).get("runs", []) if r["completed"]),
+            key=lambda r: r["request_rate"],
+        )
+        if peer:
+            ax.plot(
+                [r["output_throughput"] for r in peer],
+                [r[key]["p99"] if r[key] else math.nan for r in peer],
+                "s--",
+                label="vLLM-CPU",
+            )
         if hf:
             ax.axvline(hf["output_throughput"], ls="--", color="gray", label="HF generate")
         ax.set_xlabel("output throughput (tok/s)")
@@ -263,6 +287,15 @@ def finish_result(result: dict, args, console: Console | None = None) -> dict:
             if hf and hf["output_throughput"]
             else None
         )
+    peer_runs = (result.get("vllm") or {}).get("runs", [])
+    for run, theirs in zip(result["runs"], peer_runs):  # the same rates, in the same order
+        run["ratio_vs_vllm"] = (
+            run["output_throughput"] / theirs["output_throughput"]
+            if theirs["output_throughput"]
+            else None
+        )
+        ours_p99, their_p99 = _get(run, "tpot_ms.p99"), _get(theirs, "tpot_ms.p99")
+        run["tpot_p99_vs_vllm"] = ours_p99 / their_p99 if ours_p99 and their_p99 else None
     result["model"] = model_summary(args.model, result["served_model"])
     result["plot"] = None
     if args.sweep:
