@@ -201,6 +201,10 @@ def vllm_env(cores: str) -> dict:
     return env
 
 
+class SideFailed(RuntimeError):
+    """One side could not run a row (it does not load the model, it crashed): the row says so."""
+
+
 class Busy:
     """One competing process that keeps a core busy while it lives."""
 
@@ -232,7 +236,7 @@ def run_side(side: str, wpath: Path, tmp: Path, args, busy: bool, tag: str) -> d
     with Busy(busy):
         done = run_child(cmd, tmp / f"{tag}-{side}.log", env=env)
     if done.returncode != 0 or not out.exists():
-        raise SystemExit(f"{side} failed on {tag}: {done.stderr_tail} (logs in {tmp})")
+        raise SideFailed(f"{side} failed on {tag}: {done.stderr_tail} (logs in {tmp})")
     r = json.loads(out.read_text())
     r["tok_s"] = r["output_tokens"] / r["seconds"]
     r["load_avg_before"] = load
@@ -279,17 +283,28 @@ def bench(args) -> dict:
         for cond in args.conditions:
             res = {"ours": [], "vllm": []}
             agree = None
+            failed = None
             for run in range(args.runs):
                 for side in ("ours", "vllm"):
                     tag = f"{key}-{cond}-{run}"
-                    r = run_side(side, wpath, tmp, args, cond == "busy", tag)
+                    try:
+                        r = run_side(side, wpath, tmp, args, cond == "busy", tag)
+                    except SideFailed as e:
+                        failed = str(e)
+                        break
                     res[side].append(r)
                     print(
                         f"{row.name:32s} {cond:5s} run {run + 1}: {side:5s} "
                         f"{r['tok_s']:8.0f} tok/s (load {r['load_avg_before']:.2f})",
                         flush=True,
                     )
+                if failed:
+                    break
                 agree = agreement(res["ours"][-1]["tokens"], res["vllm"][-1]["tokens"])
+            if failed:
+                missing.append(f"{row.name} ({cond}): {failed}")
+                print("failed: " + missing[-1], flush=True)
+                continue
             ours = spread([r["tok_s"] for r in res["ours"]])
             peer = spread([r["tok_s"] for r in res["vllm"]])
             rows.append(
