@@ -58,8 +58,13 @@ def test_the_table_gives_medians_spreads_ratio_and_missing_rows():
         "missing": ["SmolLM2 W8A8: artifacts/x is missing (make it with: compress run r.yaml)"],
     }
     text = bv.markdown(result)
-    assert "| demo bf16 | busy | 64 | 200 (100-300) | 100 (80-120) | 2.00x | 1,1,2 | 60/64 |" in text
-    assert "- missing: SmolLM2 W8A8: artifacts/x is missing (make it with: compress run r.yaml)" in text
+    assert (
+        "| demo bf16 | busy | 64 | 200 (100-300) | 100 (80-120) | 2.00x | 1,1,2 | 60/64 |" in text
+    )
+    assert (
+        "- missing: SmolLM2 W8A8: artifacts/x is missing (make it with: compress run r.yaml)"
+        in text
+    )
 
 
 @pytest.mark.parametrize(

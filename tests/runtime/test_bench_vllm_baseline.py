@@ -17,7 +17,7 @@ from slimserve.runtime.bench import peer_vllm
 from slimserve.runtime.bench.driver import BenchArgs, run_bench
 from slimserve.runtime.bench.workload import LengthDist
 
-FAKE = '''
+FAKE = """
 import json, os, sys
 args = sys.argv[1:]
 assert args[:2] == ["-m", "vllm.entrypoints.openai.api_server"], args
@@ -28,7 +28,7 @@ os.execv(sys.executable, [sys.executable, "-m", "slimserve.runtime.cli", "serve"
          "--port", flags["--port"], "--served-model-name", flags["--served-model-name"],
          "--dtype", flags["--dtype"], "--max-model-len", flags["--max-model-len"],
          "--no-enable-prefix-caching"])
-'''
+"""
 
 
 @pytest.fixture
