@@ -5,6 +5,9 @@ own heads / intermediate columns from the full hidden state. What needs communic
 
 - `RowParallel` (o_proj, down_proj): the rank's partial product, summed over the ranks with one
   all-reduce (the bias is held by rank 0 alone, runtime/distributed/sharding.py);
+- `ReducedBlock` (a mixture-of-experts block): every rank routes the same tokens with the full
+  router and runs its slice of every chosen expert (and of the shared expert); the weighted sum
+  of partial products is the partial of the weighted sum, so one all-reduce finishes the block;
 - `VocabParallelEmbedding`: each rank looks up the ids in its vocabulary rows, zeros the others,
   and one all-reduce assembles the embeddings;
 - `VocabParallelHead` (lm_head, applied to the sampled rows only): each rank's logits for its
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from slimserve.runtime.distributed.group import TPGroup
+from slimserve.runtime.models.moe import SparseMoeBlock
 
 
 class RowParallel(nn.Module):
@@ -29,6 +33,15 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.inner(x))
+
+
+class ReducedBlock(nn.Module):
+    def __init__(self, inner: nn.Module, group: TPGroup):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, x: torch.Tensor, kops) -> torch.Tensor:
+        return self.group.all_reduce(self.inner(x, kops))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -60,7 +73,10 @@ def parallelize(model: nn.Module, group: TPGroup, vocab: tuple[int, int], vocab_
     """Wrap a loaded rank's model in place; `vocab` is its [start, stop) of the vocabulary."""
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+        if isinstance(layer.ffn, SparseMoeBlock):
+            setattr(layer, layer.ffn_name, ReducedBlock(layer.ffn, group))
+        else:
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
     if model.model.embed_tokens is not None:  # None: a pipeline stage without it
         model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, *vocab, group)
     if model.lm_head is not None:

@@ -62,6 +62,11 @@ class StageShard:
         self.spec = spec
         self.layers = stage_layers(spec.num_layers, self.world)[self.rank]
         local = dataclasses.replace(spec, num_layers=len(self.layers))
+        if spec.moe is not None:  # which of this stage's layers are MoE blocks
+            sparse = spec.moe.sparse_layers[self.layers.start : self.layers.stop]
+            local = dataclasses.replace(
+                local, moe=dataclasses.replace(spec.moe, sparse_layers=sparse)
+            )
         return local if self.tensor is None else self.tensor.local_spec(local)
 
     def _local_name(self, name: str) -> str | None:

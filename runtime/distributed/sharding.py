@@ -8,6 +8,8 @@ Rank r of N holds (docs/architecture.md, "Tensor parallelism"):
 | `k_proj`, `v_proj` | column | KV heads [r kv/N, (r+1) kv/N); when kv < N, the one KV head its query heads read (replicated N/kv times) |
 | `gate_proj`, `up_proj` | column | intermediate rows [r I/N, (r+1) I/N) |
 | `o_proj`, `down_proj` | row (input columns) | the same heads / intermediate columns; rank 0 alone adds the bias |
+| each expert's `gate_proj`/`up_proj` (Mixtral `w1`/`w3`), `down_proj` (`w2`), the shared expert's | column, row | the expert's intermediate rows / columns [r I_e/N, (r+1) I_e/N): every rank holds every expert, a slice of each; one all-reduce per MoE block |
+| the router `gate`, `shared_expert_gate` | replicated | everything |
 | `embed_tokens`, `lm_head` | vocabulary rows | [r s, (r+1) s) with s = ceil(V/N), the last shard zero-padded |
 | norms, K/V scales | replicated | everything |
 
@@ -74,12 +76,20 @@ def local_kv_heads(spec: ModelSpec, world: int) -> int:
 
 def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
     """The shapes one rank's model has (hidden size, layers and RoPE are unchanged)."""
+    moe = spec.moe
+    if moe is not None:  # every rank holds every expert, a slice of each one's FFN
+        moe = dataclasses.replace(
+            moe,
+            intermediate_size=moe.intermediate_size // world,
+            shared_intermediate_size=moe.shared_intermediate_size // world,
+        )
     return dataclasses.replace(
         spec,
         num_heads=spec.num_heads // world,
         num_kv_heads=local_kv_heads(spec, world),
         intermediate_size=spec.intermediate_size // world,
         vocab_size=-(-spec.vocab_size // world),
+        moe=moe,
     )
 
 
@@ -121,6 +131,12 @@ def check_tensor_parallel(spec: ModelSpec, world: int, qc: dict | None) -> None:
         _fail(f"{world} is not a size; give 1 or more")
     if world == 1:
         return
+    if spec.qk_norm_full:
+        _fail(
+            f"{world} ranks: {spec.model_type}'s q/k norms span every head of the projection, "
+            "which the head split does not gather yet; use tensor_parallel_size 1 "
+            "(pipeline_parallel_size splits it by layers)"
+        )
     h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     if h % world:
         _fail(f"{world} does not divide num_attention_heads {h}; use a divisor of {h}")
@@ -140,6 +156,11 @@ def check_tensor_parallel(spec: ModelSpec, world: int, qc: dict | None) -> None:
         "k_proj/v_proj": local_kv_heads(spec, world) * d,
         "gate_proj/up_proj": spec.intermediate_size // world,
     }
+    for what, size in _expert_sizes(spec):
+        if size % world:
+            _fail(f"{world} does not divide the {what} {size}")
+        row[f"down_proj ({what})"] = size
+        col[f"gate_proj/up_proj ({what})"] = size // world
     for bits, group, packs_n, packs_k in _quant_args(qc):
         for name, width in row.items():
             if group is not None and (width // world) % group:
@@ -163,6 +184,17 @@ def check_tensor_parallel(spec: ModelSpec, world: int, qc: dict | None) -> None:
         qc
     ):  # a quantized lm_head cannot be zero-padded
         _fail(f"{world} does not divide vocab_size {spec.vocab_size} of a quantized lm_head")
+
+
+def _expert_sizes(spec: ModelSpec) -> list[tuple[str, int]]:
+    """(config key, size) of the FFN widths a MoE model's experts split along."""
+    moe = spec.moe
+    if moe is None:
+        return []
+    out = [("experts' intermediate size", moe.intermediate_size)]
+    if moe.shared_intermediate_size:
+        out.append(("shared expert's intermediate size", moe.shared_intermediate_size))
+    return out
 
 
 def _lm_head_quantized(qc: dict | None) -> bool:
@@ -195,8 +227,9 @@ class ShardRanges:
         start = min(self.rank * s, self.spec.vocab_size)
         return start, min(start + s, self.spec.vocab_size), s
 
-    def module(self, leaf: str) -> tuple[str, tuple[int, int], int, int] | None:
-        """(split 'N' | 'K', its range, full N, full K) of a decoder Linear; None: replicated."""
+    def module(self, leaf: str, module: str = "") -> tuple[str, tuple[int, int], int, int] | None:
+        """(split 'N' | 'K', its range, full N, full K) of a decoder Linear named `module`
+        (its last part `leaf`); None: replicated."""
         sp, r, w = self.spec, self.rank, self.world
         h, kv, d, hid, inter = (
             sp.num_heads,
@@ -205,6 +238,11 @@ class ShardRanges:
             sp.hidden_size,
             sp.intermediate_size,
         )
+        if sp.moe is not None and ".experts." in module:
+            inter = sp.moe.intermediate_size
+            leaf = _EXPERT_LEAVES.get(leaf, leaf)
+        elif sp.moe is not None and ".shared_expert." in module:
+            inter = sp.moe.shared_intermediate_size
         if leaf == "q_proj":
             return "N", (r * h // w * d, (r + 1) * h // w * d), h * d, hid
         if leaf in ("k_proj", "v_proj"):
@@ -222,6 +260,10 @@ class ShardRanges:
             start, stop, _ = self.vocab()
             return "N", (start, stop), sp.vocab_size, hid
         return None
+
+
+# Mixtral's expert Linears, by the role they share with the dense names
+_EXPERT_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _proportional(size: int, rng: tuple[int, int], full: int, name: str) -> slice:
@@ -269,7 +311,10 @@ class ShardReader:
         out = {}
         for name, h in where.items():
             module, _, kind = name.rpartition(".")
-            if kind not in G_IDX or module.rpartition(".")[2] not in ROW:
+            leaf = module.rpartition(".")[2]
+            if ".experts." in module:
+                leaf = _EXPERT_LEAVES.get(leaf, leaf)
+            if kind not in G_IDX or leaf not in ROW:
                 continue
             raw = h.get_tensor(name)
             g = raw.long()
@@ -306,7 +351,7 @@ class ShardReader:
             if t.shape[0] < rows:  # the last shard of a vocabulary N does not divide
                 t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
             return t
-        plan = rg.module(leaf)
+        plan = rg.module(leaf, module)
         if plan is None or (kind not in LAYOUTS and kind != "weight_shape"):
             return sl[:]  # replicated (norms, K/V scales, unknown extras)
         split, rng, n_full, k_full = plan

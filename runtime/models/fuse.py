@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from slimserve.runtime.layers.quant_linear import PACKED, QuantLinear
+from slimserve.runtime.models.moe import ExpertMLP
 
 
 class FusedLinear(nn.Module):
@@ -101,14 +102,20 @@ def fuse_linears(parts: list[nn.Module]) -> FusedLinear | None:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse every decoder layer's q/k/v and gate/up projections where possible; returns how many
-    fusions were made. The originals are removed (their memory is freed)."""
+    """Fuse every decoder layer's q/k/v and gate/up projections (each expert's too, in a
+    mixture of experts) where possible; returns how many fusions were made. The originals are
+    removed (their memory is freed)."""
     count = 0
     for layer in model.model.layers:
-        for parent, names, fused_name in (
+        ffn = getattr(layer, "ffn", None) or layer.mlp
+        groups = [
             (layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-            (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj"),
-        ):
+            (ffn, ("gate_proj", "up_proj"), "gate_up_proj"),
+        ]
+        groups += [
+            (m, m.names[:2], "gate_up_proj") for m in ffn.modules() if isinstance(m, ExpertMLP)
+        ]
+        for parent, names, fused_name in groups:
             if not all(hasattr(parent, n) for n in names):
                 continue
             fused = fuse_linears([getattr(parent, n) for n in names])

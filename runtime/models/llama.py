@@ -1,4 +1,5 @@
-"""Our Llama-family model (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Our Llama-family model (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Qwen3-MoE,
+Qwen2-MoE, Mixtral, OLMoE: runtime/models/moe.py) over a paged KV cache.
 
 Module and parameter names equal transformers' (`model.layers.0.self_attn.q_proj...`), so
 artifacts' safetensors load strictly into it and targeted Linears are swapped for QuantLinear by
@@ -19,8 +20,9 @@ from slimserve.runtime.batch import BatchInputs
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.layers import ops
 from slimserve.runtime.layers.ops import KernelOps
+from slimserve.runtime.models.moe import MOE_MODEL_TYPES, MoeSpec, SparseMoeBlock, moe_spec
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,10 @@ class ModelSpec:
     tie_word_embeddings: bool
     sliding_window: int | None  # Mistral/Qwen2 window, None when off
     inv_freq: tuple[float, ...]  # RoPE inverse frequencies [head_dim / 2]
+    moe: MoeSpec | None = None  # mixture-of-experts routing and shapes; None: dense
+    # q/k RMSNorm over the whole projection ([heads x head_dim], OLMoE) instead of per head
+    qk_norm_full: bool = False
+    clip_qkv: float | None = None  # q, k, v clamped to [-c, c] after the norms (OLMoE)
 
 
 def _rope_inv_freq(config, head_dim: int) -> tuple[float, ...]:
@@ -83,7 +89,9 @@ def model_spec(config) -> ModelSpec:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     window = getattr(config, "sliding_window", None)
-    if mt == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if mt in ("qwen2", "qwen2_moe", "qwen3_moe") and not getattr(
+        config, "use_sliding_window", False
+    ):
         window = None
     return ModelSpec(
         model_type=mt,
@@ -96,13 +104,16 @@ def model_spec(config) -> ModelSpec:
         head_dim=head_dim,
         rms_norm_eps=config.rms_norm_eps,
         max_position_embeddings=config.max_position_embeddings,
-        qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False)),
-        o_bias=mt != "qwen2" and bool(getattr(config, "attention_bias", False)),
+        qkv_bias=mt in ("qwen2", "qwen2_moe") or bool(getattr(config, "attention_bias", False)),
+        o_bias=mt not in ("qwen2", "qwen2_moe") and bool(getattr(config, "attention_bias", False)),
         mlp_bias=bool(getattr(config, "mlp_bias", False)),
-        qk_norm=mt == "qwen3",
+        qk_norm=mt in ("qwen3", "qwen3_moe", "olmoe"),
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_window=window,
         inv_freq=_rope_inv_freq(config, head_dim),
+        moe=moe_spec(config, config.num_hidden_layers),
+        qk_norm_full=mt == "olmoe",
+        clip_qkv=getattr(config, "clip_qkv", None) if mt == "olmoe" else None,
     )
 
 
@@ -170,9 +181,11 @@ class Attention(Fp32Buffers):
         self.k_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, kv * d, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=spec.o_bias)
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        if spec.qk_norm:  # per head (Qwen3), or over the whole projection (OLMoE)
+            self.qk_norm_full = spec.qk_norm_full
+            self.q_norm = RMSNorm(h * d if spec.qk_norm_full else d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(kv * d if spec.qk_norm_full else d, spec.rms_norm_eps)
+        self.clip_qkv = spec.clip_qkv
         self.scale = d**-0.5
         # fp8 KV-cache scales (per layer, fp32 whatever the model dtype); 1.0 unless the artifact
         # carries calibrated ones
@@ -192,10 +205,15 @@ class Attention(Fp32Buffers):
             q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hasattr(self, "q_norm") and self.qk_norm_full:
+            q, k = self.q_norm(q, kops=kops), self.k_norm(k, kops=kops)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.qk_norm_full:
             q, k = self.q_norm(q, kops=kops), self.k_norm(k, kops=kops)
         key_cache, value_cache = kv_cache
         # q and k rotated in place (they are views of this step's projection output), the
@@ -242,13 +260,28 @@ class MLP(nn.Module):
         )
 
 
+def ffn_name(spec: ModelSpec, index: int) -> str:
+    """The decoder layer's feed-forward attribute: `mlp`, or Mixtral's `block_sparse_moe`."""
+    moe = spec.moe
+    return moe.block_name if moe is not None and moe.sparse_layers[index] else "mlp"
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        # the checkpoint's name for the feed-forward block: a dense MLP or a SparseMoeBlock
+        self.ffn_name = ffn_name(spec, index)
+        if spec.moe is None or not spec.moe.sparse_layers[index]:
+            self.mlp = MLP(spec)
+        else:
+            setattr(self, self.ffn_name, SparseMoeBlock(spec.hidden_size, spec.moe))
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
 
     def forward(self, x, residual, step: StepTables, batch, kv_cache, kops: KernelOps):
         if residual is None:
@@ -257,14 +290,14 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual, kops)
         x = self.self_attn(x, step, batch, kv_cache, kops)
         x, residual = self.post_attention_layernorm(x, residual, kops)
-        return self.mlp(x, kops), residual
+        return self.ffn(x, kops), residual
 
 
 class Backbone(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
