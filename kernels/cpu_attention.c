@@ -12,6 +12,11 @@
  * A task is one sequence (or one sequence and KV head when there are few sequences); each KV
  * head's group of query heads is attended together, so each cached key and value is read once per
  * group; scores, softmax and the weighted sum are fp32.
+ *
+ * A sliding window (window > 0) restricts a sequence of L cached tokens to its last `window`
+ * keys (the query sits at position L - 1 and sees positions > L - 1 - window); the blocks before
+ * the window are not read. Soft-capping (softcap > 0) replaces each scaled score s by
+ * softcap * tanh(s / softcap) before the softmax (Gemma 2).
  */
 #include <math.h>
 #include <stdint.h>
@@ -210,27 +215,38 @@ static inline void tile_scores_bf16(const uint32_t *restrict qp, const uint16_t 
 }
 #endif
 
-static void softmax_rows(float *scores, int G, int L) {
+/* Softmax of each head's scores at [start, L); the block-aligned ones before, [begin, start),
+ * get weight 0 (outside the window). softcap > 0 caps the scores first. */
+static void softmax_rows(float *scores, int G, int L, int begin, int start, float softcap) {
     for (int g = 0; g < G; ++g) {
         float *s = scores + (int64_t)g * L;
         float m = -INFINITY, sum = 0.0f;
-        for (int t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+        for (int t = begin; t < start; ++t) s[t] = 0.0f;
+        if (softcap > 0.0f) {
+            const float inv_cap = 1.0f / softcap;
+            for (int t = start; t < L; ++t) s[t] = softcap * tanhf(s[t] * inv_cap);
+        }
+        for (int t = start; t < L; ++t) m = s[t] > m ? s[t] : m;
 #pragma omp simd reduction(+ : sum)
-        for (int t = 0; t < L; ++t) {
+        for (int t = start; t < L; ++t) {
             s[t] = exp_nonpositive(s[t] - m);
             sum += s[t];
         }
         const float inv = 1.0f / sum;
 #pragma omp simd
-        for (int t = 0; t < L; ++t) s[t] *= inv;
+        for (int t = start; t < L; ++t) s[t] *= inv;
     }
 }
 
 /* Attention of the query heads of KV heads [h0, h1) of one sequence (G = H / Hkv heads each). */
 INLINE void attend(const float *q, const void *kc, const void *vc, int kind, int q_bf16, const int32_t *table,
                    int L, int H, int Hkv, int D, int bs, int h0, int h1, float score_scale,
-                   float v_scale, float *out, float *scores, float *acc, float *rows_buf) {
+                   float v_scale, float *out, float *scores, float *acc, float *rows_buf,
+                   int window, float softcap) {
     const int G = H / Hkv;
+    /* the first key the query sees, and the start of its cache block (where the loops begin) */
+    const int start = window > 0 && L > window ? L - window : 0;
+    const int begin = start / bs * bs;
     /* a head's row in cache elements: D, or for int8 / int4 its code bytes + fp16 scale, zero */
     const int64_t R = kind == KV_INT8 ? D + 4 : kind == KV_INT4 ? D / 2 + 4 : D;
     const int64_t token_stride = (int64_t)Hkv * R;
@@ -248,7 +264,7 @@ INLINE void attend(const float *q, const void *kc, const void *vc, int kind, int
                                                        _mm512_loadu_ps(qg + 32 * i));
                 _mm512_storeu_si512((void *)(qp + 16 * i), (__m512i)b);
             }
-            for (int t0 = 0; t0 < L; t0 += 16) {
+            for (int t0 = begin; t0 < L; t0 += 16) {
                 const int count = L - t0 < 16 ? L - t0 : 16;
                 const int64_t first = ((int64_t)table[t0 / bs] * bs + t0 % bs) * token_stride + (int64_t)h * R;
                 tile_scores_bf16(qp, (const uint16_t *)kc + first, token_stride, count, G, D,
@@ -256,16 +272,16 @@ INLINE void attend(const float *q, const void *kc, const void *vc, int kind, int
             }
         } else
 #endif
-        for (int t0 = 0; t0 < L; t0 += bs) {
+        for (int t0 = begin; t0 < L; t0 += bs) {
             const int count = L - t0 < bs ? L - t0 : bs;
             int64_t stride = token_stride;
             const float *k = block_rows(kc, kind, ((int64_t)table[t0 / bs] * bs) * token_stride + (int64_t)h * R,
                                         count, D, &stride, rows_buf);
             block_scores(qg, k, stride, count, G, D, score_scale, scores, L, t0);
         }
-        softmax_rows(scores, G, L);
+        softmax_rows(scores, G, L, begin, start, softcap);
         memset(acc, 0, sizeof(float) * (size_t)G * D);
-        for (int t0 = 0; t0 < L; t0 += bs) {
+        for (int t0 = begin; t0 < L; t0 += bs) {
             const int count = L - t0 < bs ? L - t0 : bs;
             int64_t stride = token_stride;
             const float *v = block_rows(vc, kind, ((int64_t)table[t0 / bs] * bs) * token_stride + (int64_t)h * R,
@@ -280,21 +296,23 @@ INLINE void attend(const float *q, const void *kc, const void *vc, int kind, int
 /* attend with the head size a constant (the common 64 and 128), so its loops unroll whole. */
 #define ATTEND_ARGS const float *q, const void *kc, const void *vc, int kind, int q_bf16, const int32_t *table, \
     int L, int H, int Hkv, int D, int bs, int h0, int h1, float score_scale, float v_scale,          \
-    float *out, float *scores, float *acc, float *rows_buf
+    float *out, float *scores, float *acc, float *rows_buf, int window, float softcap
 #define ATTEND_WITH(DIM) attend(q, kc, vc, kind, q_bf16, table, L, H, Hkv, DIM, bs, h0, h1, score_scale, \
-                                v_scale, out, scores, acc, rows_buf)
+                                v_scale, out, scores, acc, rows_buf, window, softcap)
 static void attend_d64(ATTEND_ARGS) { (void)D; ATTEND_WITH(64); }
 static void attend_d128(ATTEND_ARGS) { (void)D; ATTEND_WITH(128); }
 static void attend_any(ATTEND_ARGS) { ATTEND_WITH(D); }
 
-/* Returns 0; -2 when a context length or block id lies outside the tables or the cache (nothing
+/* window: keys per query under a sliding window (0: all); softcap: the scores' cap (0: none).
+ * Returns 0; -2 when a context length or block id lies outside the tables or the cache (nothing
  * is read then); -1 when a thread's scratch could not be allocated (out is then incomplete). */
 int slimserve_paged_decode_attention(const float *query, const void *key_cache,
                                      const void *value_cache, int kind,
                                      const int32_t *block_tables, int64_t bt_stride,
                                      const int32_t *context_lens, float *out, int n, int H,
                                      int Hkv, int D, int block_size, int64_t num_blocks,
-                                     float scale, float k_scale, float v_scale, int num_threads) {
+                                     float scale, float k_scale, float v_scale, int num_threads,
+                                     int window, float softcap) {
     int max_len = 1;
     for (int r = 0; r < n; ++r) {
         const int L = context_lens[r];
@@ -327,7 +345,8 @@ int slimserve_paged_decode_attention(const float *query, const void *key_cache,
             attend_fn(query + (int64_t)r * H * D, key_cache, value_cache, kind, q_bf16,
                    block_tables + (int64_t)r * bt_stride, context_lens[r], H, Hkv, D, block_size,
                    h0, h0 + per_row, scale * k_scale, v_scale, out + (int64_t)r * H * D, scratch,
-                   scratch + (size_t)G * max_len, scratch + (size_t)G * max_len + (size_t)G * D);
+                   scratch + (size_t)G * max_len, scratch + (size_t)G * max_len + (size_t)G * D,
+                   window, softcap);
         }
         free(scratch);
     }

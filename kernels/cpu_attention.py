@@ -53,6 +53,8 @@ def _configure(lib: ctypes.CDLL) -> None:
         ctypes.c_float,
         ctypes.c_float,
         ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
     ]
 
 
@@ -77,10 +79,14 @@ def paged_attention_decode(
     scale: float,
     k_scale: float | torch.Tensor = 1.0,
     v_scale: float | torch.Tensor = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`reference_attention.paged_attention_decode` on CPU tensors, read in place: query [B, H, D]
     (any float dtype), caches [num_blocks, block_size, Hkv, D] (`supports`), block_tables int
-    [B, max_blocks], context_lens int [B] (0 gives a zero row) -> [B, H, D] in query's dtype."""
+    [B, max_blocks], context_lens int [B] (0 gives a zero row) -> [B, H, D] in query's dtype.
+    window: each query sees its sequence's last `window` keys only (None: all); softcap: scores
+    capped to softcap * tanh(score / softcap) before the softmax (None: not capped)."""
     lib = _library()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {unavailable_reason()}")
@@ -89,6 +95,8 @@ def paged_attention_decode(
             "CPU attention reads fp32, bf16, fp8 or int8/int4 caches, not "
             f"{key_cache.dtype}/{value_cache.dtype}"
         )
+    if (window is not None and window < 1) or (softcap is not None and not softcap > 0):
+        raise ValueError(f"window {window} and softcap {softcap} must be positive (or None)")
     if query.device.type != "cpu" or key_cache.device.type != "cpu":
         raise ValueError("CPU attention takes CPU tensors")
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -131,6 +139,8 @@ def paged_attention_decode(
         cpu_build.scalar(k_scale),
         cpu_build.scalar(v_scale),
         torch.get_num_threads(),
+        window or 0,
+        float(softcap or 0.0),
     )
     if rc == -2:
         raise ValueError("a context length or block id lies outside the block tables or the cache")

@@ -130,6 +130,7 @@ class AttentionPlan:
 
     decode: tuple[_DecodeBucket, ...]
     prefill: tuple[_PrefillSeq, ...]
+    window: int | None = None  # sliding window the masks apply (`plan_attention`); None: full
 
 
 def plan_attention(
@@ -137,8 +138,13 @@ def plan_attention(
     context_lens: torch.Tensor,
     block_tables: torch.Tensor,
     block_size: int,
+    window: int | None = None,
 ) -> AttentionPlan:
     """Plan `paged_attention` for a batch (the arguments of `paged_attention_prefill`).
+
+    window: a sliding window of that many positions: the query at position p sees the keys at
+    positions p - window + 1 .. p (transformers' `sliding_window_overlay`, kv > q - window, in
+    transformers/masking_utils.py); None: every earlier position.
 
     One-token rows are sorted by context length and cut into buckets of _DECODE_BUCKET, so a
     row is padded only to the longest context of its bucket (and the whole batch is not padded
@@ -164,7 +170,10 @@ def plan_attention(
         seq = torch.tensor(part, dtype=torch.int64, device=dev)
         rows = torch.tensor([cu[b] for b in part], dtype=torch.int64, device=dev)
         lens = torch.tensor([ctx[b] for b in part], device=dev)
-        past = torch.arange(nblk * block_size, device=dev) >= lens.unsqueeze(1)
+        kpos = torch.arange(nblk * block_size, device=dev)
+        past = kpos >= lens.unsqueeze(1)
+        if window is not None:  # the one query sits at position len - 1
+            past |= kpos <= lens.unsqueeze(1) - 1 - window
         mask = torch.zeros(past.shape, device=dev).masked_fill_(past, float("-inf"))
         buckets.append(
             _DecodeBucket(
@@ -178,11 +187,16 @@ def plan_attention(
     for b in several:
         n, c = cu[b + 1] - cu[b], ctx[b]
         mask = None
-        if c > n:  # query i sits at position c - n + i and sees keys up to it
+        if c > n or (window is not None and n > window):
+            # query i sits at position c - n + i and sees keys up to it (and, under a window,
+            # none window or more positions before it)
             kpos = torch.arange(c, device=dev)
-            mask = kpos <= (c - n + torch.arange(n, device=dev)).unsqueeze(1)
+            qpos = (c - n + torch.arange(n, device=dev)).unsqueeze(1)
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
         seqs.append(_PrefillSeq(cu[b], n, c, block_tables[b, : -(-c // block_size)].long(), mask))
-    return AttentionPlan(tuple(buckets), tuple(seqs))
+    return AttentionPlan(tuple(buckets), tuple(seqs), window)
 
 
 def _gather_kv(
@@ -208,6 +222,27 @@ def _gather_kv(
     return kv.transpose(1, 2)
 
 
+def _attend(q, k, v, mask, causal: bool, scale: float, gqa: bool, softcap: float | None):
+    """SDPA of fp32 [n, H, q, D] over [n, Hkv, k, D]; with `softcap`, the scaled scores are
+    capped to softcap * tanh(s / softcap) before the mask and softmax, as transformers' Gemma 2
+    eager attention does (transformers/models/gemma2/modeling_gemma2.py)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        n, m = s.shape[-2:]
+        mask = torch.ones(n, m, dtype=torch.bool, device=s.device).tril(m - n)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -218,12 +253,15 @@ def paged_attention(
     v_scale: float | torch.Tensor = 1.0,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention_prefill` of a planned batch (`plan_attention`): the CPU serving path.
 
     key/value [T, Hkv, D]: this step's keys and values as just written to the cache (optional).
     When the cache holds them exactly (their own dtype, or fp32; fp8, int8 and int4 do not), a
     chunk without a prefix attends over them directly instead of gathering its blocks back.
+    softcap: scores capped to softcap * tanh(score / softcap) (Gemma 2); the sliding window,
+    if any, is the plan's.
     """
     out = torch.empty_like(query)
     gqa = query.shape[1] != key_cache.shape[2]
@@ -234,7 +272,7 @@ def paged_attention(
         q = query.index_select(0, b.rows).float().unsqueeze(2)  # [n, H, 1, D]
         k = _gather_kv(key_cache, b.blocks, n, b.length, k_scale, d)
         v = _gather_kv(value_cache, b.blocks, n, b.length, v_scale, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=b.mask, scale=scale, enable_gqa=gqa)
+        o = _attend(q, k, v, b.mask, False, scale, gqa, softcap)
         out.index_copy_(0, b.rows, o.squeeze(2).to(query.dtype))
     for s in plan.prefill:
         rows = slice(s.start, s.start + s.q_len)
@@ -245,9 +283,7 @@ def paged_attention(
         else:
             k = _gather_kv(key_cache, s.blocks, 1, s.ctx, k_scale, d)
             v = _gather_kv(value_cache, s.blocks, 1, s.ctx, v_scale, d)
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=s.mask, is_causal=s.mask is None, scale=scale, enable_gqa=gqa
-        )
+        o = _attend(q, k, v, s.mask, s.mask is None, scale, gqa, softcap)
         out[rows] = o[0].transpose(0, 1).to(query.dtype)
     return out
 
