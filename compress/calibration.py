@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from slimserve.compress.mappings import ArchMapping, decoder_layers, mapping_for
+from slimserve.compress.moe import all_experts
 from slimserve.compress.stage import (
     CompressionState,
     LayerContext,
@@ -194,7 +195,8 @@ def run_layerwise(
                 ctx = LayerContext(
                     i, f"{mapping.layers}.{i}", layer, inputs, mapping, state, device
                 )
-                stage.compress_layer(ctx)
+                with all_experts(layer, stage.calibrate_all_experts):
+                    stage.compress_layer(ctx)
                 inputs = LayerInputs(
                     ctx.outputs if ctx.outputs is not None else ctx.forward(), inputs.kwargs
                 )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from slimserve.compress.errors import UnsupportedModelError
+from slimserve.runtime.loading.moe_experts import LAYERS, MOE_LAYOUTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,9 @@ class ArchMapping:
     # plus the output of the last Linear of `sequential` (down_proj), so a stage holding that
     # Linear's inputs can finish the layer's outputs without replaying it; None: it cannot.
     mlp_residual: str | None = "post_attention_layernorm"
+    # Further Linears that read one tensor (GPTQ shares their Hessian) but that `smooth` does not
+    # list: each expert's gate and up (the norm before them also feeds the router).
+    shared_input: tuple[tuple[str, ...], ...] = ()
 
 
 _LLAMA = ArchMapping(
@@ -72,14 +76,84 @@ ARCHITECTURES: dict[str, ArchMapping] = {
 }
 
 
+def moe_mapping(model_type: str, config) -> ArchMapping:
+    """The mapping of a mixture-of-experts model (runtime/loading/moe_experts.py `MOE_LAYOUTS`)
+    with per-expert Linears under their checkpoint names, generated from `config`'s expert count.
+
+    Sequential groups: q/k/v, o, then every expert's gate and up (with the shared expert's, and a
+    dense layer's mlp.gate_proj/up_proj where the config has dense layers), then every down.
+    Smoothing mappings are the exact ones only: input_layernorm -> q/k/v, v -> o, and each
+    expert's (and the shared expert's) up -> down, whose output reaches nothing but that down.
+    post_attention_layernorm -> the experts' gate/up is left out on purpose: that norm also feeds
+    the router (and Qwen2-MoE's shared expert and its gate), which a scale on the experts alone
+    would change, so AWQ and SmoothQuant do not smooth it in sparse layers (they do in a dense
+    layer's MLP). A sparse block does not end in `residual + down_proj(x)`: mlp_residual is None.
+    """
+    layout = MOE_LAYOUTS[model_type]
+    num = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    block = layout.disk_block
+    g, u, d = layout.proj
+    experts = [f"{block}.experts.{e}" for e in range(num)]
+    dense = bool(getattr(config, "mlp_only_layers", None)) or (
+        getattr(config, "decoder_sparse_step", 1) > 1
+    )
+    gate_up: list[str] = ["mlp.gate_proj", "mlp.up_proj"] if dense else []
+    down: list[str] = ["mlp.down_proj"] if dense else []
+    smooth = [
+        SmoothMapping(
+            "input_layernorm",
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn",
+        ),
+        SmoothMapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+    ]
+    if dense:
+        smooth += [
+            SmoothMapping("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+            SmoothMapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+        ]
+    shared = [f"{block}.shared_expert"] if model_type == "qwen2_moe" else []
+    shared_input = []
+    for owner, (og, ou, od) in [(s, ("gate_proj", "up_proj", "down_proj")) for s in shared] + [
+        (e, (g, u, d)) for e in experts
+    ]:
+        gate_up += [f"{owner}.{og}", f"{owner}.{ou}"]
+        down.append(f"{owner}.{od}")
+        shared_input.append((f"{owner}.{og}", f"{owner}.{ou}"))
+        smooth.append(SmoothMapping(f"{owner}.{ou}", (f"{owner}.{od}",), f"{owner}.{od}"))
+    return ArchMapping(
+        layers=LAYERS,
+        sequential=(
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            ("self_attn.o_proj",),
+            tuple(gate_up),
+            tuple(down),
+        ),
+        smooth=tuple(smooth),
+        mlp_residual=None,
+        shared_input=tuple(shared_input),
+    )
+
+
+# The sparse architectures: their entries here say where the layers are (the pipeline and the
+# layer store read only that); `mapping_for` builds the full mapping from the model's config.
+for _moe_type in MOE_LAYOUTS:
+    ARCHITECTURES[_moe_type] = ArchMapping(
+        layers=LAYERS, sequential=(), smooth=(), mlp_residual=None
+    )
+
+
 def mapping_for(model: nn.Module) -> ArchMapping:
     """The mapping of `model`'s architecture, or a clear refusal naming the supported ones."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"architecture {model_type!r} is not supported by calibrated stages; supported: "
             f"{', '.join(sorted(ARCHITECTURES))} (rtn works on any model)"
         )
+    if model_type in MOE_LAYOUTS:
+        return moe_mapping(model_type, config)
     return ARCHITECTURES[model_type]
 
 

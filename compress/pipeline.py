@@ -37,6 +37,7 @@ from slimserve.compress.layer_store import LayerStore
 from slimserve.compress.layerwise_eval import perplexity_on_device
 from slimserve.compress.mappings import ARCHITECTURES
 from slimserve.compress.model_size import count_parameters, weight_bytes
+from slimserve.compress.moe import prepare_model
 from slimserve.compress.progress import counting_bar
 from slimserve.compress.quant.group_sizes import partial_group_modules, partial_groups, shape_model
 from slimserve.compress.recipe import Recipe
@@ -123,6 +124,7 @@ def run_recipe(
                 f"model {recipe.model} is already quantized; compress its unquantized base model instead"
             )
         model, tok = loaded.model, loaded.tokenizer
+        prepare_model(model)  # stacked experts -> one Linear per expert (compress/moe.py)
     model.eval()
     storage = _storage_dtype(recipe, source)
     ev = recipe.eval

@@ -132,6 +132,11 @@ class Stage:
     """Layerwise stages that only collect input statistics (GPTQ's Hessians): with
     `calibration.dtype: auto` their layer replays run in the storage dtype (calibration.replay_dtype)."""
 
+    calibrate_all_experts: bool = False
+    """Layerwise stages on mixture-of-experts models: `compress_layer` runs with every expert on
+    every calibration token, the layer's output still routed (compress/moe.py `all_experts`);
+    gptq and awq set it from their `calibrate_all_experts` option (default true)."""
+
     runs_before_quantization: bool = False
     """The stage reshapes or retrains the weights (prune, distill): the recipe must put it before
     every stage without this flag."""

@@ -1,21 +1,30 @@
 """Which modules a stage touches, by compressed-tensors' `targets` / `ignore` rules (the matching
 itself is the artifact's: runtime/artifact/targets.py), the refusal of an entry that matches
-nothing, and of targets that mean weights no stage can quantize (stacked expert tensors)."""
+nothing, and of targets that mean weights no stage can quantize (stacked expert tensors of an
+architecture compress/moe.py does not convert to per-expert Linears). Mixture-of-experts routers
+are never selected (compress/moe.py `dense_modules`)."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from slimserve.compress.errors import RecipeError
+from slimserve.compress.moe import dense_modules
 from slimserve.runtime.artifact.targets import matches
+from slimserve.runtime.loading.moe_experts import MOE_LAYOUTS
 
 
 def select_linears(model: nn.Module, targets: list[str], ignore: list[str]) -> dict[str, nn.Linear]:
-    """Linear modules matched by `targets` and not by `ignore`, in model order."""
+    """Linear modules matched by `targets` and not by `ignore`, in model order; never a
+    mixture-of-experts router or shared-expert gate, which stay in full precision."""
+    dense = dense_modules(model)
     return {
         name: m
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and matches(name, m, targets) and not matches(name, m, ignore)
+        if isinstance(m, nn.Linear)
+        and name not in dense
+        and matches(name, m, targets)
+        and not matches(name, m, ignore)
     }
 
 
@@ -61,9 +70,15 @@ def check_reach(model: nn.Module, targets: list[str], ignore: list[str], stage: 
         for name, weights in left[:3]
     )
     more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in MOE_LAYOUTS:
+        raise RecipeError(
+            f"stages.{stage}: {shown}{more} still hold stacked expert weights; convert the model "
+            "to per-expert Linears first (compress/moe.py prepare_model, which run_recipe calls)"
+        )
     raise RecipeError(
         f"stages.{stage}: its targets cover {len(left)} module(s) of stacked expert weights that "
-        f"it cannot quantize and would leave in full precision: {shown}{more}; "
-        "mixture-of-experts layers are not supported yet (to keep them unquantized on purpose, "
-        "add e.g. 're:.*experts$' to the stage's ignore)"
+        f"it cannot quantize and would leave in full precision: {shown}{more}; experts are "
+        f"quantized per expert for {', '.join(sorted(MOE_LAYOUTS))}, not for {model_type!r} "
+        "(to keep them unquantized on purpose, add e.g. 're:.*experts$' to the stage's ignore)"
     )

@@ -43,6 +43,7 @@ from slimserve.compress.export.io import (
 )
 from slimserve.compress.export.shards import all_quantized, layer_by_layer_weights
 from slimserve.compress.layer_store import LayerStore
+from slimserve.compress.moe import dense_modules
 from slimserve.runtime.artifact import awq_format, gptq_format
 from slimserve.runtime.artifact.compressed_tensors import SUPPORTED_FORMATS
 from slimserve.runtime.artifact.qweight import QuantizedWeight
@@ -189,7 +190,8 @@ def _check_modules(
             f"expect; add {head!r} to the stage's ignore list or export 'compressed-tensors'"
         )
     unquantized = [n for n in linear_classes(model) if n not in quantized]
-    stray = [n for n in unquantized if n != head]
+    dense = dense_modules(model)  # routers: every loader keeps them dense (compress/moe.py)
+    stray = [n for n in unquantized if n != head and n not in dense]
     if fmt == GPTQ and stray:
         raise SchemeError(
             f"{stray[0]} is not quantized, but gptq loaders quantize every Linear of the decoder "

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from slimserve.compress.moe import dense_modules
 from slimserve.runtime.artifact.compressed_tensors import (
     kv_cache_scheme,
     kv_tensors,
@@ -257,8 +258,16 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
 
 
 def linear_classes(model: torch.nn.Module) -> dict[str, str]:
-    """Name -> class name of every nn.Linear (or subclass) in the model, in model order."""
-    return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    """Name -> class name of every nn.Linear (or subclass) in the model, in model order; the
+    mixture-of-experts routers (a [E, H] weight in a router module) count as plain `Linear`, so
+    the formats list them with the other unquantized Linears (the compressed-tensors `ignore`)
+    and every loader, vLLM's included, keeps them dense."""
+    dense = dense_modules(model)
+    return {
+        n: "Linear" if n in dense else type(m).__name__
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) or n in dense
+    }
 
 
 def _write_config(model: torch.nn.Module, folder: Path, quant_config: dict | None) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -23,6 +24,7 @@ from pydantic import Field
 from torch import nn
 
 from slimserve.compress.mappings import mapping_for
+from slimserve.compress.moe import expert_tokens, starved_notes
 from slimserve.compress.quant.gptq import accumulate_hessian, gptq_shared, output_loss
 from slimserve.compress.quant.primitives import quantize_weight
 from slimserve.compress.quant.stages import WeightQuantOptions, write_quantized
@@ -44,6 +46,9 @@ class GptqOptions(WeightQuantOptions):
     # Column order: 'static' = descending diag(H) with the original groups (no g_idx on disk);
     # 'group' = groups formed in that order (g_idx on disk); null = natural order.
     actorder: Literal["static", "group"] | None = "static"
+    # Mixture-of-experts models: every expert's Hessian sees every calibration token while the
+    # layer's output still follows the router (compress/moe.py); false: routed tokens only.
+    calibrate_all_experts: bool = True
 
     def resolve_scheme(self) -> QuantScheme:
         """The preset with overrides; the default act-order applies to group strategies only."""
@@ -71,6 +76,7 @@ class GptqStage(Stage):
     def __init__(self, options: GptqOptions):
         self.options = options
         self.scheme = options.resolve_scheme()
+        self.calibrate_all_experts = options.calibrate_all_experts
         w = self.scheme.weights
         self.report = StageReport(
             self.name,
@@ -85,8 +91,10 @@ class GptqStage(Stage):
                 },
                 "block_size": options.block_size,
                 "dampening_frac": options.dampening_frac,
+                "calibrate_all_experts": options.calibrate_all_experts,
             },
         )
+        self._tokens: dict[str, int] = {}  # module -> calibration tokens its H saw
         self._targets: dict[str, nn.Linear] = {}  # targeted Linears, model order
         self._outside: list[str] = []  # targeted Linears outside the decoder layers (RTN)
         self._losses: dict[str, dict[str, float]] = {}  # module -> gptq_loss, rtn_loss, damp
@@ -114,6 +122,7 @@ class GptqStage(Stage):
             keep = _KeptInputs(finisher) if group == [finisher] else None
             for readers, h, count in _collect_hessians(ctx, group, keep):
                 names = [f"{ctx.prefix}.{rel}" for rel in readers]
+                self._tokens.update(dict.fromkeys(names, count))
                 if count == 0:
                     self._notes += [
                         f"{n} received no calibration tokens; its H is 0, so GPTQ = RTN"
@@ -171,6 +180,12 @@ class GptqStage(Stage):
             f"over every ceil(rows / {RTN_LOSS_ROWS})-th row"
         )
         d["fallbacks"] = self._fallbacks
+        per_expert = expert_tokens(self._tokens)
+        if per_expert:
+            d["expert_tokens"] = per_expert
+            for note in starved_notes(per_expert, self.name, self.calibrate_all_experts):
+                warnings.warn(f"gptq: {note}", RuntimeWarning, stacklevel=2)
+                self._notes.append(note)
         d["notes"] = self._notes
         self.report.seconds = time.perf_counter() - self._t0
         return self.report
@@ -208,8 +223,8 @@ def _collect_hessians(
     also kept there, for `_finish_outputs`.
     """
     owner = {rel: rel for rel in rels}
-    for m in ctx.mapping.smooth:
-        readers = [rel for rel in m.linears if rel in owner]
+    for linears in [m.linears for m in ctx.mapping.smooth] + list(ctx.mapping.shared_input):
+        readers = [rel for rel in linears if rel in owner]
         for rel in readers:
             owner[rel] = readers[0]
     hessians: dict[str, torch.Tensor] = {}

@@ -46,6 +46,7 @@ from slimserve.runtime.loading.lazy_weights import (
     empty_model,
     state_names,
 )
+from slimserve.runtime.loading.moe_experts import unfuse_experts
 
 SUPPORTED_QUANT_METHODS = (QUANT_METHOD, *IMPORTERS)  # gptq/awq are converted to CT on load
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "name" or "org/name"
@@ -189,6 +190,7 @@ def load_skeleton(
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     model = empty_model(config, dtype, trust_remote_code)
+    unfuse_experts(model)  # checkpoints hold one Linear per expert (runtime/loading/moe_experts.py)
     names = state_names(model)
     missing = sorted(k for k in names if k not in checkpoint)
     if missing:
@@ -282,6 +284,7 @@ def _load_ct(
             config, dtype=dtype or config.dtype, trust_remote_code=trust_remote_code
         )
     model.tie_weights()  # no_init_weights also skips the tying that init_weights does
+    unfuse_experts(model)  # artifacts hold one Linear per expert (runtime/loading/moe_experts.py)
     qc, tensors = import_checkpoint(qc, read_safetensors(path), path)  # gptq/awq -> CT buffers
     replace_linears(model, qc)
     kv_scales = pop_kv_scales(model, qc, tensors, path)

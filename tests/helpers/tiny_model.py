@@ -66,9 +66,10 @@ def save_tiny_llama(out: Path) -> Path:
 
 
 def save_tiny_moe(out: Path, model_type: str) -> Path:
-    """Write a tiny random mixture-of-experts model of `model_type` (qwen3_moe or mixtral: 2
-    layers, hidden 64, 4 experts, top-2, bf16) with the tiny tokenizer to `out`. transformers 5
-    holds each layer's experts as stacked 3-D tensors (`mlp.experts.gate_up_proj` [E, 2I, H])."""
+    """Write a tiny random mixture-of-experts model of `model_type` (qwen3_moe, qwen2_moe with
+    its shared expert, mixtral or olmoe: 2 layers, hidden 64, 4 experts, top-2, bf16) with the
+    tiny tokenizer to `out`. transformers 5 holds each layer's experts as stacked 3-D tensors
+    (`mlp.experts.gate_up_proj` [E, 2I, H]); `save_pretrained` writes them per expert."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from slimserve.runtime.corpus import read_texts
@@ -76,7 +77,13 @@ def save_tiny_moe(out: Path, model_type: str) -> Path:
     tok = tiny_tokenizer(read_texts("validation")[:6])
     experts = {
         "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16},
+        "qwen2_moe": {
+            "num_experts": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
         "mixtral": {"num_local_experts": 4},
+        "olmoe": {"num_experts": 4},
     }[model_type]
     cfg = AutoConfig.for_model(
         model_type,
