@@ -32,7 +32,13 @@ class KernelOps:
     kernels/reference_attention.py), plus the
     step's attention: `plan_attention(batch, block_size)` once per step, then per layer
     `attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale)` with k/v
-    the keys and values just written to the cache."""
+    the keys and values just written to the cache.
+
+    A sliding window is planned (`plan_attention(batch, block_size, window=W)`, one plan per
+    window a model's layers use) and a soft cap on the scores passed per call
+    (`attention(..., softcap=c)`): the torch and CPU tables take both; the Triton table takes
+    neither and refuses them (a model that needs them routes its attention to the torch twin on
+    CUDA: `twin_attention`)."""
 
     triton: bool
     rms_norm: Callable
@@ -44,15 +50,19 @@ class KernelOps:
     attention: Callable
 
 
-def _torch_plan(batch: BatchInputs, block_size: int) -> reference_attention.AttentionPlan:
+def _torch_plan(
+    batch: BatchInputs, block_size: int, window: int | None = None
+) -> reference_attention.AttentionPlan:
     return reference_attention.plan_attention(
-        batch.cu_seqlens_q, batch.context_lens, batch.block_tables, block_size
+        batch.cu_seqlens_q, batch.context_lens, batch.block_tables, block_size, window
     )
 
 
-def _torch_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
+def _torch_attention(
+    q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale, softcap=None
+):
     return reference_attention.paged_attention(
-        q, key_cache, value_cache, plan, scale, k_scale, v_scale, key=k, value=v
+        q, key_cache, value_cache, plan, scale, k_scale, v_scale, key=k, value=v, softcap=softcap
     )
 
 
@@ -76,22 +86,26 @@ class CpuPlan:
 
     decodes: int
     rest: reference_attention.AttentionPlan | None  # of the sequences after the decodes
+    window: int | None = None  # the sliding window of both parts (None: full attention)
 
 
-def _cpu_plan(batch: BatchInputs, block_size: int) -> CpuPlan:
+def _cpu_plan(batch: BatchInputs, block_size: int, window: int | None = None) -> CpuPlan:
     nd = batch.num_decodes
     if nd == batch.block_tables.shape[0]:
-        return CpuPlan(nd, None)
+        return CpuPlan(nd, None, window)
     cu = batch.cu_seqlens_q[nd:]
     return CpuPlan(
         nd,
         reference_attention.plan_attention(
-            cu - cu[0], batch.context_lens[nd:], batch.block_tables[nd:], block_size
+            cu - cu[0], batch.context_lens[nd:], batch.block_tables[nd:], block_size, window
         ),
+        window,
     )
 
 
-def _cpu_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
+def _cpu_attention(
+    q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale, softcap=None
+):
     # the runner makes CPU caches the kernel reads (`supports`; model_runner `_kv_dtype`)
     nd = plan.decodes
     decoded = cpu_attention.paged_attention_decode(
@@ -103,11 +117,22 @@ def _cpu_attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale,
         scale,
         k_scale,
         v_scale,
+        window=plan.window,
+        softcap=softcap,
     )
     if plan.rest is None:
         return decoded
     rest = reference_attention.paged_attention(
-        q[nd:], key_cache, value_cache, plan.rest, scale, k_scale, v_scale, key=k[nd:], value=v[nd:]
+        q[nd:],
+        key_cache,
+        value_cache,
+        plan.rest,
+        scale,
+        k_scale,
+        v_scale,
+        key=k[nd:],
+        value=v[nd:],
+        softcap=softcap,
     )
     return torch.cat([decoded, rest]) if nd else rest
 
@@ -140,7 +165,22 @@ def triton_ops() -> KernelOps:
             max_context_len=batch.max_context_len,
         )
 
-    def attention(q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale):
+    def plan(batch, block_size, window=None):
+        if window is not None:
+            raise ValueError(
+                "the Triton attention kernels take no sliding window; attend through the torch "
+                "twin (runtime/layers/ops.py twin_attention)"
+            )
+        return None
+
+    def attention(
+        q, k, v, key_cache, value_cache, batch, plan, scale, k_scale, v_scale, softcap=None
+    ):
+        if softcap is not None:
+            raise ValueError(
+                "the Triton attention kernels take no soft cap; attend through the torch twin "
+                "(runtime/layers/ops.py twin_attention)"
+            )
         if batch.decode_only:
             return decode(q, key_cache, value_cache, batch, q.shape[0], scale, k_scale, v_scale)
         nd = batch.num_decodes  # the leading one-token sequences: tokens 0..nd-1
@@ -169,9 +209,20 @@ def triton_ops() -> KernelOps:
         silu_and_mul=activation.silu_and_mul,
         rope_and_write_kv=rope_kv_cache.rope_and_write_kv,
         write_kv_cache=kv_cache.write_kv_cache,
-        plan_attention=lambda batch, block_size: None,
+        plan_attention=plan,
         attention=attention,
     )
+
+
+def twin_attention(kops: KernelOps) -> KernelOps:
+    """`kops` with the torch twin's attention (planned on the host each step) in place of the
+    Triton kernels', for models whose layers need a sliding window or a soft cap on the scores,
+    which the Triton kernels do not take; every other op stays. The twin's plan reads the batch
+    on the host, so such a model also runs without CUDA graphs (`CUDA_GRAPHS = False` on the
+    model, runtime/worker/model_runner.py `_use_cuda_graphs`)."""
+    if not kops.triton:
+        return kops
+    return dataclasses.replace(kops, plan_attention=_torch_plan, attention=_torch_attention)
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # the Triton kernels' activation dtypes

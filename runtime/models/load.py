@@ -33,8 +33,9 @@ from slimserve.runtime.loading.loader import (
     read_safetensors,
     replace_linears,
 )
+from slimserve.runtime.models.arch import model_class, model_spec
 from slimserve.runtime.models.fuse import fuse_projections
-from slimserve.runtime.models.llama import CausalLM, ModelSpec, model_spec
+from slimserve.runtime.models.llama import CausalLM, ModelSpec
 
 
 @dataclass
@@ -75,6 +76,8 @@ def reset_runtime_buffers(model: CausalLM) -> None:
     """Non-persistent buffers (RoPE frequencies, KV scales = 1) after `to_empty`. Both stay
     fp32 through `model.to(dtype)` (llama.Fp32Buffers), so the frequencies are copied exactly."""
     model.inv_freq.copy_(torch.tensor(model.spec.inv_freq, dtype=torch.float32))
+    if hasattr(model, "reset_rope_buffers"):  # Gemma 3's local, Phi-3's long frequencies
+        model.reset_rope_buffers()
     for layer in model.model.layers:
         layer.self_attn.k_scale.fill_(1.0)
         layer.self_attn.v_scale.fill_(1.0)
@@ -115,7 +118,7 @@ def build_model(
     qc = read_quant_config(path)
     tensors = read_safetensors(path) if shard is None else None
     with torch.device("meta"):
-        model = CausalLM(spec if shard is None else shard.local_spec(spec))
+        model = model_class(spec)(spec if shard is None else shard.local_spec(spec))
     if shard is not None:  # may drop the modules the shard does not hold (pipeline stages)
         tensors = shard.read(path, model)
     if qc:
@@ -208,7 +211,7 @@ def random_model(
     """A randomly initialized dense CausalLM (benchmarks of model shapes we cannot download)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = CausalLM(spec).to(dtype)
+        model = model_class(spec)(spec).to(dtype)
     for m in model.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)

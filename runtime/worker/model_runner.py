@@ -173,6 +173,8 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv(self.num_blocks)  # this stage's layers
         self.max_model_len = self._max_model_len()
+        if hasattr(self.model, "set_max_model_len"):  # Phi-3's LongRoPE factor set
+            self.model.set_max_model_len(self.max_model_len)
         clock.lap("kv_cache")
         if self.group is None or self.group.rank == 0:
             log.info("%s", self.capacity_line())
@@ -341,6 +343,8 @@ class ModelRunner:
         if asked is False or self.device.type != "cuda" or self.group is not None:
             return False
         if self.spec.moe is not None:  # MoE blocks size their expert GEMMs on the host each step
+            return False
+        if not getattr(self.model, "CUDA_GRAPHS", True):  # e.g. attention planned on the host
             return False
         return asked is True or self._triton_on()
 

@@ -54,7 +54,11 @@ def test_twin_applies_the_window_and_the_cap(q_lens, starts, window, softcap):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     if window is not None or softcap is not None:  # the window and the cap change the result
         plain = ra.paged_attention(
-            q, kc, vc, ra.plan_attention(batch.cu_seqlens_q, batch.context_lens, batch.block_tables, 8), 0.3
+            q,
+            kc,
+            vc,
+            ra.plan_attention(batch.cu_seqlens_q, batch.context_lens, batch.block_tables, 8),
+            0.3,
         )
         assert (plain - got).abs().max() > 1e-2
 
