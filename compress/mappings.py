@@ -66,6 +66,45 @@ _LLAMA = ArchMapping(
     ),
 )
 
+# Gemma 2 / Gemma 3 text: four norms per layer; pre_feedforward_layernorm feeds gate/up. The
+# norms compute x * (1 + w), so dividing their weight by a scale (compress/quant/smoothing.py
+# `apply_smooth_scale`) does not divide their output: no norm -> Linear smoothing mapping, only
+# the exact Linear -> Linear ones (v -> o; up -> down: act(gate) * up is linear in up). q/k/v
+# and gate/up still share one Hessian each (`shared_input`). The layer ends in
+# post_feedforward_layernorm(down_proj(...)), not residual + down_proj: no `mlp_residual`.
+_GEMMA = ArchMapping(
+    layers="model.layers",
+    sequential=_LLAMA.sequential,
+    smooth=(
+        SmoothMapping("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+        SmoothMapping("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    ),
+    mlp_residual=None,
+    shared_input=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("mlp.gate_proj", "mlp.up_proj"),
+    ),
+)
+
+# Phi-3: q/k/v and gate/up are one Linear each on disk (qkv_proj, gate_up_proj). The norms are
+# Llama's, so input_layernorm -> qkv_proj and post_attention_layernorm -> gate_up_proj are exact;
+# v -> o and up -> down are left out: v's and up's rows share one Linear with q/k and gate, whose
+# outputs a scale on that Linear's rows would change too. No separate k/v projection: the
+# kv_cache stage refuses it (compress/quant/kv_cache.py `check_kv_architecture`).
+_PHI3 = ArchMapping(
+    layers="model.layers",
+    sequential=(
+        ("self_attn.qkv_proj",),
+        ("self_attn.o_proj",),
+        ("mlp.gate_up_proj",),
+        ("mlp.down_proj",),
+    ),
+    smooth=(
+        SmoothMapping("input_layernorm", ("self_attn.qkv_proj",), "self_attn"),
+        SmoothMapping("post_attention_layernorm", ("mlp.gate_up_proj",), "mlp"),
+    ),
+)
+
 # Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (q/k norms after the projections) share one
 # layout: the per-head norms of Qwen3 act on projection outputs, so input-side scaling is exact.
 ARCHITECTURES: dict[str, ArchMapping] = {
@@ -73,6 +112,9 @@ ARCHITECTURES: dict[str, ArchMapping] = {
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": _LLAMA,
+    "gemma2": _GEMMA,
+    "gemma3_text": _GEMMA,
+    "phi3": _PHI3,
 }
 
 

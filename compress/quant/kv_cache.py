@@ -163,6 +163,7 @@ class KvCacheStage(Stage):
         )
 
     def preflight(self, config):
+        check_kv_architecture(config)
         if self.online and self.options.skip_sensitive:
             raise RecipeError(
                 f"stages.kv_cache: skip_sensitive scores layers for fp8 on calibration windows; "
@@ -440,6 +441,25 @@ def observe_kv_absmax(ctx, attn: nn.Module) -> tuple[float, float]:
         for h in handles:
             h.remove()
     return absmax["k"], absmax["v"]
+
+
+def check_kv_architecture(config) -> None:
+    """RecipeError for a model whose K/V this stage cannot observe or attend exactly: Phi-3's
+    keys and values come out of one fused qkv_proj (no k_proj / v_proj output to read,
+    compress/mappings.py), and soft-capped attention scores (Gemma 2) are not computed by the
+    fp8 / int KV attention that the stage evaluates through (runtime/loading/hf_fp8kv.py: it
+    calls transformers' sdpa, which takes no cap)."""
+    mt = getattr(config, "model_type", None)
+    if mt == "phi3":
+        raise RecipeError(
+            "stages.kv_cache: phi3 computes K and V in one fused qkv_proj, which the stage "
+            "does not split yet; leave the stage out for this model"
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise RecipeError(
+            f"stages.kv_cache: {mt} soft-caps its attention scores, which the stage's quantized "
+            "KV attention does not apply; leave the stage out for this model"
+        )
 
 
 def _round_to(x: float, dtype: torch.dtype) -> float:
