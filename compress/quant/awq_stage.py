@@ -30,6 +30,7 @@ loops choose (tests/compress/test_awq_vectorised.py).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,7 @@ from torch import nn
 
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.mappings import SmoothMapping, decoder_layers, mapping_for
+from slimserve.compress.moe import dense_modules, expert_tokens, starved_notes
 from slimserve.compress.quant.awq import awq_clip_search, awq_search_scale, fake_quantize
 from slimserve.compress.quant.smoothing import (
     apply_smooth_scale,
@@ -74,6 +76,9 @@ class AwqOptions(BaseModel):
     quantized_inputs: bool = True  # next layer searched on this layer's fake-quantized outputs
     clip_in_search: bool = True  # score each scale candidate with its clip search applied first
     ignore: list[str] = []  # modules never rescaled or clipped (a mapping touching one is skipped)
+    # Mixture-of-experts models: every expert's statistics see every calibration token while the
+    # layer's output still follows the router (compress/moe.py); false: routed tokens only.
+    calibrate_all_experts: bool = True
 
     @model_validator(mode="after")
     def _check_scheme(self):
@@ -98,10 +103,12 @@ class AwqStage(Stage):
     def __init__(self, options: AwqOptions):
         self.options = options
         self.scheme = options.resolve_scheme()
+        self.calibrate_all_experts = options.calibrate_all_experts
         self.report = StageReport(
             self.name,
             details={
                 "scheme": describe_scheme(self.scheme),
+                "calibrate_all_experts": options.calibrate_all_experts,
                 "n_grid": options.n_grid,
                 "duo_scaling": options.duo_scaling,
                 "clip": options.clip,
@@ -115,14 +122,15 @@ class AwqStage(Stage):
         )
         self._t0 = 0.0
         self._restore: list[tuple[nn.Linear, torch.Tensor]] = []  # (Linear, its unquantized weight)
+        self._tokens: dict[str, int] = {}  # module -> calibration tokens its scale search saw
 
     def grouped_linears(self, model: nn.Module) -> dict[str, nn.Linear]:
         """Every Linear of the decoder layers: the searches quantize them all with the scheme."""
-        prefix = mapping_for(model).layers + "."
+        prefix, dense = mapping_for(model).layers + ".", dense_modules(model)
         return {
             n: m
             for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and n.startswith(prefix)
+            if isinstance(m, nn.Linear) and n.startswith(prefix) and n not in dense
         }
 
     def prepare(self, state: CompressionState) -> None:
@@ -147,6 +155,13 @@ class AwqStage(Stage):
 
     def finalize(self, state: CompressionState) -> StageReport:
         self._restore_weights()
+        per_expert = expert_tokens(self._tokens)
+        if per_expert:
+            self.report.details["expert_tokens"] = per_expert
+            notes = starved_notes(per_expert, self.name, self.calibrate_all_experts)
+            for note in notes:
+                warnings.warn(f"awq: {note}", RuntimeWarning, stacklevel=2)
+            self.report.details["notes"] = notes
         self.report.seconds = time.perf_counter() - self._t0
         return self.report
 
@@ -179,6 +194,10 @@ class AwqStage(Stage):
         finally:
             for h in handles:
                 h.remove()
+        self._tokens.update(dict.fromkeys((f"{ctx.prefix}.{r}" for r in m.linears), absmean.count))
+        if absmean.count == 0:  # an expert the router sent no calibration token
+            self.report.details["skipped"][m.prev] = "no calibration tokens reached it"
+            return
         orig = [lin.weight.detach().clone() for lin in lins]
         args, sdt = self.scheme.weights, ctx.state.storage_dtype
         x_clip = torch.cat(samples)[: self.options.clip_tokens] if samples else None  # [T, K]
@@ -234,9 +253,12 @@ class AwqStage(Stage):
     def _fake_quantize_layer(self, ctx: LayerContext) -> None:
         """Quantize this layer's Linears in place until the next compress_layer/finalize restores them."""
         args, sdt = self.scheme.weights, ctx.state.storage_dtype
+        dense = _dense_rels(ctx)
         for rel, lin in ctx.layer.named_modules():
-            if isinstance(lin, nn.Linear) and not matches(
-                f"{ctx.prefix}.{rel}", lin, self.options.ignore
+            if (
+                isinstance(lin, nn.Linear)
+                and rel not in dense
+                and not matches(f"{ctx.prefix}.{rel}", lin, self.options.ignore)
             ):
                 self._restore.append((lin, lin.weight.detach().to("cpu", copy=True)))
                 lin.weight.copy_(fake_quantize(lin.weight, args, sdt).to(lin.weight.dtype))
@@ -249,10 +271,12 @@ class AwqStage(Stage):
 
     @torch.no_grad()
     def _clip_layer(self, ctx: LayerContext) -> None:
+        dense = _dense_rels(ctx)
         targets = {
             rel: lin
             for rel, lin in ctx.layer.named_modules()
             if isinstance(lin, nn.Linear)
+            and rel not in dense
             and not _no_clip(rel)
             and not matches(f"{ctx.prefix}.{rel}", lin, self.options.ignore)
         }
@@ -269,6 +293,8 @@ class AwqStage(Stage):
                 h.remove()
         args = self.scheme.weights
         for rel, lin in targets.items():
+            if not samples[rel]:  # an expert the router sent no calibration token: not clipped
+                continue
             x = torch.cat(samples[rel])[:n_tok]
             w = lin.weight
             max_val = awq_clip_search(
@@ -376,6 +402,13 @@ def _sampler(out: list[torch.Tensor], step: int):
         out.append(x.reshape(-1, x.shape[-1])[::step])
 
     return hook
+
+
+def _dense_rels(ctx: LayerContext) -> set[str]:
+    """This layer's mixture-of-experts routers and shared-expert gates, relative names: they stay
+    in full precision, so they are neither clipped nor fake-quantized (compress/moe.py)."""
+    head = ctx.prefix + "."
+    return {n[len(head) :] for n in dense_modules(ctx.state.model) if n.startswith(head)}
 
 
 def _no_clip(rel: str) -> bool:

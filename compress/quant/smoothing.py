@@ -73,6 +73,11 @@ def skip_reason(
 ) -> str | None:
     """Why mapping `m` of this layer cannot or must not be scaled, or None to scale it."""
     for rel in (m.prev, *m.linears):
+        try:
+            ctx.module(rel)
+        except AttributeError:  # a dense layer's MLP mapping in a sparse layer, or the reverse
+            return f"{rel} is not in this layer"
+    for rel in (m.prev, *m.linears):
         if matches(f"{ctx.prefix}.{rel}", ctx.module(rel), ignore):
             return f"{rel} matches ignore"
     prev, first = ctx.module(m.prev), ctx.module(m.linears[0])

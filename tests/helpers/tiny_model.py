@@ -65,25 +65,26 @@ def save_tiny_llama(out: Path) -> Path:
     return out
 
 
-def save_tiny_moe(out: Path, model_type: str) -> Path:
+def save_tiny_moe(out: Path, model_type: str, experts: int = 4, top_k: int = 2) -> Path:
     """Write a tiny random mixture-of-experts model of `model_type` (qwen3_moe, qwen2_moe with
-    its shared expert, mixtral or olmoe: 2 layers, hidden 64, 4 experts, top-2, bf16) with the
-    tiny tokenizer to `out`. transformers 5 holds each layer's experts as stacked 3-D tensors
+    its shared expert, mixtral or olmoe: 2 layers, hidden 64, by default 4 experts and top-2, bf16) with the
+    tiny tokenizer to `out` (`experts` and `top_k` change the expert count and the experts each
+    token is routed to). transformers 5 holds each layer's experts as stacked 3-D tensors
     (`mlp.experts.gate_up_proj` [E, 2I, H]); `save_pretrained` writes them per expert."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from slimserve.runtime.corpus import read_texts
 
     tok = tiny_tokenizer(read_texts("validation")[:6])
-    experts = {
-        "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 32, "head_dim": 16},
+    moe = {
+        "qwen3_moe": {"num_experts": experts, "moe_intermediate_size": 32, "head_dim": 16},
         "qwen2_moe": {
-            "num_experts": 4,
+            "num_experts": experts,
             "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 48,
+            "shared_expert_intermediate_size": 96,
         },
-        "mixtral": {"num_local_experts": 4},
-        "olmoe": {"num_experts": 4},
+        "mixtral": {"num_local_experts": experts},
+        "olmoe": {"num_experts": experts},
     }[model_type]
     cfg = AutoConfig.for_model(
         model_type,
@@ -93,11 +94,11 @@ def save_tiny_moe(out: Path, model_type: str) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        num_experts_per_tok=2,
+        num_experts_per_tok=top_k,
         max_position_embeddings=256,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id,
-        **experts,
+        **moe,
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out)
