@@ -2,16 +2,17 @@
 
 transformers 5 stores a mixture-of-experts layer's experts as stacked 3-D tensors in one module
 (`mlp.experts.gate_up_proj` [E, 2I, H]), not as nn.Linears, so a Linear selection never sees
-them: before compress/targets.py `check_reach`, `rtn` on Qwen3-MoE or Mixtral quantized the
-attention alone, exported the experts in bf16 and passed its gate. Now each quantization stage
-refuses, naming the expert modules, unless `ignore` lists them on purpose."""
+them. For Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE the pipeline converts them to one Linear per
+expert (compress/moe.py; tests/compress/test_moe.py); stacked experts that remain (another
+architecture, or a model that skipped the conversion) are refused by compress/targets.py
+`check_reach`, naming the expert modules, unless `ignore` lists them on purpose."""
 
 import pytest
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from slimserve.compress.errors import RecipeError, UnsupportedModelError
+from slimserve.compress.errors import RecipeError
 from slimserve.compress.pipeline import run_recipe
 from slimserve.compress.recipe import parse_recipe
 from slimserve.compress.targets import check_reach, stacked_weights
@@ -66,36 +67,31 @@ def test_the_rule_on_a_module_tree():
     check_reach(model, ["Linear"], ["re:.*experts$"], "rtn")  # kept unquantized on purpose
 
 
-def test_rtn_refuses_to_leave_the_experts_in_bf16(tmp_path, moe_checkpoint):
+class _Config:
+    def __init__(self, model_type):
+        self.model_type = model_type
+
+
+def test_the_message_says_which_architectures_are_converted():
+    model = nn.Sequential(_Layer())
+    model.config = _Config("gpt_oss")
     with pytest.raises(RecipeError) as e:
-        _run(tmp_path, moe_checkpoint, "rtn: {scheme: W4A16, group_size: 32}")
+        check_reach(model, ["Linear"], [], "rtn")
     msg = str(e.value)
-    assert "model.layers.0.mlp.experts (gate_up_proj [4, " in msg and "\n" not in msg
-    assert "model.layers.1.mlp.experts" in msg and "not supported yet" in msg
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out.failed").exists()
+    assert "quantized per expert for mixtral, olmoe, qwen2_moe, qwen3_moe, not for 'gpt_oss'" in msg
+    model.config = _Config("mixtral")  # a supported one whose experts were not converted
+    with pytest.raises(RecipeError, match="convert the model to per-expert Linears first"):
+        check_reach(model, ["Linear"], [], "rtn")
 
 
 def test_experts_ignored_on_purpose_stay_bf16(tmp_path, moe_checkpoint):
-    """Asked for, the run goes on: the attention is packed, the experts are the bf16 tensors."""
-    stage = "rtn: {scheme: W4A16, group_size: 32, ignore: [lm_head, 're:.*experts$']}"
+    """Asked for, the experts are left alone: the attention is packed, each expert's Linears
+    are the bf16 tensors under their checkpoint names."""
+    stage = "rtn: {scheme: W4A16, group_size: 32, ignore: [lm_head, 're:.*\\.experts\\..*']}"
     art = _run(tmp_path, moe_checkpoint, stage).artifact
     with safe_open(str(art / "model.safetensors"), "pt") as f:
         dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys() if ".layers.0." in k}
     assert dtypes["model.layers.0.self_attn.q_proj.weight_packed"] == "I32"
     experts = {k: v for k, v in dtypes.items() if ".experts." in k}
-    assert experts and set(experts.values()) == {"BF16"}, dtypes
-
-
-@pytest.mark.parametrize(
-    "stage",
-    [
-        "gptq: {scheme: W4A16, group_size: 32}",
-        "awq: {scheme: W4A16, group_size: 32}",
-        "smoothquant: {alpha: 0.5}",
-    ],
-)
-def test_calibrated_stages_refuse_too(tmp_path, moe_checkpoint, stage):
-    # gptq: stacked experts named; awq / smoothquant: the architecture refused by name
-    with pytest.raises((RecipeError, UnsupportedModelError), match="experts|not supported"):
-        _run(tmp_path, moe_checkpoint, stage)
-    assert not (tmp_path / "out").exists()
+    assert len(experts) == 4 * 3 and set(experts.values()) == {"BF16"}, dtypes
+    assert all(k.endswith(".weight") for k in experts)
