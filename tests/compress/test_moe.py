@@ -217,3 +217,26 @@ def test_smoothquant_keeps_the_function(tmp_path, checkpoints):
     assert s["final"]["ppl"] == pytest.approx(s["baseline"]["ppl"], rel=1e-4)
     prevs = {m["prev"] for m in s["stages"][0]["details"]["mappings"]}
     assert prevs == {"input_layernorm"}
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq", "awq"])
+def test_our_loader_reads_the_artifact_in_every_format(tmp_path, checkpoints, fmt):
+    """runtime/loading/loader.py builds the per-expert model too: the reported perplexity, exactly."""
+    from slimserve.runtime.loading.loader import load_model
+
+    text = (
+        RECIPE.format(
+            model=checkpoints("mixtral"),
+            out=tmp_path / "out",
+            stage="rtn: {scheme: W4A16_ASYM, group_size: 32}",
+            samples=2,
+            cal_len=32,
+        )
+        + f"export: {{format: {fmt}}}\n"
+    )
+    res = run_recipe(parse_recipe(text, tmp_path / "r.yaml"), log=lambda m: None, progress=False)
+    loaded = load_model(res.artifact, dtype=torch.float32)
+    assert loaded.quantized
+    ids = load_token_documents("stdlib", loaded.tokenizer)
+    ppl = evaluate_perplexity(loaded.model, ids, SEQ, WINDOWS, 8, progress=False).ppl
+    assert ppl == pytest.approx(res.summary["final"]["ppl"], rel=1e-6)
