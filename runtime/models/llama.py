@@ -323,6 +323,8 @@ class CausalLM(Fp32Buffers):
             "inv_freq", torch.tensor(spec.inv_freq, dtype=torch.float32), persistent=False
         )
         self._kops: tuple[torch.device, KernelOps] | None = None  # (device, its ops), first forward
+        if spec.moe is not None:  # MoE blocks size their expert GEMMs on the host each step
+            self.CUDA_GRAPHS = False
 
     def kernel_ops(self, device: torch.device) -> KernelOps:
         """The ops for `device` and the model's compute dtype, resolved from SLIMSERVE_KERNELS

@@ -22,12 +22,11 @@ import torch
 from torch import nn
 
 from slimserve.runtime.layers.ops import KernelOps
+from slimserve.runtime.loading.moe_experts import MOE_LAYOUTS
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-
-# (gate, up, down) Linear names inside one expert
-_QWEN_NAMES = ("gate_proj", "up_proj", "down_proj")
-_MIXTRAL_NAMES = ("w1", "w3", "w2")
+# the checkpoint names (sparse block, each expert's gate/up/down) are the compress side's too
+MOE_MODEL_TYPES = tuple(MOE_LAYOUTS)
+_QWEN_NAMES = MOE_LAYOUTS["qwen3_moe"].proj  # the shared expert's Linears
 
 
 @dataclass(frozen=True)
@@ -48,24 +47,18 @@ class MoeSpec:
 def moe_spec(config, num_layers: int) -> MoeSpec | None:
     """MoeSpec of a transformers config, or None for a dense model type."""
     mt = getattr(config, "model_type", None)
-    if mt not in MOE_MODEL_TYPES:
+    layout = MOE_LAYOUTS.get(mt)
+    if layout is None:
         return None
-    if mt == "mixtral":
-        experts, renorm, fp32, block, names = (
-            config.num_local_experts,
-            True,
-            True,
-            "block_sparse_moe",
-            _MIXTRAL_NAMES,
-        )
+    block, names = layout.disk_block, layout.proj
+    if mt == "mixtral":  # always renormalized, weights applied in fp32
+        experts, renorm, fp32 = config.num_local_experts, True, True
         inter = config.intermediate_size
     else:
-        experts, renorm, fp32, block, names = (
+        experts, renorm, fp32 = (
             config.num_experts,
             bool(getattr(config, "norm_topk_prob", False)),
             False,
-            "mlp",
-            _QWEN_NAMES,
         )
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     sparse = [True] * num_layers

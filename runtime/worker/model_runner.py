@@ -342,8 +342,6 @@ class ModelRunner:
         asked = self.config.cuda_graphs
         if asked is False or self.device.type != "cuda" or self.group is not None:
             return False
-        if self.spec.moe is not None:  # MoE blocks size their expert GEMMs on the host each step
-            return False
         if not getattr(self.model, "CUDA_GRAPHS", True):  # e.g. attention planned on the host
             return False
         return asked is True or self._triton_on()

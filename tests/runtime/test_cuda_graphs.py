@@ -117,11 +117,12 @@ def test_cuda_graphs_default_on_only_where_they_can_serve():
 
     import pytest
 
-    def use(asked, device="cuda", group=None, triton=True) -> bool:
+    def use(asked, device="cuda", group=None, triton=True, graphs_ok=True) -> bool:
         runner = SimpleNamespace(
             config=SimpleNamespace(cuda_graphs=asked),
             device=torch.device(device),
             group=group,
+            model=SimpleNamespace(CUDA_GRAPHS=graphs_ok),
             _triton_on=lambda: triton,
         )
         return ModelRunner._use_cuda_graphs(runner)
@@ -130,6 +131,8 @@ def test_cuda_graphs_default_on_only_where_they_can_serve():
     assert not use(None, triton=False) and use(True, triton=False)  # fp32: twins, unless asked
     assert not use(None, device="cpu") and not use(True, device="cpu")
     assert not use(None, group=object())  # a tensor-parallel rank
+    # a model that plans on the host (MoE blocks, windowed/soft-capped attention): never
+    assert not use(None, graphs_ok=False) and not use(True, graphs_ok=False)
     assert EngineConfig.__dataclass_fields__["cuda_graphs"].default is None
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(model="m", tensor_parallel_size=2, cuda_graphs=True)
