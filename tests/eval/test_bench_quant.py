@@ -19,8 +19,10 @@ from slimserve.eval.bench_quant import (
     Workload,
     add_ratios,
     configs,
+    expert_note,
     format_table,
     missing_stages,
+    moe_configs,
     recipe_dict,
     recipe_yaml,
     workload,
@@ -46,7 +48,8 @@ def test_workloads_match_the_brief():
 
 def test_every_scheme_has_an_rtn_reference_and_every_row_is_unique():
     keys = [(c.scheme, c.method) for c in CONFIGS]
-    assert len(keys) == len(set(keys)) and len(ROW_KEYS) == len(set(ROW_KEYS)) == len(CONFIGS)
+    assert len(keys) == len(set(keys)) and len(ROW_KEYS) == len(set(ROW_KEYS))
+    assert ROW_KEYS == tuple(c.key for c in CONFIGS + moe_configs(128))
     rtn_schemes = {c.scheme for c in CONFIGS if c.method == "rtn"}
     assert {c.scheme for c in CONFIGS} == rtn_schemes
     assert {c.peer_bits for c in CONFIGS if c.method == PEER_METHOD} == {4, 3}
@@ -55,7 +58,7 @@ def test_every_scheme_has_an_rtn_reference_and_every_row_is_unique():
 
 def test_group_size_reaches_every_grouped_stage():
     g64 = configs(64)
-    assert [c.key for c in g64] == list(ROW_KEYS)
+    assert [c.key for c in g64 + moe_configs(64)] == list(ROW_KEYS)
     grouped = [opts for c in g64 for s in c.stages for opts in s.values() if "group_size" in opts]
     assert grouped and all(o["group_size"] == 64 for o in grouped)
     assert {c.scheme for c in g64} == {"W4A16 g64", "W3A16 g64", "W8A8"}
@@ -288,6 +291,8 @@ from slimserve.eval import bench_quant  # noqa: E402
 from slimserve.eval.bench_quant import (  # noqa: E402
     SANITY_METHOD,
     BenchError,
+    input_widths,
+    main,
     parse_args,
     peer_command,
     peer_dtype,
@@ -682,3 +687,45 @@ def test_run_config_reads_a_failed_gates_report(tmp_path, monkeypatch):
         555.8,
         8176,
     )
+
+
+def test_moe_rows_calibrate_on_routed_tokens_and_report_thin_experts():
+    rows = {c.key: c for c in moe_configs(128)}
+    assert set(rows) == {"gptq-routed", "awq-routed"}
+    gptq = next(c for c in CONFIGS if c.key == "gptq")
+    routed = rows["gptq-routed"]
+    assert routed.scheme == gptq.scheme  # "x RTN" compares it with the same rtn row
+    assert routed.stages[0]["gptq"] == {**gptq.stages[0]["gptq"], "calibrate_all_experts": False}
+    assert rows["awq-routed"].stages[0]["awq"]["calibrate_all_experts"] is False
+    assert "calibrate_all_experts" not in str(gptq.stages)  # the default rows keep the default
+    report = {
+        "stages": [
+            {"name": "gptq", "details": {"expert_tokens": {"l0.e0": 40, "l0.e1": 3, "l0.e2": 0}}},
+            {"name": "rtn", "details": {}},
+        ]
+    }
+    assert expert_note(report) == "gptq: fewest tokens an expert saw 0, 2 of 3 experts under 16"
+    assert expert_note({"stages": [{"name": "rtn", "details": {}}]}) == ""
+
+
+def test_moe_group_size_uses_the_expert_width_and_moe_rows_need_experts(capsys):
+    moe = {
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 512,  # unused when every layer is sparse
+        "moe_intermediate_size": 192,
+        "num_experts": 8,
+    }
+    assert input_widths(moe) == {256, 192} and pick_group_size(moe) == 64
+    assert 512 in input_widths({**moe, "mlp_only_layers": [0]})
+    assert input_widths({**moe, "num_experts": 0}) == {256, 512}
+    mixtral = {
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "intermediate_size": 384,
+        "num_local_experts": 4,
+    }
+    assert input_widths(mixtral) == {256, 384}
+    assert main(["--model", "demo", "--methods", "gptq-routed"]) == 2
+    assert "--methods gptq-routed: rows for mixture-of-experts models" in capsys.readouterr().err
