@@ -9,6 +9,11 @@ multiple, absolute sizes must already be one. The hidden size is also a multiple
 query heads kept, which transformers 5's LlamaConfig requires even with an explicit head_dim.
 Attention keeps grouped-query attention intact: `num_attention_heads` stays a multiple of
 `num_key_value_heads`, with the same number of query heads in every KV group.
+
+Mixture-of-experts models (`MoeDims`) add two: whole experts per sparse layer (`experts`: a
+fraction removed, or `num_experts` kept; never fewer than the router's top-k) and each expert's
+FFN channels (`expert_mlp`: a fraction removed, or `moe_intermediate_size` kept, a multiple of
+`multiple_of`). Every sparse layer keeps the same expert count and width, since a config holds one.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from slimserve.compress.errors import RecipeError
+from slimserve.runtime.models.moe import moe_spec
 
 KEY = "prune"  # prefix of the recipe keys named in error messages
 
@@ -66,7 +72,64 @@ class Targets:
     hidden_size: int | None = None  # hidden channels kept
     num_layers: int | None = None  # decoder layers kept
     heads_mode: str = "query"  # 'query': query heads evenly per KV group; 'kv_groups': whole groups
-    multiple_of: int = 64  # channel sizes (mlp, hidden) are multiples of this
+    multiple_of: int = 64  # channel sizes (mlp, hidden, expert_mlp) are multiples of this
+    experts: float | None = None  # fraction of each sparse layer's experts removed, [0, 1)
+    num_experts: int | None = None  # experts kept per sparse layer
+    expert_mlp: float | None = None  # fraction of each expert's FFN channels removed, [0, 1)
+    moe_intermediate_size: int | None = None  # FFN channels kept per expert
+
+    @property
+    def touches_experts(self) -> bool:
+        return any(
+            v is not None
+            for v in (self.experts, self.num_experts, self.expert_mlp, self.moe_intermediate_size)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MoeDims:
+    """The sparse blocks of a mixture-of-experts model (every sparse layer alike)."""
+
+    model_type: str  # qwen3_moe, qwen2_moe, mixtral or olmoe (runtime/loading/moe_experts.py)
+    num_experts: int  # experts per sparse layer (config num_experts / num_local_experts)
+    top_k: int  # experts each token is routed to (num_experts_per_tok, never pruned)
+    intermediate_size: int  # FFN channels of one expert
+    sparse_layers: tuple[bool, ...]  # per decoder layer: a sparse block (True) or a dense MLP
+
+    @classmethod
+    def from_config(cls, config) -> MoeDims | None:
+        """None for a dense model."""
+        spec = moe_spec(config, config.num_hidden_layers)
+        if spec is None:
+            return None
+        return cls(
+            model_type=config.model_type,
+            num_experts=spec.num_experts,
+            top_k=spec.top_k,
+            intermediate_size=spec.intermediate_size,
+            sparse_layers=spec.sparse_layers,
+        )
+
+    @property
+    def width_key(self) -> str:
+        """The config field holding an expert's width: Mixtral and OLMoE have no dense MLP, so
+        their `intermediate_size` is the experts' width."""
+        return (
+            "intermediate_size"
+            if self.model_type in ("mixtral", "olmoe")
+            else ("moe_intermediate_size")
+        )
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return not all(self.sparse_layers)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.intermediate_size,
+        }
 
 
 def resolve_dims(dims: Dims, t: Targets) -> Dims:
@@ -253,3 +316,82 @@ def _resolve_layers(current: int, layers: float | int | None, size: int | None) 
             f"remove at most {current - 1}"
         )
     return current - removed
+
+
+def resolve_moe(dims: Dims, moe: MoeDims | None, t: Targets) -> MoeDims | None:
+    """The sparse blocks after pruning as `t` asks (None for a dense model); RecipeError (naming
+    the key) for an expert target on a dense model, a dense-MLP target on a model without dense
+    MLPs, head or hidden pruning where the architecture ties them to its norms, or impossible
+    sizes."""
+    if moe is None:
+        if t.touches_experts:
+            key = next(
+                k
+                for k in ("experts", "num_experts", "expert_mlp", "moe_intermediate_size")
+                if getattr(t, k) is not None
+            )
+            raise RecipeError(
+                f"{KEY}.{key}: the model has no experts (not a mixture of experts); use "
+                f"heads / mlp / hidden / layers"
+            )
+        return None
+    mt = moe.model_type
+    dense_mlp = t.mlp or (t.intermediate_size not in (None, dims.intermediate_size))
+    if dense_mlp and not moe.has_dense_layers:
+        key = "mlp" if t.mlp else "intermediate_size"
+        raise RecipeError(
+            f"{KEY}.{key}: every layer of this {mt} model is a mixture of experts (no dense "
+            f"MLP); prune the experts' channels with {KEY}.expert_mlp or "
+            f"{KEY}.moe_intermediate_size"
+        )
+    if mt == "olmoe":
+        heads = t.heads or t.num_attention_heads is not None or t.num_key_value_heads is not None
+        for key, asked in (("heads", heads), ("hidden", t.hidden or t.hidden_size is not None)):
+            if asked:
+                raise RecipeError(
+                    f"{KEY}.{key}: olmoe's q/k norms span every head and its head size is "
+                    f"hidden_size / num_attention_heads, so its heads and hidden channels are not "
+                    f"pruned; prune experts, expert_mlp or layers"
+                )
+    kept = _resolve_experts(moe, t.experts, t.num_experts)
+    width = _resolve_channels(
+        moe.intermediate_size,
+        t.expert_mlp,
+        t.moe_intermediate_size,
+        "expert_mlp",
+        "moe_intermediate_size",
+        t.multiple_of,
+    )
+    return replace(moe, num_experts=kept, intermediate_size=width)
+
+
+def _resolve_experts(moe: MoeDims, fraction: float | None, size: int | None) -> int:
+    """Experts kept per sparse layer: `size`, or num_experts * (1 - fraction) rounded."""
+    n, k = moe.num_experts, moe.top_k
+    if fraction is not None and size is not None:
+        raise _both("experts", "num_experts")
+    if size is not None:
+        if not 1 <= size <= n:
+            raise RecipeError(
+                f"{KEY}.num_experts={size} is not between 1 and the model's {n}; pruning "
+                f"only removes experts"
+            )
+        kept, asked = size, f"{KEY}.num_experts={size}"
+    elif fraction:
+        _check_fraction("experts", fraction)
+        kept, asked = round(n * (1.0 - fraction)), f"{KEY}.experts={fraction}"
+        if kept == n:
+            raise RecipeError(
+                f"{asked} removes no expert of {n}; use experts >= {0.5 / n:.3f} or "
+                f"num_experts: {n - 1}"
+            )
+    else:
+        if fraction is not None:
+            _check_fraction("experts", fraction)
+        return n
+    if kept < k:
+        raise RecipeError(
+            f"{asked} keeps {kept} of {n} experts, fewer than the {k} each token is routed "
+            f"to (num_experts_per_tok); keep at least {k} (experts <= {1 - k / n:.3f})"
+        )
+    return kept

@@ -9,6 +9,8 @@ Tensor layouts (HF Linear weights are [out_features, in_features]):
   q_proj [n_q * d, H]   k_proj / v_proj [n_kv * d, H]   o_proj [H, n_q * d]
   gate_proj / up_proj [F, H]   down_proj [H, F]   norms [H]   embed_tokens / lm_head [V, H]
 Query head h uses rows h*d:(h+1)*d of q_proj and reads KV head h // (n_q / n_kv).
+Mixture-of-experts blocks (experts, their channels, the router) are sliced by the rules of
+compress/prune/experts.py; the rebuilt model gets per-expert Linears (compress/moe.py) first.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ from torch import nn
 
 from slimserve.compress.errors import UnsupportedModelError
 from slimserve.compress.mappings import mapping_for
-from slimserve.compress.prune.sizes import Dims
+from slimserve.compress.moe import prepare_model
+from slimserve.compress.prune.experts import (
+    block_rule,
+    choose_experts,
+    expert_key,
+    resize_moe_config,
+)
+from slimserve.compress.prune.importance import ExpertScores
+from slimserve.compress.prune.sizes import Dims, MoeDims
 
 # Llama-family tensor names relative to a decoder layer -> (pruned row index, pruned column index).
 # 'q' = query-head rows/cols, 'kv' = KV-head rows, 'mlp' = MLP channels, 'h' = hidden channels.
@@ -59,7 +69,9 @@ class LayerPlan:
     source: int  # index of this layer in the model before pruning
     q_heads: tuple[int, ...]  # query heads kept (old indices, ascending, so grouped by KV head)
     kv_heads: tuple[int, ...]  # KV heads kept (old indices, ascending)
-    channels: tuple[int, ...]  # MLP channels kept (old indices, ascending)
+    channels: tuple[int, ...]  # MLP channels kept (old indices, ascending; dense layers)
+    experts: tuple[int, ...] | None = None  # experts kept (old indices, ascending); None: dense
+    expert_channels: tuple[tuple[int, ...], ...] | None = None  # per kept expert, channels kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +80,8 @@ class PrunePlan:
     after: Dims  # shape after pruning
     layers: tuple[LayerPlan, ...]  # one per kept layer, in order
     hidden: tuple[int, ...]  # hidden channels kept (old indices, ascending)
+    moe_before: MoeDims | None = None  # sparse blocks before pruning (None: a dense model)
+    moe_after: MoeDims | None = None  # and after
 
 
 def top_k(scores: torch.Tensor, k: int) -> tuple[int, ...]:
@@ -99,10 +113,16 @@ def make_plan(
     channel_scores: torch.Tensor,
     hidden_scores: torch.Tensor,
     layer_scores: torch.Tensor | None,
+    expert_scores: list[ExpertScores | None] | None = None,
+    moe_before: MoeDims | None = None,
+    moe_after: MoeDims | None = None,
+    expert_method: str = "weight",
 ) -> PrunePlan:
     """Keep the highest-scoring parts. Scores: heads [L, n_q], channels [L, F], hidden [H], layers [L].
 
-    `layer_scores` may be None only when no layer is removed.
+    `layer_scores` may be None only when no layer is removed. A mixture of experts also gives
+    `expert_scores` (per layer, None for a dense one) and its sparse shape before and after;
+    ranking experts needs measured routing (`ExpertScores.measured`) only when experts go.
     """
     if after.num_layers < before.num_layers:
         assert layer_scores is not None, "removing layers needs layer scores"
@@ -112,8 +132,26 @@ def make_plan(
     plans = []
     for i in kept_layers:
         q, kv = choose_heads(head_scores[i], before, after)
-        plans.append(LayerPlan(i, q, kv, top_k(channel_scores[i], after.intermediate_size)))
-    return PrunePlan(before, after, tuple(plans), top_k(hidden_scores, after.hidden_size))
+        ch = top_k(channel_scores[i], after.intermediate_size)
+        sc = expert_scores[i] if expert_scores is not None else None
+        if sc is None:
+            plans.append(LayerPlan(i, q, kv, ch))
+            continue
+        if moe_after.num_experts < moe_before.num_experts:
+            experts = choose_experts(sc, moe_after.num_experts, expert_method)
+        else:
+            experts = tuple(range(moe_before.num_experts))
+        width = moe_after.intermediate_size
+        per_expert = tuple(top_k(sc.channels[e], width) for e in experts)
+        plans.append(LayerPlan(i, q, kv, ch, experts, per_expert))
+    return PrunePlan(
+        before,
+        after,
+        tuple(plans),
+        top_k(hidden_scores, after.hidden_size),
+        moe_before,
+        moe_after,
+    )
 
 
 def _rows_of_heads(heads: tuple[int, ...], head_dim: int) -> torch.Tensor:
@@ -145,6 +183,7 @@ def slice_state_dict(
     out: dict[str, torch.Tensor] = {}
     by_source = {lp.source: (new, lp) for new, lp in enumerate(plan.layers)}
     prefix = layers_path + "."
+    model_type = plan.moe_before.model_type if plan.moe_before is not None else None
     for key, t in state.items():
         if not key.startswith(prefix):
             if key not in OUTER_TENSORS:
@@ -155,10 +194,12 @@ def slice_state_dict(
             out[key] = _slice(t, OUTER_TENSORS[key], {"h": hidden})
             continue
         old, _, rel = key[len(prefix) :].partition(".")
-        if rel not in LAYER_TENSORS:
+        moe = block_rule(rel, model_type) if rel not in LAYER_TENSORS else None
+        if rel not in LAYER_TENSORS and moe is None:
             raise UnsupportedModelError(
-                f"{key}: pruning does not know this tensor's layout; "
-                "structured pruning supports Llama-family decoders only"
+                f"{key}: pruning does not know this tensor's layout; structured pruning "
+                "supports Llama-family decoders and the mixtures of experts of "
+                "runtime/loading/moe_experts.py only"
             )
         if int(old) not in by_source:
             continue  # a removed layer
@@ -169,13 +210,30 @@ def slice_state_dict(
             "kv": _rows_of_heads(lp.kv_heads, d),
             "mlp": torch.tensor(lp.channels, dtype=torch.long),
         }
-        out[f"{prefix}{new}.{rel}"] = _slice(t, LAYER_TENSORS[rel], index)
+        if moe is None:
+            out[f"{prefix}{new}.{rel}"] = _slice(t, LAYER_TENSORS[rel], index)
+            continue
+        index["experts"] = torch.tensor(lp.experts, dtype=torch.long)
+        if moe.expert is not None:
+            if moe.expert not in lp.experts:
+                continue  # a removed expert
+            pos = lp.experts.index(moe.expert)
+            index["ech"] = torch.tensor(lp.expert_channels[pos], dtype=torch.long)
+            rel = expert_key(model_type, pos, moe.rest)
+        out[f"{prefix}{new}.{rel}"] = _slice(t, moe.rule, index)
     return out
 
 
-def resize_config(config, dims: Dims, kept_layers: Sequence[int]):
+def resize_config(
+    config,
+    dims: Dims,
+    kept_layers: Sequence[int],
+    moe_before: MoeDims | None = None,
+    moe_after: MoeDims | None = None,
+):
     """A copy of `config` at shape `dims` keeping layers `kept_layers` (old indices, for per-layer
-    fields such as layer_types); head_dim is always written explicitly."""
+    fields such as layer_types) with sparse blocks of shape `moe_after`; head_dim is always
+    written explicitly."""
     cfg = copy.deepcopy(config)
     cfg.hidden_size, cfg.intermediate_size = dims.hidden_size, dims.intermediate_size
     cfg.num_attention_heads, cfg.num_key_value_heads = (
@@ -186,12 +244,15 @@ def resize_config(config, dims: Dims, kept_layers: Sequence[int]):
     types = getattr(cfg, "layer_types", None)
     if types is not None:  # per-layer attention types (sliding/full) follow their layers
         cfg.layer_types = [types[i] for i in kept_layers]
+    if moe_after is not None:
+        resize_moe_config(cfg, moe_before, moe_after, kept_layers)
     return cfg
 
 
 def pruned_config(config, plan: PrunePlan):
     """The config of the model `plan` produces."""
-    return resize_config(config, plan.after, [lp.source for lp in plan.layers])
+    kept = [lp.source for lp in plan.layers]
+    return resize_config(config, plan.after, kept, plan.moe_before, plan.moe_after)
 
 
 def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
@@ -207,6 +268,7 @@ def apply_plan(model: nn.Module, plan: PrunePlan) -> nn.Module:
     param = next(model.parameters())
     with no_init_weights():  # every tensor is loaded below; skip the random init
         new = type(model)._from_config(cfg, dtype=param.dtype)
+    prepare_model(new)  # stacked experts -> per-expert Linears, the names `state` has
     new.tie_weights()
     missing, unexpected = new.load_state_dict(state, strict=False)
     tied = set(getattr(new, "all_tied_weights_keys", None) or {})
