@@ -5,6 +5,11 @@ own heads / intermediate columns from the full hidden state. What needs communic
 
 - `RowParallel` (o_proj, down_proj): the rank's partial product, summed over the ranks with one
   all-reduce (the bias is held by rank 0 alone, runtime/distributed/sharding.py);
+- `FullWidthQKNorm` (OLMoE's q/k norms over the whole projection, heads x head_dim): each rank
+  holds its heads' part of q and k and of the norms' weights; the per-token sums of squares of
+  both parts go through one all-reduce of [T, 2] fp32, then each rank normalizes its part by
+  the whole width's mean square (where kv < N replicates a KV head, only the first rank holding
+  it adds its k part);
 - `ReducedBlock` (a mixture-of-experts block): every rank routes the same tokens with the full
   router and runs its slice of every chosen expert (and of the shared expert); the weighted sum
   of partial products is the partial of the weighted sum, so one all-reduce finishes the block;
@@ -14,7 +19,10 @@ own heads / intermediate columns from the full hidden state. What needs communic
   vocabulary rows are gathered on rank 0 (the sampler's), which concatenates them and drops the
   padding; the other ranks return their own part, which nobody reads.
 
-So a decoder layer costs two all-reduces of [T, hidden] and a step one more, plus one gather.
+So a decoder layer costs two all-reduces of [T, hidden] (OLMoE one more of [T, 2]) and a step
+one more, plus one gather. Everything else in a layer (Gemma's sliding windows and soft caps,
+Phi-3's partial rotary dims and LongRoPE, per-head norms) is per head or per element and needs
+no communication; the final logit cap (Gemma) applies to the gathered logits.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 from torch import nn
 
 from slimserve.runtime.distributed.group import TPGroup
+from slimserve.runtime.distributed.sharding import ShardRanges
 from slimserve.runtime.models.moe import SparseMoeBlock
 
 
@@ -33,6 +42,30 @@ class RowParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.inner(x))
+
+
+class FullWidthQKNorm(nn.Module):
+    """RMSNorm of q and k over the whole projection from this rank's part of each: the norms'
+    rounding is kernels/reference.py `rms_norm`'s (normalize in fp32, round, then multiply by
+    the weight in the activations' dtype); only the order of the sums of squares differs."""
+
+    def __init__(self, group: TPGroup, q_width: int, k_width: int, adds_k: bool):
+        super().__init__()
+        self.group, self.q_width, self.k_width, self.adds_k = group, q_width, k_width, adds_k
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module):
+        qf, kf = q.float(), k.float()
+        k_sq = kf.pow(2).sum(-1)
+        sums = torch.stack([qf.pow(2).sum(-1), k_sq if self.adds_k else torch.zeros_like(k_sq)], -1)
+        self.group.all_reduce(sums)
+        out = []
+        for xf, x, s, width, norm in (
+            (qf, q, sums[:, :1], self.q_width, q_norm),
+            (kf, k, sums[:, 1:], self.k_width, k_norm),
+        ):
+            normed = xf * torch.rsqrt(s / width + norm.eps)
+            out.append(norm.weight.to(x.dtype) * normed.to(x.dtype))
+        return out[0], out[1]
 
 
 class ReducedBlock(nn.Module):
@@ -69,15 +102,27 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-def parallelize(model: nn.Module, group: TPGroup, vocab: tuple[int, int], vocab_size: int) -> None:
-    """Wrap a loaded rank's model in place; `vocab` is its [start, stop) of the vocabulary."""
+def parallelize(model: nn.Module, group: TPGroup, ranges: ShardRanges) -> None:
+    """Wrap a loaded rank's model in place; `ranges`: what this rank holds of the full model."""
+    spec = ranges.spec
     for layer in model.model.layers:
-        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
+        attn = layer.self_attn
+        attn.o_proj = RowParallel(attn.o_proj, group)
+        if attn.qk_norm_full:
+            attn.full_norm = FullWidthQKNorm(
+                group,
+                spec.num_heads * spec.head_dim,
+                spec.num_kv_heads * spec.head_dim,
+                ranges.holds_kv_first(),
+            )
         if isinstance(layer.ffn, SparseMoeBlock):
             setattr(layer, layer.ffn_name, ReducedBlock(layer.ffn, group))
         else:
             layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
     if model.model.embed_tokens is not None:  # None: a pipeline stage without it
-        model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, *vocab, group)
+        start, stop, _ = ranges.vocab()
+        model.model.embed_tokens = VocabParallelEmbedding(
+            model.model.embed_tokens, start, stop, group
+        )
     if model.lm_head is not None:
-        model.lm_head = VocabParallelHead(model.lm_head, vocab_size, group)
+        model.lm_head = VocabParallelHead(model.lm_head, spec.vocab_size, group)

@@ -55,5 +55,4 @@ class TensorShard:
                 )
 
     def parallelize(self, model: nn.Module) -> None:
-        start, stop, _ = self._ranges.vocab()
-        parallelize(model, self.group, (start, stop), self._ranges.spec.vocab_size)
+        parallelize(model, self.group, self._ranges)

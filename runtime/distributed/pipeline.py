@@ -10,7 +10,8 @@ computes micro-batch 1: two micro-batches in flight. The last stage sends the lo
 micro-batch's sampled rows back to rank 0, which concatenates them in order.
 
 `StageShard` is what `build_model` (runtime/models/load.py) asks of a stage: its shapes (fewer
-layers), only its tensors (read with `safe_open`, layer indices renamed to local ones), and no
+layers, each with the sliding window of its index in the whole model: Gemma's alternate), only
+its tensors (read with `safe_open`, layer indices renamed to local ones), and no
 embedding / norm / lm_head where the stage does not own them.
 """
 
@@ -61,12 +62,15 @@ class StageShard:
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
         self.spec = spec
         self.layers = stage_layers(spec.num_layers, self.world)[self.rank]
+        held = slice(self.layers.start, self.layers.stop)
         local = dataclasses.replace(spec, num_layers=len(self.layers))
         if spec.moe is not None:  # which of this stage's layers are MoE blocks
-            sparse = spec.moe.sparse_layers[self.layers.start : self.layers.stop]
+            sparse = spec.moe.sparse_layers[held]
             local = dataclasses.replace(
                 local, moe=dataclasses.replace(spec.moe, sparse_layers=sparse)
             )
+        if spec.layer_windows:  # each layer keeps the window (and RoPE) of its global index
+            local = dataclasses.replace(local, layer_windows=spec.layer_windows[held])
         return local if self.tensor is None else self.tensor.local_spec(local)
 
     def _local_name(self, name: str) -> str | None:
@@ -144,18 +148,9 @@ def split_batch(batch: BatchInputs, parts: int = MICRO_BATCHES) -> list[BatchInp
 
 
 def run_stage(model, batch: BatchInputs, kv_caches, x=None, residual=None):
-    """This stage's layers over `batch`; (hidden, residual), or the sampled rows' fp32 logits on
-    the last stage."""
-    kops = model.kernel_ops(batch.input_ids.device)
-    step = model.step_tables(batch, kv_caches, kops)
-    if model.model.embed_tokens is not None:
-        x, residual = model.model.embed_tokens(batch.input_ids), None
-    for layer, kv in zip(model.model.layers, kv_caches):
-        x, residual = layer(x, residual, step, batch, kv, kops)
-    if model.lm_head is None:
-        return x, residual
-    x, _ = model.model.norm(x, residual, kops)
-    return model.lm_head(x[batch.logits_indices]).float()
+    """This stage's layers over `batch` (`CausalLM.run`, runtime/models/llama.py); (hidden,
+    residual), or the sampled rows' fp32 logits on the last stage."""
+    return model.run(batch, kv_caches, x, residual)
 
 
 @torch.inference_mode()

@@ -7,11 +7,13 @@ Rank r of N holds (docs/architecture.md, "Tensor parallelism"):
 | `q_proj` | column (output rows) | query heads [r h/N, (r+1) h/N) |
 | `k_proj`, `v_proj` | column | KV heads [r kv/N, (r+1) kv/N); when kv < N, the one KV head its query heads read (replicated N/kv times) |
 | `gate_proj`, `up_proj` | column | intermediate rows [r I/N, (r+1) I/N) |
+| `qkv_proj`, `gate_up_proj` fused on disk (Phi-3) | column | each part's rows as above, read part by part and stacked: [q_r; k_r; v_r], [gate_r; up_r] |
+| full-width `q_norm`, `k_norm` (OLMoE: over heads x head_dim) | with q_proj, k_proj | the weights of the rank's heads; the sums of squares are all-reduced (runtime/distributed/layers.py) |
 | `o_proj`, `down_proj` | row (input columns) | the same heads / intermediate columns; rank 0 alone adds the bias |
 | each expert's `gate_proj`/`up_proj` (Mixtral `w1`/`w3`), `down_proj` (`w2`), the shared expert's | column, row | the expert's intermediate rows / columns [r I_e/N, (r+1) I_e/N): every rank holds every expert, a slice of each; one all-reduce per MoE block |
 | the router `gate`, `shared_expert_gate` | replicated | everything |
 | `embed_tokens`, `lm_head` | vocabulary rows | [r s, (r+1) s) with s = ceil(V/N), the last shard zero-padded |
-| norms, K/V scales | replicated | everything |
+| other norms (per head, per layer), K/V scales | replicated | everything |
 
 Quantized tensors are split on their own boundaries, in the file's layout: each dimension of a
 tensor is tagged as following the Linear's output (N) or input (K) dimension, and a rank takes
@@ -42,7 +44,6 @@ from slimserve.runtime.artifact.weights import weight_files
 from slimserve.runtime.errors import ArtifactError
 from slimserve.runtime.models.llama import ModelSpec
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
 # each dimension of a tensor follows the Linear's output (N) or input (K) features
 LAYOUTS = {
@@ -131,12 +132,6 @@ def check_tensor_parallel(spec: ModelSpec, world: int, qc: dict | None) -> None:
         _fail(f"{world} is not a size; give 1 or more")
     if world == 1:
         return
-    if spec.qk_norm_full:
-        _fail(
-            f"{world} ranks: {spec.model_type}'s q/k norms span every head of the projection, "
-            "which the head split does not gather yet; use tensor_parallel_size 1 "
-            "(pipeline_parallel_size splits it by layers)"
-        )
     h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     if h % world:
         _fail(f"{world} does not divide num_attention_heads {h}; use a divisor of {h}")
@@ -227,39 +222,66 @@ class ShardRanges:
         start = min(self.rank * s, self.spec.vocab_size)
         return start, min(start + s, self.spec.vocab_size), s
 
-    def module(self, leaf: str, module: str = "") -> tuple[str, tuple[int, int], int, int] | None:
-        """(split 'N' | 'K', its range, full N, full K) of a decoder Linear named `module`
-        (its last part `leaf`); None: replicated."""
-        sp, r, w = self.spec, self.rank, self.world
-        h, kv, d, hid, inter = (
-            sp.num_heads,
-            sp.num_kv_heads,
-            sp.head_dim,
-            sp.hidden_size,
-            sp.intermediate_size,
-        )
+    def module(
+        self, leaf: str, module: str = ""
+    ) -> tuple[str, tuple[tuple[int, int], ...], int, int] | None:
+        """(split 'N' | 'K', the ranges it holds along that dimension, full N, full K) of a
+        decoder Linear (or full-width q/k norm) named `module` (its last part `leaf`); None:
+        replicated. Several ranges: a Linear fused on disk, its parts' slices stacked."""
+        sp = self.spec
+        hid = sp.hidden_size
         if sp.moe is not None and ".experts." in module:
             inter = sp.moe.intermediate_size
             leaf = _EXPERT_LEAVES.get(leaf, leaf)
         elif sp.moe is not None and ".shared_expert." in module:
             inter = sp.moe.shared_intermediate_size
+        else:
+            inter = sp.intermediate_size
+        q, kv = self._heads()
+        if sp.qk_norm_full and leaf in ("q_norm", "k_norm"):
+            leaf = "q_proj" if leaf == "q_norm" else "k_proj"
         if leaf == "q_proj":
-            return "N", (r * h // w * d, (r + 1) * h // w * d), h * d, hid
+            return "N", (q,), sp.num_heads * sp.head_dim, hid
         if leaf in ("k_proj", "v_proj"):
-            if kv >= w:
-                return "N", (r * kv // w * d, (r + 1) * kv // w * d), kv * d, hid
-            j = r // (w // kv)  # the KV head this rank's query heads read
-            return "N", (j * d, (j + 1) * d), kv * d, hid
+            return "N", (kv,), sp.num_kv_heads * sp.head_dim, hid
+        if leaf == "qkv_proj":  # [q; k; v] rows (Phi-3)
+            nq, nkv = sp.num_heads * sp.head_dim, sp.num_kv_heads * sp.head_dim
+            parts = (q, _shift(kv, nq), _shift(kv, nq + nkv))
+            return "N", parts, nq + 2 * nkv, hid
+        mine = (self.rank * inter // self.world, (self.rank + 1) * inter // self.world)
         if leaf in ("gate_proj", "up_proj"):
-            return "N", (r * inter // w, (r + 1) * inter // w), inter, hid
+            return "N", (mine,), inter, hid
+        if leaf == "gate_up_proj" and ".experts." not in module:  # [gate; up] rows (Phi-3)
+            return "N", (mine, _shift(mine, inter)), 2 * inter, hid
         if leaf == "o_proj":
-            return "K", (r * h // w * d, (r + 1) * h // w * d), hid, h * d
+            return "K", (q,), hid, sp.num_heads * sp.head_dim
         if leaf == "down_proj":
-            return "K", (r * inter // w, (r + 1) * inter // w), hid, inter
+            return "K", (mine,), hid, inter
         if leaf == "lm_head":
             start, stop, _ = self.vocab()
-            return "N", (start, stop), sp.vocab_size, hid
+            return "N", ((start, stop),), sp.vocab_size, hid
         return None
+
+    def _heads(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The rows of q_proj and of k_proj / v_proj this rank holds: its query heads, and its
+        KV heads (when kv < N, the one KV head its query heads read, replicated N/kv times)."""
+        sp, r, w = self.spec, self.rank, self.world
+        h, kv, d = sp.num_heads, sp.num_kv_heads, sp.head_dim
+        q = (r * h // w * d, (r + 1) * h // w * d)
+        if kv >= w:
+            return q, (r * kv // w * d, (r + 1) * kv // w * d)
+        j = r // (w // kv)
+        return q, (j * d, (j + 1) * d)
+
+    def holds_kv_first(self) -> bool:
+        """Whether this rank is the first of the ranks holding its KV heads (all are, unless
+        kv < N replicates each KV head over N/kv ranks)."""
+        kv, w = self.spec.num_kv_heads, self.world
+        return kv >= w or self.rank % (w // kv) == 0
+
+
+def _shift(rng: tuple[int, int], by: int) -> tuple[int, int]:
+    return rng[0] + by, rng[1] + by
 
 
 # Mixtral's expert Linears, by the role they share with the dense names
@@ -354,26 +376,25 @@ class ShardReader:
         plan = rg.module(leaf, module)
         if plan is None or (kind not in LAYOUTS and kind != "weight_shape"):
             return sl[:]  # replicated (norms, K/V scales, unknown extras)
-        split, rng, n_full, k_full = plan
+        split, ranges, n_full, k_full = plan
         if kind == "bias" and split == "K":  # row-parallel: added once, after the all-reduce
             t = sl[:]
             return t if rg.rank == 0 else torch.zeros_like(t)
         if kind in G_IDX and split == "K":
             g, default = g_idx[module]
-            part = g[rng[0] : rng[1]].clone()
+            ((a, b),) = ranges  # a row-parallel Linear holds one range of its input
+            part = g[a:b].clone()
             if default and part.numel():  # rebased to the slice's own groups
                 part -= part[0].clone()
             return part
+        held = sum(b - a for a, b in ranges)
         if kind == "weight_shape":
             return torch.tensor(
-                [
-                    rng[1] - rng[0] if split == "N" else n_full,
-                    rng[1] - rng[0] if split == "K" else k_full,
-                ],
+                [held if split == "N" else n_full, held if split == "K" else k_full],
                 dtype=torch.int64,
             )
         tags = LAYOUTS[kind]
-        index = []
+        index, cut = [], None  # cut: the dimension split along, and its slice per range
         for dim, size in enumerate(shape):
             tag = tags[dim] if dim < len(tags) else "-"
             if (
@@ -383,5 +404,11 @@ class ShardReader:
             ):
                 index.append(slice(None))
             else:
-                index.append(_proportional(size, rng, n_full if split == "N" else k_full, name))
-        return sl[tuple(index)]
+                full = n_full if split == "N" else k_full
+                cut = dim, [_proportional(size, rng, full, name) for rng in ranges]
+                index.append(None)
+        if cut is None:
+            return sl[tuple(index)]
+        dim, pieces = cut
+        parts = [sl[tuple(p if i == dim else ix for i, ix in enumerate(index))] for p in pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)

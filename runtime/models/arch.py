@@ -11,9 +11,6 @@ from slimserve.runtime.models.gemma import GEMMA_MODEL_TYPES, GemmaCausalLM, Gem
 from slimserve.runtime.models.phi3 import PHI3_MODEL_TYPES, Phi3CausalLM, Phi3Spec, phi3_spec
 
 SUPPORTED_MODEL_TYPES = (*llama.SUPPORTED_MODEL_TYPES, *GEMMA_MODEL_TYPES, *PHI3_MODEL_TYPES)
-# served by one process only: their per-layer windows, fused qkv / gate_up rows and GeGLU norms
-# have no tensor- or pipeline-parallel split yet (runtime/worker/launch.py `check_sizes`)
-SINGLE_RANK_MODEL_TYPES = (*GEMMA_MODEL_TYPES, *PHI3_MODEL_TYPES)
 
 
 def model_spec(config) -> llama.ModelSpec:

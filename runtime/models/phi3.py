@@ -33,21 +33,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slimserve.kernels.reference_attention import rope_inplace, rope_tables
-from slimserve.runtime.batch import BatchInputs
+from slimserve.kernels.reference_attention import rope_tables
 from slimserve.runtime.errors import ArtifactError
-from slimserve.runtime.layers import ops
-from slimserve.runtime.layers.ops import KernelOps
 from slimserve.runtime.models.llama import (
     MLP,
     Attention,
     CausalLM,
     DecoderLayer,
-    Fp32Buffers,
     ModelSpec,
     RMSNorm,
-    StepTables,
     _rope_inv_freq,
+    shape_fields,
 )
 
 PHI3_MODEL_TYPES = ("phi3",)
@@ -55,15 +51,19 @@ PHI3_MODEL_TYPES = ("phi3",)
 
 @dataclass(frozen=True)
 class Phi3Spec(ModelSpec):
-    """ModelSpec plus Phi-3's RoPE and window (`sliding_window` stays None: the window is
-    attended, not a limit on the model's length); `inv_freq` holds the short factors' frequencies
-    under LongRoPE."""
+    """ModelSpec plus Phi-3's RoPE; its partial rotary dims (`rotary_dim`) and window (every
+    layer's, in `layer_windows`) are ModelSpec's fields (`sliding_window` stays None: the window
+    is attended, not a limit on the model's length); `inv_freq` holds the short factors'
+    frequencies under LongRoPE."""
 
-    rotary_dim: int = 0  # dims of each head that rotate (partial_rotary_factor); 0: head_dim
     long_inv_freq: tuple[float, ...] = ()  # LongRoPE's long factors' frequencies; empty: none
     rope_original_max: int = 0  # original_max_position_embeddings (LongRoPE's switch point)
     rope_attention_factor: float = 1.0  # cos and sin are multiplied by it (LongRoPE)
-    attn_window: int | None = None  # every layer's sliding window; None: full attention
+
+    @property
+    def attn_window(self) -> int | None:
+        """Every layer's sliding window; None: full attention."""
+        return self.layer_windows[0] if self.layer_windows else None
 
 
 def _longrope(params: dict, config, dim: int) -> tuple[tuple, tuple, int, float]:
@@ -93,8 +93,8 @@ def phi3_spec(config) -> Phi3Spec:
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ArtifactError(f"config.json: hidden_act {act!r} is not supported for phi3: silu")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shape = shape_fields(config)
+    head_dim = shape["head_dim"]
     params = dict(getattr(config, "rope_parameters", None) or {})
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     rotary = int(head_dim * (partial or 1.0))
@@ -113,16 +113,7 @@ def phi3_spec(config) -> Phi3Spec:
     if window is not None and not (isinstance(window, int) and window > 0):
         raise ArtifactError(f"config.json: sliding_window {window!r} must be a positive integer")
     return Phi3Spec(
-        model_type=config.model_type,
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.rms_norm_eps,
-        max_position_embeddings=config.max_position_embeddings,
+        **shape,
         qkv_bias=False,
         o_bias=False,
         mlp_bias=False,
@@ -130,135 +121,49 @@ def phi3_spec(config) -> Phi3Spec:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         sliding_window=None,
         inv_freq=inv,
+        layer_windows=() if window is None else (window,) * config.num_hidden_layers,
         rotary_dim=rotary,
         long_inv_freq=long,
         rope_original_max=orig,
         rope_attention_factor=attention,
-        attn_window=window,
     )
 
 
-class Phi3Attention(Attention):
-    """Llama's attention with the checkpoint's fused `qkv_proj` and partial rotary dims."""
-
-    def __init__(self, spec: Phi3Spec):
-        Fp32Buffers.__init__(self)  # not Attention's: its q/k/v are three Linears
-        h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.sizes = [h * d, kv * d, kv * d]
-        self.qkv_proj = nn.Linear(spec.hidden_size, sum(self.sizes), bias=False)
-        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
-        self.rotary_dim = spec.rotary_dim or d
-        self.scale = d**-0.5
-        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
-
-    def forward(self, x, step: StepTables, batch: BatchInputs, kv_cache, kops: KernelOps):
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        key_cache, value_cache = kv_cache
-        slots, ks, vs = batch.slot_mapping, self.k_scale, self.v_scale
-        if self.rotary_dim == self.head_dim:
-            kops.rope_and_write_kv(
-                q, k, v, step.cos, step.sin, key_cache, value_cache, slots, ks, vs
-            )
-        else:  # the first rotary_dim dims rotate (rotate_half within them), the rest pass
-            r = self.rotary_dim
-            rope_inplace(q[..., :r], step.cos, step.sin)
-            rope_inplace(k[..., :r], step.cos, step.sin)
-            kops.write_kv_cache(k, v, key_cache, value_cache, slots, ks, vs)
-        out = kops.attention(
-            q, k, v, key_cache, value_cache, batch, step.attention, self.scale, ks, vs
-        )
-        return self.o_proj(out.reshape(t, -1))
-
-
-class Phi3MLP(MLP):
-    """down(silu(gate) * up) with [gate; up] one Linear on disk (`MLP.forward`'s fused path)."""
-
-    def __init__(self, spec: Phi3Spec):
-        nn.Module.__init__(self)  # not MLP's: its gate and up are two Linears
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-
-
 class Phi3DecoderLayer(DecoderLayer):
+    """Llama's layer over the checkpoint's fused `qkv_proj` and `gate_up_proj`."""
+
     def __init__(self, spec: Phi3Spec, index: int = 0):
-        nn.Module.__init__(self)  # DecoderLayer's forward over Phi-3's attention and MLP
+        nn.Module.__init__(self)  # not DecoderLayer's: its q/k/v and gate/up are fused on disk
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Phi3Attention(spec)
+        self.self_attn = Attention(spec, index, fused_qkv=True)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.ffn_name = "mlp"
-        self.mlp = Phi3MLP(spec)
-
-
-class Phi3Backbone(nn.Module):
-    def __init__(self, spec: Phi3Spec):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Phi3DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec, fused=True)
 
 
 class Phi3CausalLM(CausalLM):
-    """CausalLM's forward over Phi-3 layers, with LongRoPE and the window in its step tables."""
+    """CausalLM over Phi-3 layers, with LongRoPE in its RoPE tables."""
 
     FP32_BUFFERS = ("inv_freq", "long_inv_freq")
+    LAYER = Phi3DecoderLayer
 
     def __init__(self, spec: Phi3Spec):
-        nn.Module.__init__(self)  # not CausalLM's: its layers are Llama's
-        self.spec = spec
-        self.model = Phi3Backbone(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        if spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        for name, freqs in (("inv_freq", spec.inv_freq), ("long_inv_freq", spec.long_inv_freq)):
-            self.register_buffer(
-                name, torch.tensor(freqs or spec.inv_freq, dtype=torch.float32), persistent=False
-            )
-        # the twin plans a window on the host: not captured into a CUDA graph
-        # (runtime/worker/model_runner.py `_use_cuda_graphs`)
-        self.CUDA_GRAPHS = spec.attn_window is None
+        super().__init__(spec)
         self.long_rope = False
         self.set_max_model_len(spec.max_position_embeddings)
-        self._kops = None
 
     def set_max_model_len(self, n: int) -> None:
         """LongRoPE: rotate with the long factors iff sequences may grow past the original
         length (the module docstring says why the choice is per model, not per sequence)."""
         self.long_rope = bool(self.spec.long_inv_freq) and n > self.spec.rope_original_max
 
-    def reset_rope_buffers(self) -> None:
-        """The long factors' frequencies after `to_empty` (runtime/models/load.py)."""
+    def rope_buffers(self) -> dict[str, tuple[float, ...]]:
         spec = self.spec
-        self.long_inv_freq.copy_(
-            torch.tensor(spec.long_inv_freq or spec.inv_freq, dtype=torch.float32)
-        )
+        return {"inv_freq": spec.inv_freq, "long_inv_freq": spec.long_inv_freq or spec.inv_freq}
 
-    def kernel_ops(self, device: torch.device) -> KernelOps:
-        cached = self._kops
-        if cached is None or cached[0] != device:
-            dtype = next((p.dtype for p in self.parameters() if p.dtype.is_floating_point), None)
-            kops = ops.select(device, dtype)
-            if self.spec.attn_window is not None:
-                kops = ops.twin_attention(kops)
-            cached = self._kops = (device, kops)
-        return cached[1]
-
-    def step_tables(self, batch: BatchInputs, kv_caches, kops: KernelOps) -> StepTables:
-        spec = self.spec
-        inv = self.long_inv_freq if self.long_rope else self.inv_freq
-        cos, sin = rope_tables(batch.positions, inv)
-        if spec.rope_attention_factor != 1.0:
-            cos, sin = cos * spec.rope_attention_factor, sin * spec.rope_attention_factor
-        plan = None
-        if kv_caches:
-            bs = kv_caches[0][0].shape[1]
-            w = spec.attn_window
-            plan = (
-                kops.plan_attention(batch, bs) if w is None else kops.plan_attention(batch, bs, w)
-            )
-        return StepTables(cos, sin, plan)
+    def rope(self, positions: torch.Tensor):
+        cos, sin = rope_tables(positions, self.long_inv_freq if self.long_rope else self.inv_freq)
+        f = self.spec.rope_attention_factor
+        if f != 1.0:
+            cos, sin = cos * f, sin * f
+        return (cos, sin), None

@@ -24,7 +24,7 @@ from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.devices import resolve_device
 from slimserve.runtime.distributed.pipeline import stage_layers
 from slimserve.runtime.distributed.sharding import check_tensor_parallel
-from slimserve.runtime.models.arch import SINGLE_RANK_MODEL_TYPES, model_spec
+from slimserve.runtime.models.arch import model_spec
 from slimserve.runtime.worker.model_runner import ModelRunner
 from slimserve.runtime.worker.ray_executor import make_executor
 
@@ -57,11 +57,6 @@ def check_sizes(config: EngineConfig, tp: int, pp: int) -> None:
 
     hf = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
     spec = model_spec(hf)
-    if tp * pp > 1 and spec.model_type in SINGLE_RANK_MODEL_TYPES:
-        raise ValueError(
-            f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}: {spec.model_type} is "
-            "served by one process only (no split of its layers yet); use sizes 1 and 1"
-        )
     check_tensor_parallel(spec, tp, read_quant_config(Path(config.model)))
     if pp > 1:
         stage_layers(spec.num_layers, pp)

@@ -121,3 +121,19 @@ def tiny_llama():
         head_dim=16,
     )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+def save_wide_random(path: Path, model_type: str, **config):
+    """A random fp32 transformers model of `model_type` built from `config`, its weights drawn
+    wide (std 0.15; 1-D ones, the norms' among them, std 0.3 so they are not all ones) so that
+    greedy margins are far above fp32 rounding; saved to `path`. Returns the model (eval)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(std=0.15 if p.dim() >= 2 else 0.3)
+    model.save_pretrained(path)
+    return model

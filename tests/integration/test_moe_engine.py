@@ -148,7 +148,8 @@ def test_moe_bf16_is_as_close_to_fp32_as_transformers_bf16(moe):
 def test_moe_tensor_and_pipeline_parallel_generate_the_tokens_of_one_process(moe):
     """TP=2 splits every expert's FFN (and the shared expert's) in halves, one all-reduce per
     block; PP=2 puts Qwen3-MoE's dense layer 1 and sparse layer 2 on different stages, and
-    OLMoE's (its q/k norms span all heads: TP refuses it) layers 0-1 and 2."""
+    OLMoE's layers 0-1 and 2 (its TP, q/k norms over every head: tests/integration/
+    test_tp_archs.py)."""
     mt, _, path = moe
     prompts = _prompts()
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -167,10 +168,6 @@ def test_moe_tensor_and_pipeline_parallel_generate_the_tokens_of_one_process(moe
 def test_moe_sizes_that_split_experts_unevenly_are_refused_in_one_line(moe):
     _, _, path = moe
     spec = build_model(path, torch.float32, torch.device("cpu"), verify="none").spec
-    if spec.qk_norm_full:
-        with pytest.raises(ValueError, match="olmoe's q/k norms span every head"):
-            check_tensor_parallel(spec, 2, None)
-        spec = dataclasses.replace(spec, qk_norm_full=False)
     check_tensor_parallel(spec, 2, None)  # 32 (Mixtral: 96) expert rows, 16 (48) per rank
     odd = dataclasses.replace(spec, moe=dataclasses.replace(spec.moe, intermediate_size=33))
     with pytest.raises(ValueError, match="2 does not divide the experts' intermediate size 33"):
