@@ -5,6 +5,11 @@ Module and parameter names equal transformers' (`model.layers.0.self_attn.q_proj
 artifacts' safetensors load strictly into it and targeted Linears are swapped for QuantLinear by
 the same rules as the compressed-tensors loader. The forward takes a flat, padding-free batch
 (`BatchInputs`) and the per-layer KV caches explicitly; no global context.
+
+Its Attention, MLP, DecoderLayer and CausalLM serve Gemma 2 / 3 and Phi-3 too
+(runtime/models/gemma.py, phi3.py): the spec carries their per-layer windows, soft caps, query
+scale and partial rotary dims, and the layers take Gemma's norm and GeGLU gate or Phi-3's fused
+projections as arguments.
 """
 
 from __future__ import annotations

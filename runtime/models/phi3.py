@@ -60,11 +60,6 @@ class Phi3Spec(ModelSpec):
     rope_original_max: int = 0  # original_max_position_embeddings (LongRoPE's switch point)
     rope_attention_factor: float = 1.0  # cos and sin are multiplied by it (LongRoPE)
 
-    @property
-    def attn_window(self) -> int | None:
-        """Every layer's sliding window; None: full attention."""
-        return self.layer_windows[0] if self.layer_windows else None
-
 
 def _longrope(params: dict, config, dim: int) -> tuple[tuple, tuple, int, float]:
     """(short, long inverse frequencies, original length, attention factor) as transformers'

@@ -153,7 +153,7 @@ def test_layers_load_under_checkpoint_names(arch):
         attn = model.model.layers[0].self_attn
         assert type(attn.qkv_proj) is torch.nn.Linear  # the checkpoint's own fused Linear
         assert spec.rotary_dim == (8 if key == "phi3-partial-window" else 16)
-        assert spec.attn_window == (8 if key == "phi3-partial-window" else None)
+        assert spec.layer_windows == ((8,) * 4 if key == "phi3-partial-window" else ())
         if key == "phi3":
             assert spec.rope_original_max == ORIGINAL and spec.rope_attention_factor > 1.0
 
