@@ -5,6 +5,12 @@ Each step samples `batch_size` random windows of `seq_len` tokens from the train
 takes one AdamW step on `distill_loss` with gradient clipping; the learning rate warms up
 linearly and then follows a cosine down to `min_lr_ratio * lr`. With `bf16` both forwards run
 under bf16 autocast (weights, optimizer state and the losses stay float32).
+
+Mixture-of-experts models (runtime/loading/moe_experts.py `MOE_LAYOUTS`) are called with
+`output_router_logits` set explicitly: off for the teacher, and on for the student only when the
+load-balancing term is weighted (`LossWeights.router_aux`), so a config trained with it on (e.g.
+the demo MoE, eval/demo_model.py) does not make every forward record router logits and compute
+an aux loss nobody reads.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from torch import nn
 
 from slimserve.compress.distill.losses import LossWeights, distill_loss
 from slimserve.compress.mappings import decoder_layers, mapping_for
+from slimserve.runtime.loading.moe_experts import moe_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +112,11 @@ def _checkpointing(model: nn.Module, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
+def router_kwargs(model: nn.Module, on: bool) -> dict:
+    """The forward's `output_router_logits` for a mixture of experts ({} for a dense model)."""
+    return {"output_router_logits": on} if moe_layout(model) is not None else {}
+
+
 def distill(
     student: nn.Module,
     teacher: nn.Module,
@@ -139,6 +151,12 @@ def distill(
         )
     if cfg.gradient_checkpointing:
         _checkpointing(student, True)
+    if weights.router_aux and moe_layout(student) is None:
+        raise ValueError(
+            "router_aux is weighted but the student is not a mixture of experts; set it to 0"
+        )
+    s_kwargs = router_kwargs(student, bool(weights.router_aux))
+    t_kwargs = router_kwargs(teacher, False)
     was_training = student.training
     student.train()
     teacher.eval()
@@ -150,9 +168,10 @@ def distill(
                 group["lr"] = lr
             ids = sample_windows(stream, cfg.batch_size, cfg.seq_len, gen).to(device)  # [B, T]
             with torch.no_grad(), _autocast(device, cfg.bf16):
-                t_logits = teacher(input_ids=ids, use_cache=False).logits  # [B, T, V]
+                t_logits = teacher(input_ids=ids, use_cache=False, **t_kwargs).logits
             with _autocast(device, cfg.bf16):
-                s_logits = student(input_ids=ids, use_cache=False).logits  # [B, T, V]
+                s_out = student(input_ids=ids, use_cache=False, **s_kwargs)
+            s_logits = s_out.logits  # [B, T, V]
             loss, parts = distill_loss(
                 s_logits,
                 t_logits,
@@ -161,6 +180,7 @@ def distill(
                 s_hooks.take(hidden.student_layers) if s_hooks else None,
                 t_hooks.take(hidden.teacher_layers) if t_hooks else None,
                 hidden.channels if hidden is not None else None,
+                getattr(s_out, "aux_loss", None),
             )
             opt.zero_grad(set_to_none=True)
             loss.backward()

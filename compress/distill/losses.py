@@ -5,6 +5,8 @@ kl_loss      T^2 * KL(teacher || student) of the token distributions at temperat
 ce_loss      next-token cross-entropy of the student on the data
 hidden_loss  MSE between student and teacher hidden states of mapped layers, relative to the
              teacher's mean square (so its weight does not depend on the residual stream's scale)
+router_aux   a mixture-of-experts student's own load-balancing loss (the architecture's
+             `aux_loss` over its router logits, the term it was trained with), weighted
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class LossWeights:
     ce: float = 0.0  # weight of the cross-entropy on the data
     hidden: float = 0.0  # weight of the hidden-state MSE
     temperature: float = 1.0  # softmax temperature of the KL term
+    router_aux: float = 0.0  # weight of a mixture-of-experts student's load-balancing loss
 
 
 def kl_loss(
@@ -76,8 +79,10 @@ def distill_loss(
     student_hidden: list[torch.Tensor] | None = None,
     teacher_hidden: list[torch.Tensor] | None = None,
     channels: torch.Tensor | None = None,
+    router_aux: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The weighted sum of the enabled terms and each term's value (for logs and reports)."""
+    """The weighted sum of the enabled terms and each term's value (for logs and reports);
+    `router_aux` is the student's load-balancing loss (needed when `weights.router_aux`)."""
     total = student_logits.new_zeros((), dtype=torch.float32)
     parts: dict[str, float] = {}
     if weights.kl:
@@ -92,5 +97,10 @@ def distill_loss(
         h = hidden_loss(student_hidden or [], teacher_hidden or [], channels)
         total = total + weights.hidden * h
         parts["hidden"] = h.item()
+    if weights.router_aux:
+        if router_aux is None:
+            raise ValueError("weights.router_aux is set but the student returned no aux_loss")
+        total = total + weights.router_aux * router_aux.float()
+        parts["router_aux"] = router_aux.item()
     parts["loss"] = total.item()
     return total, parts

@@ -22,6 +22,7 @@ from slimserve.compress.distill.losses import LossWeights
 from slimserve.compress.errors import RecipeError
 from slimserve.compress.progress import counting_bar
 from slimserve.compress.stage import CompressionState, Stage, StageReport
+from slimserve.runtime.loading.moe_experts import moe_layout
 
 CURVE_POINTS = 200  # loss-curve records kept in the report (evenly spaced steps)
 
@@ -48,6 +49,8 @@ class DistillOptions(BaseModel):
     ce_weight: float = Field(0.0, ge=0)  # weight of the data cross-entropy
     hidden_weight: float = Field(0.0, ge=0)  # weight of the hidden-state MSE on mapped layers
     hidden_layers: list[int] | None = None  # student layers matched by the hidden MSE; None: all
+    # weight of a mixture-of-experts student's own load-balancing (aux) loss; 0: KL/CE/MSE only
+    router_aux_weight: float = Field(0.0, ge=0)
     gradient_checkpointing: bool = False  # recompute activations in backward (saves memory)
     device: str = "auto"  # 'auto' (the recipe's device), 'cpu', 'cuda', 'cuda:1', ...
     # bf16 autocast of the forwards: 'auto' = on CUDA only; CPUs with AVX512-BF16/AMX gain too (docs/compressing.md)
@@ -79,7 +82,13 @@ class DistillOptions(BaseModel):
         )
 
     def loss_weights(self) -> LossWeights:
-        return LossWeights(self.kl_weight, self.ce_weight, self.hidden_weight, self.temperature)
+        return LossWeights(
+            self.kl_weight,
+            self.ce_weight,
+            self.hidden_weight,
+            self.temperature,
+            self.router_aux_weight,
+        )
 
 
 class DistillStage(Stage):
@@ -105,6 +114,11 @@ class DistillStage(Stage):
             raise RecipeError(
                 "stages: distill comes after a quantization stage, which it would undo; "
                 "distill first, then quantize"
+            )
+        if self.options.router_aux_weight and moe_layout(state.model) is None:
+            raise RecipeError(
+                f"distill.router_aux_weight={self.options.router_aux_weight}: the model is not a "
+                "mixture of experts (no router); set router_aux_weight: 0"
             )
         self._teacher = self._load_teacher(state)
         self._hidden = self._hidden_map(state) if self.options.hidden_weight else None
@@ -251,7 +265,12 @@ def describe_training(
         "lr": opts.lr,
         "warmup_steps": opts.warmup_steps,
         "temperature": opts.temperature,
-        "weights": {"kl": opts.kl_weight, "ce": opts.ce_weight, "hidden": opts.hidden_weight},
+        "weights": {
+            "kl": opts.kl_weight,
+            "ce": opts.ce_weight,
+            "hidden": opts.hidden_weight,
+            "router_aux": opts.router_aux_weight,
+        },
         "tokens_trained": tokens,
         "tokens_per_second": tokens / seconds if seconds else None,
         "loss_first": mean_loss(history[:window]) if history else None,

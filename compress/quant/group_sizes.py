@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from slimserve.compress.errors import UnsupportedModelError
+from slimserve.compress.moe import prepare_model
 from slimserve.runtime.artifact.qweight import QuantizedWeight
 from slimserve.runtime.artifact.scheme import QuantScheme
 
@@ -44,12 +45,14 @@ def shape_model(config) -> nn.Module:
         del config.quantization_config  # shapes of the dense model; no quantizer is involved
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as e:
         raise UnsupportedModelError(
             f"model type {getattr(config, 'model_type', None)!r}: transformers "
             f"cannot build it from its config ({e})"
         ) from None
+    prepare_model(model)  # stacked experts -> per-expert Linears, as the stages will see them
+    return model
 
 
 @dataclass(frozen=True, slots=True)
