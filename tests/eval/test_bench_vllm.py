@@ -50,6 +50,7 @@ def test_the_table_gives_medians_spreads_ratio_and_missing_rows():
         "workload": {
             "input_len": 128,
             "output_len": 128,
+            "dtype": "float32",
             "runs": 3,
             "vllm_cores": "all",
             "ours_threads": "auto",
@@ -58,6 +59,7 @@ def test_the_table_gives_medians_spreads_ratio_and_missing_rows():
         "missing": ["SmolLM2 W8A8: artifacts/x is missing (make it with: compress run r.yaml)"],
     }
     text = bv.markdown(result)
+    assert "greedy, EOS ignored, float32, 3 runs each" in text
     assert (
         "| demo bf16 | busy | 64 | 200 (100-300) | 100 (80-120) | 2.00x | 1,1,2 | 60/64 |" in text
     )
@@ -78,3 +80,17 @@ def test_the_table_gives_medians_spreads_ratio_and_missing_rows():
 def test_bad_arguments_are_one_line(argv, message):
     with pytest.raises(SystemExit, match=message):
         bv.main(argv)
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_dtype_is_what_our_runtime_picks_on_this_cpu(monkeypatch, native, expected):
+    import slimserve.runtime.dtypes as dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native)
+    assert bv.bench_dtype("auto") == expected
+    assert bv.bench_dtype("bfloat16") == "bfloat16" and bv.bench_dtype("float32") == "float32"
+
+
+def test_an_unknown_dtype_is_one_line():
+    with pytest.raises(SystemExit, match="--dtype: 'fp4' unknown; use auto, float16"):
+        bv.main(["--dtype", "fp4"])

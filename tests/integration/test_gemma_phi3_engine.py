@@ -23,6 +23,7 @@ from slimserve.runtime.models.gemma import GemmaCausalLM
 from slimserve.runtime.models.load import build_model
 from slimserve.runtime.models.phi3 import Phi3CausalLM
 from tests.helpers.tiny_model import save_wide_random
+from tests.helpers.transformers_match import check_outputs, random_prompts, teacher_forced
 
 BASE = dict(
     vocab_size=128,
@@ -84,42 +85,6 @@ def arch(request, tmp_path_factory):
     return request.param, _save(request.param, path), path
 
 
-def _prompts(lens=(5, 23, 40, 17)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in lens]
-
-
-def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    return torch.log_softmax(logits.float(), -1)
-
-
-def _generate(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def _check(outputs, prompts, model, atol: float) -> float:
-    """Greedy tokens equal transformers' argmax at every step and its `generate`; returns the
-    largest difference of the engine's top-5 logprobs from transformers'."""
-    worst = 0.0
-    for prompt, out in zip(prompts, outputs):
-        got = out.outputs[0]
-        lp = _teacher_forced(model, prompt, got.token_ids)
-        assert got.token_ids == lp.argmax(-1).tolist()
-        assert got.token_ids == _generate(model, prompt)
-        ours = torch.tensor([list(top.values()) for _, top in got.logprobs])
-        ids = [list(top) for _, top in got.logprobs]
-        theirs = torch.stack([lp[j, ids[j]] for j in range(len(ids))])
-        worst = max(worst, float((ours - theirs).abs().max()))
-    assert worst < atol, worst
-    return worst
-
-
 def _engine_args(key: str) -> dict:
     # Phi-3's LongRoPE set follows max_model_len (runtime/models/phi3.py): the short factors for
     # a model served within the original length, which every sequence of these prompts is not
@@ -131,7 +96,7 @@ def _engine_args(key: str) -> dict:
 def _prompts_for(key: str) -> list[list[int]]:
     # served past the original length: prompts longer than it, which transformers rotates with
     # the long factors from the start
-    return _prompts((40, 33, 57, 36)) if key == "phi3" else _prompts()
+    return random_prompts((40, 33, 57, 36)) if key == "phi3" else random_prompts()
 
 
 def test_layers_load_under_checkpoint_names(arch):
@@ -170,25 +135,29 @@ def test_fp32_engine_equals_transformers_with_chunked_prefill_and_prefix_hits(ar
         **_engine_args(key),
     )
     params = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=5, ignore_eos=True)
-    worst = _check(llm.generate(prompts, params, use_tqdm=False), prompts, model, atol=1e-4)
+    worst = check_outputs(
+        llm.generate(prompts, params, use_tqdm=False), prompts, model, atol=1e-4, with_generate=True
+    )
     before = llm.engine.block_manager.prefix_cache_hit_rate
     again = llm.generate(prompts[1:3], params, use_tqdm=False)
-    worst = max(worst, _check(again, prompts[1:3], model, atol=1e-4))
+    worst = max(worst, check_outputs(again, prompts[1:3], model, atol=1e-4, with_generate=True))
     assert llm.engine.block_manager.prefix_cache_hit_rate > before
     print(f"{key} fp32 max top-5 logprob diff {worst:.2e}")
 
 
 def test_phi3_within_the_original_length_uses_the_short_factors(tmp_path):
     model = _save("phi3", tmp_path)
-    prompts = _prompts((5, 17, 11))  # with NEW tokens, every sequence stays within 32
+    prompts = random_prompts((5, 17, 11))  # with NEW tokens, every sequence stays within 32
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=ORIGINAL, block_size=8)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=5, ignore_eos=True)
-    _check(llm.generate(prompts, params, use_tqdm=False), prompts, model, atol=1e-4)
+    check_outputs(
+        llm.generate(prompts, params, use_tqdm=False), prompts, model, atol=1e-4, with_generate=True
+    )
     # served past the original length, the same prompts rotate with the long factors: not
     # transformers' logits for sequences this short (the choice is the model's, runtime/models/phi3.py)
     long = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=64, block_size=8)
     outs = long.generate(prompts, params, use_tqdm=False)
-    lp = _teacher_forced(model, prompts[1], outs[1].outputs[0].token_ids)
+    lp = teacher_forced(model, prompts[1], outs[1].outputs[0].token_ids)
     ours = torch.tensor(list(outs[1].outputs[0].logprobs[0][1].values()))
     theirs = lp[0, list(outs[1].outputs[0].logprobs[0][1])]
     assert (ours - theirs).abs().max() > 1e-3
@@ -204,8 +173,8 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(arch):
     ours_err, theirs_err, worst = [], [], 0.0
     for prompt, out in zip(prompts, outs):
         got = out.outputs[0]
-        truth = _teacher_forced(model, prompt, got.token_ids)
-        lp16 = _teacher_forced(model16, prompt, got.token_ids)
+        truth = teacher_forced(model, prompt, got.token_ids)
+        lp16 = teacher_forced(model16, prompt, got.token_ids)
         ids = [list(top) for _, top in got.logprobs]
         ours = torch.tensor([list(top.values()) for _, top in got.logprobs])
         ref = torch.stack([truth[j, ids[j]] for j in range(len(ids))])
@@ -235,7 +204,7 @@ def test_the_caps_and_the_window_matter(tmp_path, key, off):
     above checks them."""
     model = _save(key, tmp_path)
     other = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, **off).eval()
-    prompt = _prompts()[2]  # 40 tokens: five windows
+    prompt = random_prompts()[2]  # 40 tokens: five windows
     with torch.no_grad():
         a = model(torch.tensor([prompt])).logits
         b = other(torch.tensor([prompt])).logits

@@ -21,6 +21,7 @@ from slimserve.runtime.engine.sequence import SamplingParams
 from slimserve.runtime.llm import LLM
 from slimserve.runtime.models.load import build_model
 from slimserve.runtime.models.moe import SparseMoeBlock
+from tests.helpers.transformers_match import check_outputs, random_prompts, teacher_forced
 
 BASE = dict(
     vocab_size=128,
@@ -63,33 +64,6 @@ def moe(request, tmp_path_factory):
     return mt, model, path
 
 
-def _prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 23, 40, 17)]
-
-
-def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    return torch.log_softmax(logits.float(), -1)
-
-
-def _check(outputs, prompts, model, atol: float) -> float:
-    """Greedy tokens equal transformers' argmax at every step; returns the largest difference of
-    the engine's top-5 logprobs from transformers'."""
-    worst = 0.0
-    for prompt, out in zip(prompts, outputs):
-        got = out.outputs[0]
-        lp = _teacher_forced(model, prompt, got.token_ids)
-        assert got.token_ids == lp.argmax(-1).tolist()
-        ours = torch.tensor([list(top.values()) for _, top in got.logprobs])
-        ids = [list(top) for _, top in got.logprobs]
-        theirs = torch.stack([lp[j, ids[j]] for j in range(len(ids))])
-        worst = max(worst, float((ours - theirs).abs().max()))
-    assert worst < atol
-    return worst
-
-
 def test_moe_layers_load_under_checkpoint_names(moe):
     mt, model, path = moe
     built = build_model(path, torch.float32, torch.device("cpu"), verify="none")
@@ -110,19 +84,19 @@ def test_moe_layers_load_under_checkpoint_names(moe):
 
 def test_moe_engine_equals_transformers_with_chunked_prefill_and_prefix_hits(moe):
     mt, model, path = moe
-    prompts = _prompts()
+    prompts = random_prompts()
     llm = LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=16, block_size=8)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=5, ignore_eos=True)
-    _check(llm.generate(prompts, params, use_tqdm=False), prompts, model, atol=1e-4)
+    check_outputs(llm.generate(prompts, params, use_tqdm=False), prompts, model, atol=1e-4)
     before = llm.engine.block_manager.prefix_cache_hit_rate
     again = llm.generate(prompts[1:3], params, use_tqdm=False)
-    _check(again, prompts[1:3], model, atol=1e-4)
+    check_outputs(again, prompts[1:3], model, atol=1e-4)
     assert llm.engine.block_manager.prefix_cache_hit_rate > before
 
 
 def test_moe_bf16_is_as_close_to_fp32_as_transformers_bf16(moe):
     mt, model, path = moe
-    prompts = _prompts()
+    prompts = random_prompts()
     llm = LLM(str(path), dtype="bfloat16", device="cpu")
     params = SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=5, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -130,8 +104,8 @@ def test_moe_bf16_is_as_close_to_fp32_as_transformers_bf16(moe):
     ours_err, theirs_err = [], []
     for prompt, out in zip(prompts, outs):
         got = out.outputs[0]
-        truth = _teacher_forced(model, prompt, got.token_ids)
-        lp16 = _teacher_forced(model16, prompt, got.token_ids)
+        truth = teacher_forced(model, prompt, got.token_ids)
+        lp16 = teacher_forced(model16, prompt, got.token_ids)
         ids = [list(top) for _, top in got.logprobs]
         ours = torch.tensor([list(top.values()) for _, top in got.logprobs])
         ref = torch.stack([truth[j, ids[j]] for j in range(len(ids))])
@@ -151,7 +125,7 @@ def test_moe_tensor_and_pipeline_parallel_generate_the_tokens_of_one_process(moe
     OLMoE's layers 0-1 and 2 (its TP, q/k norms over every head: tests/integration/
     test_tp_archs.py)."""
     mt, _, path = moe
-    prompts = _prompts()
+    prompts = random_prompts()
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     engine = {"device": "cpu", "dtype": "float32", "kv_cache_memory": 4 * 2**20}
     one = [o.outputs[0].token_ids for o in LLM(str(path), **engine).generate(prompts, params)]

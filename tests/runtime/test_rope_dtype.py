@@ -19,6 +19,7 @@ from slimserve.runtime.loading.loader import load_model
 from slimserve.runtime.models.llama import CausalLM
 from slimserve.runtime.models.load import build_model, random_model
 from tests.helpers import DEMO_MODEL, REPO
+from tests.helpers.transformers_match import teacher_forced
 
 NEW = 16  # generated tokens; the prompt fills the rest of the 1024 positions
 
@@ -78,13 +79,6 @@ def _engine_greedy(dtype: str, prompt: list[int]):
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
 
 
-def _teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """transformers' fp32 log-softmax [NEW, V] at the positions that predicted `tokens`."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    return torch.log_softmax(logits.float(), -1)
-
-
 def _top5(out, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(engine's, reference's) logprobs [NEW, 5] of the engine's top-5 tokens at each step."""
     ids = [list(top) for _, top in out.logprobs]
@@ -94,7 +88,7 @@ def _top5(out, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_long_context_fp32_greedy_equals_transformers(hf32, prompt):
     out = _engine_greedy("float32", prompt)
-    lp = _teacher_forced(hf32.model, prompt, out.token_ids)
+    lp = teacher_forced(hf32.model, prompt, out.token_ids)
     assert out.token_ids == lp.argmax(-1).tolist()  # trained model: margins >> fp32 rounding
     ours, ref = _top5(out, lp)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
@@ -109,8 +103,8 @@ def test_long_context_bf16_is_as_close_to_fp32_as_transformers_bf16(hf32, prompt
     out = _engine_greedy("bfloat16", prompt)
     hf16 = load_model(DEMO_MODEL, dtype=torch.bfloat16)
     assert hf16.model.model.rotary_emb.inv_freq.dtype == torch.float32
-    lp16 = _teacher_forced(hf16.model, prompt, out.token_ids)
-    lp32 = _teacher_forced(hf32.model, prompt, out.token_ids)
+    lp16 = teacher_forced(hf16.model, prompt, out.token_ids)
+    lp32 = teacher_forced(hf32.model, prompt, out.token_ids)
     top2 = lp16.topk(2, dim=-1).values
     clear = (top2[:, 0] - top2[:, 1]) >= 0.25
     assert clear.sum() >= NEW // 2  # the check below covers most positions
