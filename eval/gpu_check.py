@@ -33,11 +33,17 @@ cannot take the others down; whatever a step saved comes back):
    call (median of 20 after 3 warm-up calls, synchronized), each against bf16 and fp8, and the
    cache bytes read per second. INT8 / INT4 read uint8 rows (codes, then an fp16 scale and zero
    per token and KV head: kernels/kv_quant.py) and dequantize in the kernel.
-6. **sweeps**: the W4A16 / W8A8 tile sweeps of the kernel benchmark's full plan, if the budget
+6. **moe**: the fused mixture-of-experts FFN (`kernels/fused_moe.py`) at a Qwen3-MoE-like shape
+   (64 experts, top-8, hidden 2048, expert intermediate 768; 1, 16 and 256 tokens, a random
+   router) for bf16, W4A16 (int4, group 128) and W8A8 experts: its largest error against its
+   torch twin (over the twin's largest value; the row fails above 2^-5) and against the
+   per-expert loop it replaces (runtime/models/moe.py `SparseMoeBlock.experts_loop`, the same
+   experts through their own GEMMs), and microseconds a call of both (median of 20, as step 5).
+7. **sweeps**: the W4A16 / W8A8 tile sweeps of the kernel benchmark's full plan, if the budget
    has at least 150 s left.
 
 It prints one table (hardware, model shape and workload in its header), the tensor-parallel
-one and the KV-decode one, and writes `gpu_check.json` (default: $OUT, else the current folder). `--dry-run` runs the
+one, the KV-decode one and the MoE one, and writes `gpu_check.json` (default: $OUT, else the current folder). `--dry-run` runs the
 same steps on the CPU at tiny shapes, the kernels through the Triton interpreter, so CI keeps
 the script working (tests/eval/test_gpu_check.py); its numbers mean nothing.
 """
@@ -57,13 +63,16 @@ from pathlib import Path
 
 import torch
 
-from slimserve.eval.engine_bench import SHAPES, build_engine
+from slimserve.eval.engine_bench import SHAPES, build_engine, quantize_randomly
 from slimserve.runtime.bench.sysinfo import hardware_info, hardware_line
 from slimserve.runtime.config import EngineConfig
 from slimserve.runtime.engine.llm_engine import LLMEngine
 from slimserve.runtime.engine.sequence import SamplingParams
+from slimserve.runtime.layers.ops import select
+from slimserve.runtime.models.fuse import fuse_linears
 from slimserve.runtime.models.llama import ModelSpec
 from slimserve.runtime.models.load import random_model
+from slimserve.runtime.models.moe import MoeSpec, SparseMoeBlock
 from slimserve.runtime.stats.rank_stats import model_bytes
 from slimserve.runtime.worker.cuda_graphs import DecodeGraphs
 
@@ -71,7 +80,8 @@ WEIGHTS = ("bf16", "W4A16", "W8A8")
 KV = ("auto", "fp8_e4m3")  # the decode rows' default caches
 KV_CHOICES = (*KV, "int8", "int4")  # what --kv may list
 KV_DECODE = ("bf16", "fp8", "int8", "int4")  # the kv-decode step's caches
-STEPS = ("kernels", "decode", "hf", "tp", "kvdecode", "sweeps")
+STEPS = ("kernels", "decode", "hf", "tp", "kvdecode", "moe", "sweeps")
+MOE_TOL = 2.0**-5  # the moe rows' largest |fused - twin| over the twin's largest |value|
 
 
 def _choices(allowed: tuple[str, ...]):
@@ -116,12 +126,23 @@ def _plan(dry_run: bool) -> dict:
             "kv_cache_memory": "16MiB",
             # batch, contexts, (query heads, KV heads, head_dim, block size), timed calls
             "kv_decode": {"batch": 2, "contexts": (40, 100), "attn": (4, 2, 32, 16), "reps": 1},
+            # tokens, experts, top-k, hidden, expert intermediate, W4A16 group, timed calls
+            "moe": {
+                "tokens": (1, 5),
+                "experts": 8,
+                "top_k": 2,
+                "hidden": 64,
+                "inter": 32,
+                "group": 32,
+                "reps": 1,
+            },
             "limits": {
                 "kernels": 300,
                 "decode": 300,
                 "hf": 120,
                 "tp": 200,
                 "kvdecode": 60,
+                "moe": 120,
                 "sweeps": 0,
             },
         }
@@ -137,12 +158,23 @@ def _plan(dry_run: bool) -> dict:
         "warmup": 4,
         "kv_cache_memory": "8GiB",
         "kv_decode": {"batch": 16, "contexts": (8192, 32768), "attn": (32, 8, 128, 16), "reps": 20},
+        # Qwen3-30B-A3B's expert block: 128 experts top-8 there; 64 here (half the weights)
+        "moe": {
+            "tokens": (1, 16, 256),
+            "experts": 64,
+            "top_k": 8,
+            "hidden": 2048,
+            "inter": 768,
+            "group": 128,
+            "reps": 20,
+        },
         "limits": {
             "kernels": 200,
             "decode": 200,
             "hf": 90,
             "tp": 300,
             "kvdecode": 90,
+            "moe": 120,
             "sweeps": 150,
         },
     }
@@ -403,6 +435,109 @@ def _kv_decode_table(rows: list[dict], plan: dict) -> str:
     return "\n".join(lines)
 
 
+# -- step 6: the fused MoE FFN against its twin and the per-expert loop ----------------------------
+
+
+def _moe_block(cfg: dict, weights: str, device: str, dtype: torch.dtype) -> SparseMoeBlock:
+    """A block of random experts (`weights`: bf16, W4A16 or W8A8) with each expert's gate and
+    up fused into one Linear, as the engine loads them (runtime/models/fuse.py)."""
+    spec = MoeSpec(
+        num_experts=cfg["experts"],
+        top_k=cfg["top_k"],
+        intermediate_size=cfg["inter"],
+        renormalize=True,
+        weights_fp32=False,
+        shared_intermediate_size=0,
+        block_name="mlp",
+        expert_names=("gate_proj", "up_proj", "down_proj"),
+        sparse_layers=(True,),
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        block = SparseMoeBlock(cfg["hidden"], spec).to(dtype)
+    if weights != "bf16":
+        quantize_randomly(block.experts, group_size=cfg["group"], seed=0, scheme_name=weights)
+    for ex in block.experts:
+        fused = fuse_linears([ex.gate_proj, ex.up_proj])
+        del ex.gate_proj, ex.up_proj
+        ex.gate_up_proj = fused
+    return block.eval()
+
+
+def run_moe(plan: dict) -> list[dict]:
+    """fused_moe per weights kind and token count: largest error against the twin and the loop
+    (over the twin's largest |value|), and us a call of the fused FFN and of the loop."""
+    from slimserve.kernels import fused_moe as FM
+
+    cfg, dev, dtype = plan["moe"], plan["device"], plan["dtype"]
+    kops = select(torch.device(dev), dtype)
+    rows = []
+    for weights in plan.get("weights", WEIGHTS):
+        block = None
+        try:
+            block = _moe_block(cfg, weights, dev, dtype)
+            for t in cfg["tokens"]:
+                row = {"weights": weights, "tokens": t}
+                g = torch.Generator().manual_seed(t)
+                x = torch.randn(t, cfg["hidden"], generator=g).to(dev, dtype)
+                with torch.no_grad():
+                    rw, ids = block.route(x)
+                    st = block.stacked_experts(x)  # stacked at the first call
+                    if st is None:
+                        raise RuntimeError(f"{weights} experts did not stack for the kernel")
+
+                    def fused(st=st, x=x, rw=rw, ids=ids):
+                        return FM.fused_moe(x, st.gate_up, st.down, rw, ids, use_kernel=True)
+
+                    def loop(block=block, x=x, rw=rw, ids=ids):
+                        return block.experts_loop(x, rw, ids, kops)
+
+                    got, base = fused().float(), loop().float()
+                    twin = FM.fused_moe_torch(x, st.gate_up, st.down, rw, ids).float()
+                    top = twin.abs().max().clamp_min(1e-30)
+                    row["err_twin"] = ((got - twin).abs().max() / top).item()
+                    row["err_loop"] = ((got - base).abs().max() / top).item()
+                    row["ok"] = row["err_twin"] <= MOE_TOL
+                    row["fused_us"] = _time_call(fused, cfg["reps"], dev)
+                    row["loop_us"] = _time_call(loop, cfg["reps"], dev)
+                row["x_loop"] = row["loop_us"] / row["fused_us"]  # > 1: the kernel is faster
+                rows.append(row)
+                print(
+                    f"moe {weights:>5} tokens {t:>4}: fused {row['fused_us']:9.1f} us, loop "
+                    f"{row['loop_us']:9.1f} us ({row['x_loop']:.2f}x), err vs twin "
+                    f"{row['err_twin']:.2e}{'' if row['ok'] else ' FAILED'}",
+                    flush=True,
+                )
+        except Exception:
+            rows.append({"weights": weights, "error": traceback.format_exc()[-2000:]})
+            print(f"moe {weights}: FAILED\n{traceback.format_exc()[-1500:]}", flush=True)
+        del block
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _moe_table(rows: list[dict], plan: dict) -> str:
+    cfg = plan["moe"]
+    lines = [
+        f"Fused MoE FFN (kernels/fused_moe.py) | {cfg['experts']} experts, top-{cfg['top_k']}, "
+        f"hidden {cfg['hidden']}, expert intermediate {cfg['inter']}, random router | against "
+        "the per-expert loop",
+        "| weights | tokens | fused us | loop us | x loop (time) | err vs twin | err vs loop |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "fused_us" not in r:
+            lines.append(f"| {r['weights']} | - | FAILED | | | | |")
+            continue
+        flag = "" if r["ok"] else " FAILED"
+        lines.append(
+            f"| {r['weights']} | {r['tokens']} | {r['fused_us']:.1f} | {r['loop_us']:.1f} | "
+            f"{r['x_loop']:.2f}x | {r['err_twin']:.2e}{flag} | {r['err_loop']:.2e} |"
+        )
+    return "\n".join(lines)
+
+
 # -- step 3: transformers generate with a static cache ----------------------------------------------
 
 
@@ -619,6 +754,7 @@ def _child(
         "hf": lambda: run_hf(plan),
         "tp": lambda: run_tp(plan),
         "kvdecode": lambda: run_kv_decode(plan),
+        "moe": lambda: run_moe(plan),
     }[step]
     Path(result).write_text(json.dumps(run()))
     return 0
@@ -706,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
         "--weights",
         type=_choices(WEIGHTS),
         default=list(WEIGHTS),
-        help=f"decode rows' weights (default: {','.join(WEIGHTS)})",
+        help=f"decode and moe rows' weights (default: {','.join(WEIGHTS)})",
     )
     ap.add_argument(
         "--kv",
@@ -789,6 +925,12 @@ def main(argv: list[str] | None = None) -> int:
             report["steps"]["kvdecode"] = "skipped (budget)"
         else:
             report["steps"]["kvdecode"], report["kv_decode"] = _step("kvdecode", args, plan, env)
+    report["moe"] = []
+    if "moe" in args.steps:
+        if args.budget_s - (time.monotonic() - t0) < plan["limits"]["moe"]:
+            report["steps"]["moe"] = "skipped (budget)"
+        else:
+            report["steps"]["moe"], report["moe"] = _step("moe", args, plan, env)
     left = args.budget_s - (time.monotonic() - t0)
     if "sweeps" in args.steps:
         if plan["limits"]["sweeps"] and left >= plan["limits"]["sweeps"]:
@@ -818,6 +960,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + _tp_table(report["tensor_parallel"]))
     if report["kv_decode"]:
         print("\n" + _kv_decode_table(report["kv_decode"], plan))
+    if report["moe"]:
+        print("\n" + _moe_table(report["moe"], plan))
     print(
         "steps: "
         + ", ".join(f"{k} {v}" for k, v in report["steps"].items())
@@ -832,7 +976,9 @@ def main(argv: list[str] | None = None) -> int:
         + report["transformers"]
         + report["tensor_parallel"]["rows"]
         + report["kv_decode"]
+        + report["moe"]
     )
+    ok = ok and all(r.get("ok", True) for r in report["moe"])  # the fused FFN's correctness
     return 0 if ok else 1
 
 

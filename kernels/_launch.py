@@ -26,6 +26,7 @@ AOT_MODULES = (
     "paged_attention",
     "rms_norm",
     "activation",
+    "fused_moe",
 )
 
 _BACKENDS = ("auto", "triton", "torch")

@@ -9,7 +9,8 @@ The buffers have CT's on-disk names, so an artifact's safetensors load straight 
   reproduces the exporter's fake-quantized weight bit for bit; `freeze_dense()` keeps that
   weight instead (the serving engine's CPU path, where no int4 kernel exists and dequantizing
   every step would dominate), trading the packed form's memory saving for speed; on an fp32
-  CPU it is kept reordered for oneDNN (runtime/layers/cpu_linear.py).
+  CPU it is kept reordered for oneDNN (runtime/layers/cpu_linear.py). A W8A8 layer on CPU keeps
+  its int8 codes instead and runs the int8 GEMM (runtime/layers/cpu_quant_linear.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from slimserve.kernels import reference
 from slimserve.kernels._launch import use_triton
 from slimserve.runtime.artifact.scheme import QuantScheme
-from slimserve.runtime.layers import cpu_linear
+from slimserve.runtime.layers import cpu_linear, cpu_quant_linear
 
 PACKED = "pack-quantized"
 UNPACKED = ("naive-quantized", "int-quantized")
@@ -140,7 +141,13 @@ class QuantLinear(nn.Module):
         return full.to(self.storage_dtype).to(dtype)
 
     def freeze_dense(self, dtype: torch.dtype) -> None:
-        """Keep the dequantized weight in `dtype` for the torch path (see the module docstring)."""
+        """Keep the dequantized weight in `dtype` for the torch path (see the module docstring),
+        or for W8A8 on CPU the int8 codes for the int8 GEMM."""
+        device = self.weight_scale.device
+        g_idx = self.weight_g_idx is not None
+        if cpu_quant_linear.serves(self.scheme, self.ct_format, g_idx, device, dtype):
+            self._int8 = cpu_quant_linear.prepare(self.weight, self.weight_scale, self.bias)
+            return
         dense = self.dequantized_weight(dtype)
         if dense.device.type == "cpu" and cpu_linear.available(dtype):
             self._packed = cpu_linear.reorder(dense)
@@ -209,6 +216,13 @@ class QuantLinear(nn.Module):
         path = self._route(x)
         if path is not None and x.dtype in (torch.float16, torch.bfloat16):
             return self._triton_forward(x, path)
+        int8 = self.__dict__.get("_int8")
+        if (
+            int8 is not None
+            and x.device.type == "cpu"
+            and x.dtype in cpu_quant_linear.COMPUTE_DTYPES
+        ):
+            return cpu_quant_linear.linear(x, int8)
         if self.scheme.input_activations is not None:
             x = reference.fake_quantize_per_token_int8(x)
         bias = self.bias.to(x.dtype) if self.bias is not None else None

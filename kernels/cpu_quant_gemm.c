@@ -1,0 +1,154 @@
+/* W8A8 Linears on CPU: dynamic per-token int8 activations times int8 per-channel weights with
+ * exact int32 accumulation. Built and loaded by kernels/cpu_quant_gemm.py, which documents the
+ * contract; twins: kernels/reference.py `quantize_per_token_int8` (codes and scales bit for
+ * bit) and `w8a8_gemm` (the same fp32 epilogue, in its order, without fused multiply-adds).
+ *
+ * The products are formed in 16 bits (vpmovsxbw + vpmaddwd: |a*b + c*d| <= 2 * 128 * 128 fits
+ * int32), not with vpmaddubsw, whose 16-bit pair sums saturate: oneDNN's int8 GEMM on an AVX2
+ * CPU without VNNI gives 143340 for 40 products of 100 * 100 (measured, torch 2.13).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#pragma STDC FP_CONTRACT OFF
+
+#define NR 4 /* weight rows (output channels) a tile */
+#define MR 2 /* activation rows (tokens) a tile */
+
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+
+/* Per row of x [M, K] (row stride ldx): scale = max(absmax / 127.5, FLT_EPSILON); codes =
+ * round_half_even(clamp(x / scale, -128, 127)). IEEE division, as torch's `/` does. */
+NO_CONTRACT void slimserve_quantize_per_token(const float *x, int64_t ldx, int64_t M, int64_t K,
+                                              int8_t *q, float *scale, int num_threads) {
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        const float *r = x + m * ldx;
+        int8_t *out = q + m * K;
+        float amax = 0.0f;
+        int64_t k = 0;
+#ifdef __AVX2__
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 vmax = _mm256_setzero_ps();
+        for (; k + 8 <= K; k += 8)
+            vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(r + k), abs_mask));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+#endif
+        for (; k < K; k++) {
+            const float a = fabsf(r[k]);
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / 127.5f;
+        s = s < FLT_EPSILON ? FLT_EPSILON : s;
+        scale[m] = s;
+        k = 0;
+#ifdef __AVX2__
+        const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-128.0f),
+                     hi = _mm256_set1_ps(127.0f);
+        for (; k + 8 <= K; k += 8) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(r + k), vs);
+            v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+            v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            int32_t codes[8];
+            _mm256_storeu_si256((__m256i *)codes, _mm256_cvtps_epi32(v));
+            for (int i = 0; i < 8; i++) out[k + i] = (int8_t)codes[i];
+        }
+#endif
+        for (; k < K; k++) {
+            float v = r[k] / s;
+            v = v < -128.0f ? -128.0f : v;
+            v = v > 127.0f ? 127.0f : v;
+            out[k] = (int8_t)nearbyintf(v);
+        }
+    }
+}
+
+#ifdef __AVX2__
+static inline int32_t hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
+/* acc[i][j] = sum_k x[i][k] * w[j][k] for i < mr, j < nr (rows K apart), exact in int32. With
+ * literal mr / nr the loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void dot_tile(const int8_t *x, int mr,
+                                                           const int8_t *w, int nr, int64_t K,
+                                                           int32_t acc[MR][NR]) {
+    int64_t k = 0;
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = 0;
+#ifdef __AVX2__
+    __m256i a[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) a[i][j] = _mm256_setzero_si256();
+    for (; k + 16 <= K; k += 16) {
+        __m256i xv[MR];
+        for (int i = 0; i < mr; i++)
+            xv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(x + i * K + k)));
+        for (int j = 0; j < nr; j++) {
+            const __m256i wv =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + j * K + k)));
+            for (int i = 0; i < mr; i++)
+                a[i][j] = _mm256_add_epi32(a[i][j], _mm256_madd_epi16(xv[i], wv));
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = hsum(a[i][j]);
+#endif
+    for (; k < K; k++)
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) acc[i][j] += (int32_t)x[i * K + k] * (int32_t)w[j * K + k];
+}
+
+/* out = (float)acc * x_scale[m] * w_scale[n] (+ bias[n]), in that order, no fused multiply-add */
+NO_CONTRACT static void store_tile(const int32_t acc[MR][NR], int mr, int nr, int64_t m,
+                                   int64_t n, const float *xs, const float *ws, const float *bias,
+                                   float *out, int64_t N) {
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) {
+            float v = (float)acc[i][j] * xs[m + i];
+            v = v * ws[n + j];
+            if (bias) v = v + bias[n + j];
+            out[(m + i) * N + n + j] = v;
+        }
+}
+
+/* out [M, N] fp32 = x [M, K] int8 (scales xs [M]) @ w [N, K]^T int8 (scales ws [N]) + bias [N]
+ * (or NULL); all contiguous. Threads split the output channels; each walks every token row over
+ * its weight tile, which stays in L1. */
+void slimserve_w8a8_gemm(const int8_t *x, const float *xs, int64_t M, const int8_t *w,
+                         const float *ws, const float *bias, float *out, int64_t N, int64_t K,
+                         int num_threads) {
+    const int64_t blocks = (N + NR - 1) / NR;
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n = b * NR;
+        const int nr = N - n < NR ? (int)(N - n) : NR;
+        const int8_t *wb = w + n * K;
+        int32_t acc[MR][NR];
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) {
+            if (nr == NR)
+                dot_tile(x + m * K, MR, wb, NR, K, acc);
+            else
+                dot_tile(x + m * K, MR, wb, nr, K, acc);
+            store_tile(acc, MR, nr, m, n, xs, ws, bias, out, N);
+        }
+        for (; m < M; m++) {
+            if (nr == NR)
+                dot_tile(x + m * K, 1, wb, NR, K, acc);
+            else
+                dot_tile(x + m * K, 1, wb, nr, K, acc);
+            store_tile(acc, 1, nr, m, n, xs, ws, bias, out, N);
+        }
+    }
+}
