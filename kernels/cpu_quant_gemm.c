@@ -5,12 +5,14 @@
  *
  * The products are formed in 16 bits (vpmovsxbw + vpmaddwd: |a*b + c*d| <= 2 * 128 * 128 fits
  * int32), not with vpmaddubsw, whose 16-bit pair sums saturate: oneDNN's int8 GEMM on an AVX2
- * CPU without VNNI gives 143340 for 40 products of 100 * 100 (measured, torch 2.13).
+ * CPU without VNNI gives 143340 for 40 products of 100 * 100 (measured, torch 2.13). Where the
+ * compiler targets AVX512-VNNI (-march=native on such a CPU), vpdpbusd forms them instead: four
+ * u8 x s8 products per 32-bit lane, added without saturation (dot_tile).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -18,13 +20,28 @@
 
 #define NR 4 /* weight rows (output channels) a tile */
 #define MR 2 /* activation rows (tokens) a tile */
+#define VNNI_MAX_K 65536 /* K * 255 * 128 < 2^31 */
 
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
-/* Per row of x [M, K] (row stride ldx): scale = max(absmax / 127.5, FLT_EPSILON); codes =
- * round_half_even(clamp(x / scale, -128, 127)). IEEE division, as torch's `/` does. */
+/* Per row of x [M, K] (row stride ldx): scale = max(absmax / 127.5, FLT_EPSILON), rounded to
+ * bfloat16 if bf16_scale (the twin rounds the scale to x's dtype: a bf16 x's rows come here as
+ * fp32, exactly); codes = round_half_even(clamp(x / scale, -128, 127)). IEEE division, as
+ * torch's `/` does. */
+/* f rounded to the nearest bfloat16 (ties to even), as torch's .to(torch.bfloat16) does for the
+ * finite positive scales here */
+static inline float round_to_bf16(float f) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {f};
+    v.u = (v.u + 0x7fffu + ((v.u >> 16) & 1u)) & 0xffff0000u;
+    return v.f;
+}
+
 NO_CONTRACT void slimserve_quantize_per_token(const float *x, int64_t ldx, int64_t M, int64_t K,
-                                              int8_t *q, float *scale, int num_threads) {
+                                              int8_t *q, float *scale, int bf16_scale,
+                                              int num_threads) {
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
     for (int64_t m = 0; m < M; m++) {
         const float *r = x + m * ldx;
@@ -46,6 +63,7 @@ NO_CONTRACT void slimserve_quantize_per_token(const float *x, int64_t ldx, int64
         }
         float s = amax / 127.5f;
         s = s < FLT_EPSILON ? FLT_EPSILON : s;
+        if (bf16_scale) s = round_to_bf16(s);
         scale[m] = s;
         k = 0;
 #ifdef __AVX2__
@@ -79,13 +97,44 @@ static inline int32_t hsum(__m256i v) {
 #endif
 
 /* acc[i][j] = sum_k x[i][k] * w[j][k] for i < mr, j < nr (rows K apart), exact in int32. With
- * literal mr / nr the loops unroll and the accumulators stay in registers. */
+ * literal mr / nr the loops unroll and the accumulators stay in registers. wsum[j] = sum_k
+ * w[j][k] (the VNNI path's correction; NULL: summed here). */
 static inline __attribute__((always_inline)) void dot_tile(const int8_t *x, int mr,
                                                            const int8_t *w, int nr, int64_t K,
+                                                           const int32_t *wsum,
                                                            int32_t acc[MR][NR]) {
     int64_t k = 0;
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    /* vpdpbusd multiplies u8 by s8, four products a lane, and adds them to int32 without
+     * saturation: x + 128 (x ^ 0x80 as u8) times w, minus 128 * sum_k w[j][k], is exact while
+     * K * 255 * 128 < 2^31. Masked loads zero the tail (a zero weight adds nothing). */
+    if (K <= VNNI_MAX_K) {
+        const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+        __m512i a[MR][NR], ws[NR];
+        for (int j = 0; j < nr; j++) ws[j] = _mm512_setzero_si512();
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) a[i][j] = _mm512_setzero_si512();
+        for (; k < K; k += 64) {
+            const __mmask64 mask = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+            __m512i xv[MR];
+            for (int i = 0; i < mr; i++)
+                xv[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, x + i * K + k), flip);
+            for (int j = 0; j < nr; j++) {
+                const __m512i wv = _mm512_maskz_loadu_epi8(mask, w + j * K + k);
+                if (!wsum) ws[j] = _mm512_dpbusd_epi32(ws[j], ones, wv);
+                for (int i = 0; i < mr; i++) a[i][j] = _mm512_dpbusd_epi32(a[i][j], xv[i], wv);
+            }
+        }
+        for (int j = 0; j < nr; j++) {
+            const int32_t sum = wsum ? wsum[j] : _mm512_reduce_add_epi32(ws[j]);
+            for (int i = 0; i < mr; i++)
+                acc[i][j] = _mm512_reduce_add_epi32(a[i][j]) - 128 * sum;
+        }
+        return;
+    }
+#endif
 #ifdef __AVX2__
     __m256i a[MR][NR];
     for (int i = 0; i < mr; i++)
@@ -123,31 +172,32 @@ NO_CONTRACT static void store_tile(const int32_t acc[MR][NR], int mr, int nr, in
 }
 
 /* out [M, N] fp32 = x [M, K] int8 (scales xs [M]) @ w [N, K]^T int8 (scales ws [N]) + bias [N]
- * (or NULL); all contiguous. Threads split the output channels; each walks every token row over
+ * (or NULL); all contiguous. wsum [N]: each weight row's sum (or NULL: summed per tile). Threads split the output channels; each walks every token row over
  * its weight tile, which stays in L1. */
 void slimserve_w8a8_gemm(const int8_t *x, const float *xs, int64_t M, const int8_t *w,
                          const float *ws, const float *bias, float *out, int64_t N, int64_t K,
-                         int num_threads) {
+                         const int32_t *wsum, int num_threads) {
     const int64_t blocks = (N + NR - 1) / NR;
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t n = b * NR;
         const int nr = N - n < NR ? (int)(N - n) : NR;
         const int8_t *wb = w + n * K;
+        const int32_t *sb = wsum ? wsum + n : 0;
         int32_t acc[MR][NR];
         int64_t m = 0;
         for (; m + MR <= M; m += MR) {
             if (nr == NR)
-                dot_tile(x + m * K, MR, wb, NR, K, acc);
+                dot_tile(x + m * K, MR, wb, NR, K, sb, acc);
             else
-                dot_tile(x + m * K, MR, wb, nr, K, acc);
+                dot_tile(x + m * K, MR, wb, nr, K, sb, acc);
             store_tile(acc, MR, nr, m, n, xs, ws, bias, out, N);
         }
         for (; m < M; m++) {
             if (nr == NR)
-                dot_tile(x + m * K, 1, wb, NR, K, acc);
+                dot_tile(x + m * K, 1, wb, NR, K, sb, acc);
             else
-                dot_tile(x + m * K, 1, wb, nr, K, acc);
+                dot_tile(x + m * K, 1, wb, nr, K, sb, acc);
             store_tile(acc, 1, nr, m, n, xs, ws, bias, out, N);
         }
     }

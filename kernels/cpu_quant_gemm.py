@@ -14,7 +14,9 @@ oneDNN's int8 inner product (`torch.ops.onednn.qlinear_pointwise`, the op PT2E's
 lowers to) forms u8 x s8 pair sums in 16 bits with saturation on a CPU without VNNI, so it is
 not exact (40 products of 100 * 100 give 143340, not 400000); `torch._weight_int8pack_mm` takes
 float activations and runs a generic loop on AVX2 (160 ms at 128 rows). The C kernel widens the
-codes to 16 bits (vpmaddwd), whose pair sums cannot saturate.
+codes to 16 bits (vpmaddwd), whose pair sums cannot saturate; built for a CPU with AVX512-VNNI it
+uses vpdpbusd (u8 x s8 into int32 without saturation) on x + 128 and subtracts 128 times each
+weight row's sum (`weight_sums`), exact for K <= 65536.
 
 `available()` builds the library on first use and checks it once against the twins (codes that
 would saturate a 16-bit pair sum included); where it is missing or disagrees, callers keep the
@@ -36,9 +38,9 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def _configure(lib: ctypes.CDLL) -> None:
     lib.slimserve_quantize_per_token.restype = None
-    lib.slimserve_quantize_per_token.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I]
+    lib.slimserve_quantize_per_token.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I, _I]
     lib.slimserve_w8a8_gemm.restype = None
-    lib.slimserve_w8a8_gemm.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _I]
+    lib.slimserve_w8a8_gemm.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _I]
 
 
 _LIB = cpu_build.CLibrary(NAME, _configure)
@@ -48,19 +50,23 @@ unavailable_reason = _LIB.unavailable_reason
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes int8 [M, K], scale [M, 1] in x's dtype): the codes and scales of
-    `reference.quantize_per_token_int8` bit for bit, in C for fp32 rows with contiguous columns,
-    else through the twin."""
+    `reference.quantize_per_token_int8` bit for bit, in C for fp32 and bf16 rows (bf16 widened
+    to fp32 first, exactly; the scale rounded to bf16 as the twin rounds it), else through the
+    twin."""
     lib = _library()
-    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
         return reference.quantize_per_token_int8(x)
+    bf16 = x.dtype == torch.bfloat16
+    if bf16 or x.stride(1) != 1:
+        x = x.float().contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
     scale = torch.empty(m, 1, dtype=torch.float32)
     if m:
         lib.slimserve_quantize_per_token(
-            x.data_ptr(), x.stride(0), m, k, q.data_ptr(), scale.data_ptr(), _threads()
+            x.data_ptr(), x.stride(0), m, k, q.data_ptr(), scale.data_ptr(), int(bf16), _threads()
         )
-    return q, scale
+    return q, scale.to(torch.bfloat16) if bf16 else scale
 
 
 def w8a8_gemm(
@@ -69,9 +75,11 @@ def w8a8_gemm(
     weight: torch.Tensor,
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
+    w_sum: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 [M, N] = codes q int8 [M, K] @ weight int8 [N, K]^T, times x_scale [M] (or [M, 1])
-    and w_scale [N], plus bias [N] or None: `reference.w8a8_gemm` with fp32 output."""
+    and w_scale [N], plus bias [N] or None: `reference.w8a8_gemm` with fp32 output. w_sum:
+    `weight_sums(weight)`, held with the weight (without it, the VNNI path sums each tile)."""
     if q.dtype != torch.int8 or weight.dtype != torch.int8 or q.shape[1] != weight.shape[1]:
         raise ValueError(
             f"w8a8_gemm takes int8 codes [M, K] and [N, K], got {q.dtype} {tuple(q.shape)} "
@@ -84,6 +92,9 @@ def w8a8_gemm(
     b = None if bias is None else bias.float().contiguous()
     m, k = q.shape
     n = weight.shape[0]
+    if w_sum is not None and (w_sum.dtype != torch.int32 or w_sum.shape != (n,)):
+        raise ValueError(f"w_sum must be int32 [{n}], got {w_sum.dtype} {tuple(w_sum.shape)}")
+    ws_ptr = 0 if w_sum is None else w_sum.contiguous().data_ptr()
     out = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return out
@@ -97,9 +108,16 @@ def w8a8_gemm(
         out.data_ptr(),
         n,
         k,
+        ws_ptr,
         _threads(),
     )
     return out
+
+
+def weight_sums(weight: torch.Tensor) -> torch.Tensor:
+    """int32 [N]: each int8 weight row's sum, the correction the VNNI path (u8 x s8 products of
+    x + 128) subtracts 128 times."""
+    return weight.sum(dim=1, dtype=torch.int32).contiguous()
 
 
 def _threads() -> int:
@@ -117,10 +135,12 @@ def available() -> bool:
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 8, 64), (5, 13, 40), (3, 4, 37)):
         x = torch.randn(m, k, generator=g) * 3
+        for xd in (x, x.bfloat16()):
+            q, s = quantize_per_token(xd)
+            want_q, want_s = reference.quantize_per_token_int8(xd)
+            if not (torch.equal(q, want_q) and torch.equal(s, want_s)):
+                return False
         q, s = quantize_per_token(x)
-        want_q, want_s = reference.quantize_per_token_int8(x)
-        if not (torch.equal(q, want_q) and torch.equal(s, want_s)):
-            return False
         codes = [
             (q, torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)),
             (torch.full((m, k), 127, dtype=torch.int8), torch.full((n, k), 127, dtype=torch.int8)),
@@ -133,6 +153,7 @@ def available() -> bool:
         bias = torch.randn(n, generator=g)
         for a, w in codes:
             want = reference.w8a8_gemm(a, s, w, w_scale, bias, torch.float32)
-            if not torch.equal(w8a8_gemm(a, s, w, w_scale, bias), want):
-                return False
+            for w_sum in (None, weight_sums(w)):
+                if not torch.equal(w8a8_gemm(a, s, w, w_scale, bias, w_sum), want):
+                    return False
     return True

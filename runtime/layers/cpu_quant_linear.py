@@ -37,11 +37,13 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16)  # activations served; others k
 
 @dataclass
 class Int8Weight:
-    """A W8A8 layer's run-time form: int8 codes [N, K], fp32 per-channel scales [N] and bias."""
+    """A W8A8 layer's run-time form: int8 codes [N, K], fp32 per-channel scales [N], bias, and
+    the codes' row sums (int32 [N], the VNNI path's correction, summed once here)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
+    row_sums: torch.Tensor
 
 
 def serves(
@@ -71,7 +73,8 @@ def prepare(
     contiguous), weight_scale [N, 1] in the checkpoint's dtype, bias [N] or None."""
     scale = weight_scale.detach().float().reshape(-1).contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
-    return Int8Weight(weight.detach().contiguous(), scale, b)
+    codes = weight.detach().contiguous()
+    return Int8Weight(codes, scale, b, cpu_quant_gemm.weight_sums(codes))
 
 
 def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
@@ -79,5 +82,5 @@ def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     k = w.codes.shape[1]
     flat = x.reshape(-1, k)
     q, scale = cpu_quant_gemm.quantize_per_token(flat)
-    out = cpu_quant_gemm.w8a8_gemm(q, scale, w.codes, w.scale, w.bias)
+    out = cpu_quant_gemm.w8a8_gemm(q, scale, w.codes, w.scale, w.bias, w.row_sums)
     return out.to(x.dtype).reshape(*x.shape[:-1], w.codes.shape[0])

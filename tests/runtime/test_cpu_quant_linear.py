@@ -39,9 +39,10 @@ def test_codes_and_scales_equal_the_twin_bit_for_bit(rows):
     if rows > 1:
         x[1] = 0  # an all-zero row: scale clamped to fp32 eps
     strided = torch.randn(rows, 200, generator=g)[:, ::2]  # rows not contiguous columns: the twin
-    for t in (x, strided, x[:, :37]):
+    for t in (x, strided, x[:, :37], x.bfloat16(), strided.bfloat16()):
         q, s = cpu_quant_gemm.quantize_per_token(t)
         want_q, want_s = reference.quantize_per_token_int8(t)
+        assert s.dtype == want_s.dtype
         assert torch.equal(q, want_q) and torch.equal(s, want_s)
 
 
@@ -55,6 +56,12 @@ def test_gemm_equals_the_twin_bit_for_bit(rows, n, k):
     for b in (bias, None):
         want = reference.w8a8_gemm(q, xs, w, ws, b, torch.float32)
         assert torch.equal(cpu_quant_gemm.w8a8_gemm(q, xs, w, ws, b), want)
+        # the row sums held with the weight (the VNNI path's correction) give the same result
+        sums = cpu_quant_gemm.weight_sums(w)
+        assert torch.equal(sums, w.int().sum(1, dtype=torch.int32))
+        assert torch.equal(cpu_quant_gemm.w8a8_gemm(q, xs, w, ws, b, sums), want)
+    with pytest.raises(ValueError, match="w_sum must be int32"):
+        cpu_quant_gemm.w8a8_gemm(q, xs, w, ws, None, torch.zeros(n, dtype=torch.int64))
     # every pair sum at 2 * 128 * 128: where a saturating 16-bit kernel goes wrong
     ext = torch.full((rows, k), -128, dtype=torch.int8)
     acc = cpu_quant_gemm.w8a8_gemm(
