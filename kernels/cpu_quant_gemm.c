@@ -24,10 +24,6 @@
 
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
-/* Per row of x [M, K] (row stride ldx): scale = max(absmax / 127.5, FLT_EPSILON), rounded to
- * bfloat16 if bf16_scale (the twin rounds the scale to x's dtype: a bf16 x's rows come here as
- * fp32, exactly); codes = round_half_even(clamp(x / scale, -128, 127)). IEEE division, as
- * torch's `/` does. */
 /* f rounded to the nearest bfloat16 (ties to even), as torch's .to(torch.bfloat16) does for the
  * finite positive scales here */
 static inline float round_to_bf16(float f) {
@@ -39,6 +35,10 @@ static inline float round_to_bf16(float f) {
     return v.f;
 }
 
+/* Per row of x [M, K] (row stride ldx): scale = max(absmax / 127.5, FLT_EPSILON), rounded to
+ * bfloat16 if bf16_scale (the twin rounds the scale to x's dtype: a bf16 x's rows come here as
+ * fp32, exactly); codes = round_half_even(clamp(x / scale, -128, 127)). IEEE division, as
+ * torch's `/` does. */
 NO_CONTRACT void slimserve_quantize_per_token(const float *x, int64_t ldx, int64_t M, int64_t K,
                                               int8_t *q, float *scale, int bf16_scale,
                                               int num_threads) {
@@ -172,8 +172,9 @@ NO_CONTRACT static void store_tile(const int32_t acc[MR][NR], int mr, int nr, in
 }
 
 /* out [M, N] fp32 = x [M, K] int8 (scales xs [M]) @ w [N, K]^T int8 (scales ws [N]) + bias [N]
- * (or NULL); all contiguous. wsum [N]: each weight row's sum (or NULL: summed per tile). Threads split the output channels; each walks every token row over
- * its weight tile, which stays in L1. */
+ * (or NULL); all contiguous. wsum [N]: each weight row's sum (or NULL: summed per tile).
+ * Threads split the output channels; each walks every token row over its weight tile, which
+ * stays in L1. */
 void slimserve_w8a8_gemm(const int8_t *x, const float *xs, int64_t M, const int8_t *w,
                          const float *ws, const float *bias, float *out, int64_t N, int64_t K,
                          const int32_t *wsum, int num_threads) {
