@@ -1,7 +1,7 @@
 """Dynamic symmetric per-token int8 activation quantization in one fused kernel.
 
 Twin: `reference.quantize_per_token_int8`, matched bit for bit. Per row of x [M, K]:
-absmax over K, scale = max(absmax / 127.5, fp32 eps) rounded to x's dtype, then
+absmax over K, scale = max(absmax / 127, fp32 eps) rounded to x's dtype, then
 codes = round_half_even(clamp(x / scale, -128, 127)) with the fp32 value of the rounded scale.
 Both divisions are IEEE round-to-nearest (`div_rn`); Triton's plain fp32 `/` is the approximate
 `div.full.f32` on the GPU and would flip codes that sit on a rounding boundary.
@@ -21,7 +21,7 @@ import triton.language as tl
 from slimserve.kernels._launch import AotVariant, check, check_tensor, next_pow2
 from slimserve.kernels._rounding import rint_small, round_to
 
-_INT8_ACT_DIV = tl.constexpr(127.5)  # (qmax - qmin) / 2: compressed-tensors' symmetric divisor
+_INT8_ACT_DIV = tl.constexpr(127.0)  # vLLM's per-token divisor (kernels/reference.py _INT8_ACT_DIV)
 _EPS = tl.constexpr(1.1920928955078125e-07)  # torch.finfo(torch.float32).eps, smallest scale
 MAX_ONE_PASS_K = 8192  # longest row kept in registers; longer rows loop in chunks of this size
 MIN_BLOCK_K = 256  # shorter rows still get a 256 tile (masked): fewer variants to compile

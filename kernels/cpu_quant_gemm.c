@@ -35,7 +35,7 @@ static inline float round_to_bf16(float f) {
     return v.f;
 }
 
-/* Per row of x [M, K] (row stride ldx): scale = max(absmax / 127.5, FLT_EPSILON), rounded to
+/* Per row of x [M, K] (row stride ldx): scale = max(absmax / 127, FLT_EPSILON), rounded to
  * bfloat16 if bf16_scale (the twin rounds the scale to x's dtype: a bf16 x's rows come here as
  * fp32, exactly); codes = round_half_even(clamp(x / scale, -128, 127)). IEEE division, as
  * torch's `/` does. */
@@ -61,7 +61,7 @@ NO_CONTRACT void slimserve_quantize_per_token(const float *x, int64_t ldx, int64
             const float a = fabsf(r[k]);
             amax = a > amax ? a : amax;
         }
-        float s = amax / 127.5f;
+        float s = amax / 127.0f;
         s = s < FLT_EPSILON ? FLT_EPSILON : s;
         if (bf16_scale) s = round_to_bf16(s);
         scale[m] = s;

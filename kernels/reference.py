@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_INT8_ACT_DIV = 127.5  # (qmax - qmin) / 2 for int8: CT's symmetric scale divisor
+# Dynamic per-token int8 activations: absmax / 127, the divisor of vLLM's scaled_int8_quant (CPU
+# and GPU) and of the SmoothQuant paper, so a W8A8 artifact serves the same codes here and there.
+# Weights keep compressed-tensors' symmetric divisor (qmax - qmin) / 2 = 127.5 (compress/quant/).
+_INT8_ACT_DIV = 127.0
 _EPS = torch.finfo(torch.float32).eps  # smallest scale, as in compressed-tensors
 
 
@@ -147,8 +150,8 @@ def linear_dequant(
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric int8 per token: codes int8 [..., K] and scale [..., 1] in x's dtype.
 
-    scale = absmax / 127.5 (CT's symmetric divisor), rounded to x's dtype before the codes are
-    computed; codes = round(clamp(x / scale, -128, 127)).
+    scale = absmax / 127 (vLLM's divisor, see _INT8_ACT_DIV), rounded to x's dtype before the
+    codes are computed; codes = round(clamp(x / scale, -128, 127)).
     """
     xf = x.float()
     absmax = xf.abs().amax(dim=-1, keepdim=True)

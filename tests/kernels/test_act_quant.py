@@ -48,10 +48,10 @@ def test_chunked_rows_bit_exact(k, block_k, dtype):
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
 def test_ties_round_half_to_even(dtype):
-    """absmax 127.5 * 2^-4 gives the exact scale 2^-4, so (j + 0.5) * 2^-4 lands exactly on a
+    """absmax 127 * 2^-4 gives the exact scale 2^-4, so (j + 0.5) * 2^-4 lands exactly on a
     tie: torch.round (and the kernel) must give the even neighbour, not round away from zero."""
-    halves = torch.arange(-128, 127, dtype=torch.float32) + 0.5  # -127.5 .. 126.5
-    row = torch.cat([halves, torch.tensor([127.5, -127.5])]) / 16
+    halves = torch.arange(-127, 126, dtype=torch.float32) + 0.5  # -126.5 .. 125.5
+    row = torch.cat([halves, torch.tensor([127.0, -127.0])]) / 16
     x = row.to(dtype).to(DEV).unsqueeze(0)
     q, s = aq.act_quant(x)
     assert s.item() == 2.0**-4

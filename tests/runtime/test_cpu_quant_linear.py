@@ -35,7 +35,7 @@ def _w8a8(k, n, bias, storage, g):
 def test_codes_and_scales_equal_the_twin_bit_for_bit(rows):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 100, generator=g) * torch.rand(rows, 1, generator=g) * 10
-    x[0, :5] = torch.tensor([0.5, -0.5, 2.5, -127.5, 1e-3])  # ties and the row's extreme
+    x[0, :5] = torch.tensor([0.5, -0.5, 2.5, -127.0, 1e-3])  # scale 1: ties, the extreme
     if rows > 1:
         x[1] = 0  # an all-zero row: scale clamped to fp32 eps
     strided = torch.randn(rows, 200, generator=g)[:, ::2]  # rows not contiguous columns: the twin

@@ -195,11 +195,13 @@ def test_actorder_group_writes_and_uses_g_idx():
     assert torch.equal(w_ref.to(torch.bfloat16), qw.dequantize(torch.bfloat16))
 
 
-def test_per_token_int8_matches_ct_formula():
-    x = torch.tensor([[0.0, 1.0, -2.55, 0.3]], dtype=torch.float32)
+def test_per_token_int8_matches_vllms_formula():
+    """Dynamic activations: absmax / 127 as vLLM's scaled_int8_quant (not CT's 127.5 of weights),
+    so the row's extreme is exactly -127 and -128 is never used."""
+    x = torch.tensor([[0.0, 1.0, -2.54, 0.3, 0.01]], dtype=torch.float32)
     q, scale = reference.quantize_per_token_int8(x)
-    assert torch.allclose(scale, torch.tensor([[2.55 / 127.5]]))
-    assert q.tolist() == [[0, 50, -128, 15]]  # -2.55 / 0.02 = -127.5 -> clamp to -128, kept
+    assert torch.equal(scale, torch.tensor([[2.54 / 127]]))
+    assert q.tolist() == [[0, 50, -127, 15, 0]]  # 0.01 / 0.02 = 0.5 -> 0: half to even
 
 
 # ---------------------------------------------------------------- manifest
