@@ -7,11 +7,17 @@
  * int32), not with vpmaddubsw, whose 16-bit pair sums saturate: oneDNN's int8 GEMM on an AVX2
  * CPU without VNNI gives 143340 for 40 products of 100 * 100 (measured, torch 2.13). Where the
  * compiler targets AVX512-VNNI (-march=native on such a CPU), vpdpbusd forms them instead: four
- * u8 x s8 products per 32-bit lane, added without saturation (dot_tile).
+ * u8 x s8 products per 32-bit lane, added without saturation (dot_tile), and on weights packed
+ * 16 channels by 4 k a vector (slimserve_w8a8_pack) no horizontal sums (slimserve_w8a8_gemm_packed).
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -202,4 +208,149 @@ void slimserve_w8a8_gemm(const int8_t *x, const float *xs, int64_t M, const int8
             store_tile(acc, 1, nr, m, n, xs, ws, bias, out, N);
         }
     }
+}
+
+/* 1 when this build has the packed VNNI GEMM below (the compiler targets AVX512-VNNI and -BW). */
+int slimserve_w8a8_vnni(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#define VG 16 /* output channels a packed group: one zmm of int32 accumulators */
+#define VNB 4 /* groups a tile */
+#define VMR 4 /* token rows a tile */
+
+/* w [N, K] int8 -> packed [ceil(N/16)][ceil(K/4)][16][4]: for group g and k-quad q, channel
+ * 16g + c's bytes k = 4q .. 4q + 3 at ((g * KQ + q) * 16 + c) * 4. Padding (channels >= N,
+ * k >= K) is zero, so it adds nothing to a sum. One vpdpbusd of a broadcast 4-byte x quad then
+ * adds 4 products to each of 16 channels' int32 lanes: no horizontal sums, as oneDNN's VNNI
+ * layouts do. */
+void slimserve_w8a8_pack(const int8_t *w, int64_t N, int64_t K, int8_t *packed) {
+    const int64_t groups = (N + VG - 1) / VG, kq = (K + 3) / 4;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t q = 0; q < kq; q++)
+            for (int c = 0; c < VG; c++)
+                for (int r = 0; r < 4; r++) {
+                    const int64_t n = g * VG + c, k = q * 4 + r;
+                    packed[((g * kq + q) * VG + c) * 4 + r] = n < N && k < K ? w[n * K + k] : 0;
+                }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* acc[i][j] (16 int32 lanes: channels of group j) = sum over k of xu[i][k] * w, xu = x + 128 as
+ * u8 rows KP apart (KP = 4 * kq), wp the tile's first group, groups gstride bytes apart. */
+NO_CONTRACT static inline __attribute__((always_inline)) void vnni_tile(const uint8_t *xu, int64_t kq,
+                                                            int mr, const int8_t *wp,
+                                                            int64_t gstride, int nb,
+                                                            __m512i acc[VMR][VNB]) {
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nb; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < kq; q++) {
+        __m512i wv[VNB];
+        for (int j = 0; j < nb; j++) wv[j] = _mm512_loadu_si512(wp + j * gstride + q * 64);
+        for (int i = 0; i < mr; i++) {
+            int32_t quad;
+            memcpy(&quad, xu + i * kq * 4 + q * 4, 4);
+            const __m512i xb = _mm512_set1_epi32(quad);
+            for (int j = 0; j < nb; j++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xb, wv[j]);
+        }
+    }
+}
+
+/* bf16 bits of fp32 lanes, nearest even (torch's rounding for finite values) */
+static inline __m256i to_bf16_bits(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+/* the epilogue of store_tile on 16 lanes: ((float)(acc - 128 * wsum) * xs) * ws (+ bias), no
+ * fused multiply-adds, stored as fp32 or bf16, masked to the channels < N */
+NO_CONTRACT static inline __attribute__((always_inline)) void vnni_store(__m512i acc, int64_t m, int64_t n,
+                                                             int64_t N, const float *xs,
+                                                             const float *ws, const float *bias,
+                                                             const int32_t *wsum, void *out,
+                                                             int out_bf16) {
+    const __mmask16 mask = N - n >= VG ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+    const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, wsum + n), 7);
+    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, corr));
+    v = _mm512_mul_ps(v, _mm512_set1_ps(xs[m]));
+    v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, ws + n));
+    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n));
+    if (out_bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)out + m * N + n, mask, to_bf16_bits(v));
+    else
+        _mm512_mask_storeu_ps((float *)out + m * N + n, mask, v);
+}
+
+NO_CONTRACT static inline __attribute__((always_inline)) void vnni_block(
+    const uint8_t *xu, int64_t m, int mr, int64_t kq, const int8_t *wp, int64_t g, int nb,
+    int64_t N, const float *xs, const float *ws, const float *bias, const int32_t *wsum,
+    void *out, int out_bf16) {
+    __m512i acc[VMR][VNB];
+    const int64_t gstride = kq * 64;
+    vnni_tile(xu + m * kq * 4, kq, mr, wp + g * gstride, gstride, nb, acc);
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nb; j++)
+            vnni_store(acc[i][j], m + i, (g + j) * VG, N, xs, ws, bias, wsum, out, out_bf16);
+}
+#endif
+
+/* out [M, N] (fp32, or bf16 bits if out_bf16) = x [M, K] int8 (scales xs [M]) @ w^T, w packed by
+ * slimserve_w8a8_pack, wsum [N] its rows' sums, ws [N] its scales, bias [N] or NULL: the values
+ * of slimserve_w8a8_gemm bit for bit (rounded to bf16 after). Only in a VNNI build
+ * (slimserve_w8a8_vnni); returns 0 when it did nothing (no VNNI, or no memory), 1 when done.
+ * Threads take equal runs of 16-channel groups and walk every token row over them. */
+NO_CONTRACT int slimserve_w8a8_gemm_packed(const int8_t *x, const float *xs, int64_t M, const int8_t *wp,
+                               const float *ws, const float *bias, void *out, int out_bf16,
+                               int64_t N, int64_t K, const int32_t *wsum, int num_threads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    const int64_t kq = (K + 3) / 4, groups = (N + VG - 1) / VG;
+    uint8_t *xu = malloc((size_t)(M * kq * 4 + 64));
+    if (!xu) return 0;
+    for (int64_t m = 0; m < M; m++) { /* x + 128 as u8, padded with 128 (times a zero weight) */
+        uint8_t *dst = xu + m * kq * 4;
+        int64_t k = 0;
+        for (; k + 64 <= K; k += 64)
+            _mm512_storeu_si512(dst + k, _mm512_xor_si512(_mm512_loadu_si512(x + m * K + k),
+                                                          _mm512_set1_epi8((char)0x80)));
+        for (; k < kq * 4; k++) dst[k] = k < K ? (uint8_t)(x[m * K + k] ^ 0x80) : 0x80;
+    }
+    const int threads = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel num_threads(threads)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        const int t = 0, nt = 1;
+#endif
+        const int64_t g0 = groups * t / nt, g1 = groups * (t + 1) / nt;
+        for (int64_t g = g0; g < g1; g += VNB) {
+            const int nb = g1 - g >= VNB ? VNB : (int)(g1 - g);
+            int64_t m = 0;
+            for (; m + VMR <= M; m += VMR) {
+                if (nb == VNB)
+                    vnni_block(xu, m, VMR, kq, wp, g, VNB, N, xs, ws, bias, wsum, out, out_bf16);
+                else
+                    vnni_block(xu, m, VMR, kq, wp, g, nb, N, xs, ws, bias, wsum, out, out_bf16);
+            }
+            for (; m < M; m++) {
+                if (nb == VNB)
+                    vnni_block(xu, m, 1, kq, wp, g, VNB, N, xs, ws, bias, wsum, out, out_bf16);
+                else
+                    vnni_block(xu, m, 1, kq, wp, g, nb, N, xs, ws, bias, wsum, out, out_bf16);
+            }
+        }
+    }
+    free(xu);
+    return 1;
+#else
+    (void)x, (void)xs, (void)M, (void)wp, (void)ws, (void)bias, (void)out, (void)out_bf16;
+    (void)N, (void)K, (void)wsum, (void)num_threads;
+    return 0;
+#endif
 }

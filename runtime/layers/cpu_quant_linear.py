@@ -21,7 +21,9 @@ host shared with other jobs): 3.2-6.1x the path it replaces at one row (decoding
 bytes are a quarter), 1.1-3.5x at 8 and 32 rows, 1.0-2.0x at 128 and 512 (parity, 0.98-0.99x,
 for 576x576 at 128 and 512 rows and 192x576 at 512), so there is no row threshold. The kernel
 compiles nothing per row count, so no row buckets (runtime/layers/cpu_linear.py needs them for
-oneDNN). The layer holds its int8 buffers only, a quarter of the fp32 weight it replaces.
+oneDNN). The layer holds its int8 buffers, a quarter of the fp32 weight it replaces; where the
+packed VNNI GEMM runs (`cpu_quant_gemm.packed_available()`) it holds the codes a second time in
+that layout (half the fp32 weight in all), and the kernel writes bf16 outputs itself.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Int8Weight:
     scale: torch.Tensor
     bias: torch.Tensor | None
     row_sums: torch.Tensor
+    # the codes again in the VNNI layout, where `cpu_quant_gemm.packed_available()` (None else)
+    packed: cpu_quant_gemm.PackedWeight | None = None
 
 
 def serves(
@@ -74,7 +78,8 @@ def prepare(
     scale = weight_scale.detach().float().reshape(-1).contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
     codes = weight.detach().contiguous()
-    return Int8Weight(codes, scale, b, cpu_quant_gemm.weight_sums(codes))
+    packed = cpu_quant_gemm.pack(codes) if cpu_quant_gemm.packed_available() else None
+    return Int8Weight(codes, scale, b, cpu_quant_gemm.weight_sums(codes), packed)
 
 
 def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
@@ -82,5 +87,9 @@ def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     k = w.codes.shape[1]
     flat = x.reshape(-1, k)
     q, scale = cpu_quant_gemm.quantize_per_token(flat)
+    n = w.codes.shape[0]
+    if w.packed is not None:  # written in x's dtype by the kernel: no fp32 copy to cast
+        out = cpu_quant_gemm.w8a8_gemm_packed(q, scale, w.packed, w.scale, w.bias, x.dtype)
+        return out.reshape(*x.shape[:-1], n)
     out = cpu_quant_gemm.w8a8_gemm(q, scale, w.codes, w.scale, w.bias, w.row_sums)
-    return out.to(x.dtype).reshape(*x.shape[:-1], w.codes.shape[0])
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)

@@ -123,6 +123,70 @@ def test_bf16_activations_round_once_like_the_twin():
     assert torch.equal(got, want)
 
 
+needs_vnni = pytest.mark.skipif(
+    not cpu_quant_gemm.vnni(), reason="the packed GEMM needs a library built for AVX512-VNNI"
+)
+
+
+@needs_vnni
+@pytest.mark.parametrize(
+    "rows,n,k", [(1, 96, 64), (3, 13, 37), (4, 16, 4), (9, 200, 576), (33, 70, 1536)]
+)
+def test_packed_gemm_equals_the_twin_bit_for_bit(rows, n, k):
+    """Ragged 16-channel groups (13, 70, 200), a ragged k-quad (37), one row and rows past the
+    4-row tile; fp32 and bf16 out, with and without bias; and every product -128 x -128."""
+    assert cpu_quant_gemm.packed_available()
+    g = torch.Generator().manual_seed(k)
+    q = torch.randint(-128, 128, (rows, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    xs, ws = torch.rand(rows, 1, generator=g), torch.rand(n, generator=g)
+    pw = cpu_quant_gemm.pack(w)
+    assert pw.data.numel() == -(-n // 16) * 16 * -(-k // 4) * 4
+    for b in (torch.randn(n, generator=g), None):
+        for dtype in (torch.float32, torch.bfloat16):
+            want = reference.w8a8_gemm(q, xs, w, ws, b, dtype)
+            got = cpu_quant_gemm.w8a8_gemm_packed(q, xs, pw, ws, b, dtype)
+            assert got.dtype == dtype and torch.equal(got, want)
+    ext = torch.full((rows, k), -128, dtype=torch.int8)
+    acc = cpu_quant_gemm.w8a8_gemm_packed(
+        ext, torch.ones(rows), cpu_quant_gemm.pack(ext[:1].expand(n, k)), torch.ones(n)
+    )
+    assert torch.equal(acc, torch.full((rows, n), 128.0 * 128 * k))
+    assert cpu_quant_gemm.w8a8_gemm_packed(q[:0], xs[:0], pw, ws).shape == (0, n)
+    with pytest.raises(ValueError, match=f"int8 codes \\[M, {k}\\]"):
+        cpu_quant_gemm.w8a8_gemm_packed(q[:, :-1], xs, pw, ws)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_quant_gemm.w8a8_gemm_packed(q, xs, pw, ws, None, torch.float16)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_take_the_packed_gemm_where_it_runs(dtype):
+    g = torch.Generator().manual_seed(5)
+    layer = _w8a8(576, 200, True, torch.bfloat16, g)
+    layer.freeze_dense(dtype)
+    assert layer.__dict__["_int8"].packed is not None
+    x = torch.randn(2, 7, 576, generator=g).to(dtype)
+    want = reference.linear_w8a8(x.reshape(-1, 576), layer.weight, layer.weight_scale, layer.bias)
+    assert torch.equal(layer(x), want.to(dtype).reshape(2, 7, 200))
+
+
+def test_probe_refuses_a_packed_gemm_that_disagrees(monkeypatch):
+    real = cpu_quant_gemm.w8a8_gemm_packed
+    monkeypatch.setattr(cpu_quant_gemm, "w8a8_gemm_packed", lambda *a: real(*a) * 1.0001)
+    cpu_quant_gemm.packed_available.cache_clear()
+    try:
+        assert not cpu_quant_gemm.packed_available()
+        g = torch.Generator().manual_seed(6)
+        layer = _w8a8(64, 32, False, torch.float32, g)
+        layer.freeze_dense(torch.float32)
+        assert layer.__dict__["_int8"].packed is None  # the unpacked int8 GEMM serves it
+    finally:
+        monkeypatch.undo()
+        cpu_quant_gemm.packed_available.cache_clear()
+    assert cpu_quant_gemm.packed_available() == cpu_quant_gemm.vnni()
+
+
 def test_only_w8a8_int8_channel_layers_on_cpu_take_the_path():
     w8a8, w4a16 = preset("W8A8"), preset("W4A16")
     cpu = torch.device("cpu")
