@@ -11,7 +11,9 @@
  * [n, bt_stride]; context lengths int32 [n]. Query head h reads KV head h / (H / Hkv).
  * A task is one sequence (or one sequence and KV head when there are few sequences); each KV
  * head's group of query heads is attended together, so each cached key and value is read once per
- * group; scores, softmax and the weighted sum are fp32.
+ * group; scores, softmax and the weighted sum are fp32. On AVX512 a bf16 cache's values are
+ * widened in registers into accumulators held over the whole context (values_bf16): 279 ->
+ * 203 us for 32 sequences of 192 tokens, 9 / 3 heads of 64, 2 threads, Zen 4 EPYC.
  *
  * A sliding window (window > 0) restricts a sequence of L cached tokens to its last `window`
  * keys (the query sits at position L - 1 and sees positions > L - 1 - window); the blocks before
@@ -213,6 +215,55 @@ static inline void tile_scores_bf16(const uint32_t *restrict qp, const uint16_t 
         _mm512_mask_storeu_ps(s + (int64_t)g * L + t0, live, v);
     }
 }
+
+/* acc[g, 16 c0 .. 16 (c0 + CC)) = sum over t in [begin, L) of p[g, t] * v row t, for G heads of
+ * one KV head of a bf16 cache (row t at table[t / bs] * bs + t % bs; `hoff` the head's offset):
+ * each row's CC chunks of 16 are widened in registers (bf16 is the top half of fp32) and
+ * multiplied into G * CC accumulators that stay in registers over the whole context, in the
+ * order of t, as block_values does on the converted rows. */
+INLINE void values_bf16_pass(const float *restrict s, const uint16_t *restrict vc,
+                             const int32_t *table, int bs, int64_t token_stride, int64_t hoff,
+                             int begin, int L, int G, int CC, int c0, float *restrict acc,
+                             int D) {
+    __m512 a[24];
+    for (int x = 0; x < G * CC; ++x) a[x] = _mm512_setzero_ps();
+    for (int t = begin; t < L; ++t) {
+        const uint16_t *row =
+            vc + ((int64_t)table[t / bs] * bs + t % bs) * token_stride + hoff + 16 * c0;
+        for (int c = 0; c < CC; ++c) {
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 16 * c))), 16));
+            for (int g = 0; g < G; ++g)
+                a[g * CC + c] =
+                    _mm512_fmadd_ps(_mm512_set1_ps(s[(int64_t)g * L + t]), v, a[g * CC + c]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CC; ++c) _mm512_storeu_ps(acc + (int64_t)g * D + 16 * (c0 + c), a[g * CC + c]);
+}
+
+/* values_bf16_pass over all of D, in passes of CC chunks (G * CC <= 24 accumulators), with G,
+ * CC and D literals so the loops unroll and the accumulators are registers; 0 if G > 8. */
+INLINE int values_bf16(const float *s, const uint16_t *vc, const int32_t *table, int bs,
+                       int64_t token_stride, int64_t hoff, int begin, int L, int G, int D,
+                       float *acc) {
+#define VPASS(GG, CCC)                                                                          \
+    for (int c0 = 0; c0 < D / 16; c0 += CCC)                                                    \
+        values_bf16_pass(s, vc, table, bs, token_stride, hoff, begin, L, GG, CCC, c0, acc, D); \
+    return 1
+#define VCASE(GG)                                                    \
+    case GG:                                                         \
+        if (D == 64 && GG <= 6) { VPASS(GG, 4); }                    \
+        if (GG <= 3) { VPASS(GG, 8 < D / 16 ? 8 : D / 16); }         \
+        if (GG <= 6) { VPASS(GG, 4); }                               \
+        VPASS(GG, 2)
+    switch (G) {
+        VCASE(1); VCASE(2); VCASE(3); VCASE(4); VCASE(5); VCASE(6); VCASE(7); VCASE(8);
+    }
+#undef VCASE
+#undef VPASS
+    return 0;
+}
 #endif
 
 /* Softmax of each head's scores at [start, L); the block-aligned ones before, [begin, start),
@@ -281,6 +332,11 @@ INLINE void attend(const float *q, const void *kc, const void *vc, int kind, int
         }
         softmax_rows(scores, G, L, begin, start, softcap);
         memset(acc, 0, sizeof(float) * (size_t)G * D);
+#ifdef HAVE_BF16_TILES
+        if (!(kind == KV_BF16 && (D == 64 || D == 128) &&
+              values_bf16(scores, (const uint16_t *)vc, table, bs, token_stride, (int64_t)h * R,
+                          begin, L, G, D, acc)))
+#endif
         for (int t0 = begin; t0 < L; t0 += bs) {
             const int count = L - t0 < bs ? L - t0 : bs;
             int64_t stride = token_stride;

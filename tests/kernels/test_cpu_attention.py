@@ -62,11 +62,23 @@ def test_matches_the_torch_twin(dtype, h, h_kv, d, bs):
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "h,h_kv,d,bs", [(6, 2, 64, 16), (8, 8, 128, 16), (9, 3, 64, 32), (4, 1, 128, 64), (9, 3, 64, 4)]
+    "h,h_kv,d,bs",
+    [
+        (6, 2, 64, 16),
+        (8, 8, 128, 16),
+        (9, 3, 64, 32),
+        (4, 1, 128, 64),
+        (9, 3, 64, 4),
+        (16, 2, 64, 16),
+        (14, 2, 128, 16),
+        (20, 2, 64, 16),
+    ],
 )
 def test_bf16_queries_on_a_bf16_cache_match_the_twin(h, h_kv, d, bs):
     """A bf16 query over a bf16 cache takes the kernel's tiled path on CPUs with AVX512-BF16
-    (keys transposed by bf16 pairs, 16 at a time, partial tiles and blocks of 32 or 64 included):
+    (keys transposed by bf16 pairs, 16 at a time, partial tiles and blocks of 32 or 64 included;
+    the values widened in registers into G x chunk accumulators, in one pass of D or in passes
+    of 4 or 2 chunks for 4 to 8 heads a group; 10 heads a group take the converted-rows loop):
     each value is within the bf16 rounding of the twin's fp32 result."""
     lens = [1, 15, 16, 17, bs + 1, 3 * bs + 5, 200]
     q, kc, vc, tables, ctx = _case(torch.bfloat16, h, h_kv, d, bs, lens)
