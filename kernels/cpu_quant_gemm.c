@@ -41,56 +41,83 @@ static inline float round_to_bf16(float f) {
     return v.f;
 }
 
-/* Per row of x [M, K] (row stride ldx): scale = max(absmax / 127, FLT_EPSILON), rounded to
- * bfloat16 if bf16_scale (the twin rounds the scale to x's dtype: a bf16 x's rows come here as
- * fp32, exactly); codes = round_half_even(clamp(x / scale, -128, 127)). IEEE division, as
- * torch's `/` does. */
+/* element k of a row of fp32 values, or of bf16 bits (the top half of an fp32: exact) */
+static inline __attribute__((always_inline)) float load1(const void *r, int bf16, int64_t k) {
+    if (!bf16) return ((const float *)r)[k];
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)((const uint16_t *)r)[k] << 16};
+    return v.f;
+}
+
+#ifdef __AVX2__
+static inline __attribute__((always_inline)) __m256 load8(const void *r, int bf16, int64_t k) {
+    if (!bf16) return _mm256_loadu_ps((const float *)r + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)r + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* One row: scale = max(absmax / 127, FLT_EPSILON), rounded to bfloat16 if bf16_scale (the twin
+ * rounds the scale to x's dtype); codes = round_half_even(clamp(x / scale, -128, 127)). IEEE
+ * division, as torch's `/` does. */
+NO_CONTRACT static inline __attribute__((always_inline)) void quantize_row(
+    const void *r, int bf16, int64_t K, int8_t *out, float *scale, int bf16_scale) {
+    float amax = 0.0f;
+    int64_t k = 0;
+#ifdef __AVX2__
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(r, bf16, k), abs_mask));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+#endif
+    for (; k < K; k++) {
+        const float a = fabsf(load1(r, bf16, k));
+        amax = a > amax ? a : amax;
+    }
+    float s = amax / 127.0f;
+    s = s < FLT_EPSILON ? FLT_EPSILON : s;
+    if (bf16_scale) s = round_to_bf16(s);
+    *scale = s;
+    k = 0;
+#ifdef __AVX2__
+    const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-128.0f), hi = _mm256_set1_ps(127.0f);
+    for (; k + 8 <= K; k += 8) {
+        __m256 v = _mm256_div_ps(load8(r, bf16, k), vs);
+        v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+        v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        int32_t codes[8];
+        _mm256_storeu_si256((__m256i *)codes, _mm256_cvtps_epi32(v));
+        for (int i = 0; i < 8; i++) out[k + i] = (int8_t)codes[i];
+    }
+#endif
+    for (; k < K; k++) {
+        float v = load1(r, bf16, k) / s;
+        v = v < -128.0f ? -128.0f : v;
+        v = v > 127.0f ? 127.0f : v;
+        out[k] = (int8_t)nearbyintf(v);
+    }
+}
+
+/* Per row of fp32 x [M, K] (row stride ldx): quantize_row, the scale rounded to bf16 if
+ * bf16_scale. */
 NO_CONTRACT void slimserve_quantize_per_token(const float *x, int64_t ldx, int64_t M, int64_t K,
                                               int8_t *q, float *scale, int bf16_scale,
                                               int num_threads) {
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
-    for (int64_t m = 0; m < M; m++) {
-        const float *r = x + m * ldx;
-        int8_t *out = q + m * K;
-        float amax = 0.0f;
-        int64_t k = 0;
-#ifdef __AVX2__
-        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-        __m256 vmax = _mm256_setzero_ps();
-        for (; k + 8 <= K; k += 8)
-            vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(r + k), abs_mask));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vmax);
-        for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
-#endif
-        for (; k < K; k++) {
-            const float a = fabsf(r[k]);
-            amax = a > amax ? a : amax;
-        }
-        float s = amax / 127.0f;
-        s = s < FLT_EPSILON ? FLT_EPSILON : s;
-        if (bf16_scale) s = round_to_bf16(s);
-        scale[m] = s;
-        k = 0;
-#ifdef __AVX2__
-        const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-128.0f),
-                     hi = _mm256_set1_ps(127.0f);
-        for (; k + 8 <= K; k += 8) {
-            __m256 v = _mm256_div_ps(_mm256_loadu_ps(r + k), vs);
-            v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-            v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            int32_t codes[8];
-            _mm256_storeu_si256((__m256i *)codes, _mm256_cvtps_epi32(v));
-            for (int i = 0; i < 8; i++) out[k + i] = (int8_t)codes[i];
-        }
-#endif
-        for (; k < K; k++) {
-            float v = r[k] / s;
-            v = v < -128.0f ? -128.0f : v;
-            v = v > 127.0f ? 127.0f : v;
-            out[k] = (int8_t)nearbyintf(v);
-        }
-    }
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, 0, K, q + m * K, scale + m, bf16_scale);
+}
+
+/* The same for bf16 x [M, K] (raw bits, row stride ldx): each value widened exactly, the scale
+ * rounded to bf16 (fp32 in `scale`), as the twin does for a bf16 x. */
+NO_CONTRACT void slimserve_quantize_per_token_bf16(const uint16_t *x, int64_t ldx, int64_t M,
+                                                   int64_t K, int8_t *q, float *scale,
+                                                   int num_threads) {
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, 1, K, q + m * K, scale + m, 1);
 }
 
 #ifdef __AVX2__

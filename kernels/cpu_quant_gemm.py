@@ -47,6 +47,8 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 def _configure(lib: ctypes.CDLL) -> None:
     lib.slimserve_quantize_per_token.restype = None
     lib.slimserve_quantize_per_token.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I, _I]
+    lib.slimserve_quantize_per_token_bf16.restype = None
+    lib.slimserve_quantize_per_token_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I]
     lib.slimserve_w8a8_gemm.restype = None
     lib.slimserve_w8a8_gemm.argtypes = [_P, _P, _I64, _P, _P, _P, _P, _I64, _I64, _P, _I]
     lib.slimserve_w8a8_vnni.restype = _I
@@ -62,25 +64,28 @@ _library = _LIB.get
 unavailable_reason = _LIB.unavailable_reason
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (codes int8 [M, K], scale [M, 1] in x's dtype): the codes and scales of
-    `reference.quantize_per_token_int8` bit for bit, in C for fp32 and bf16 rows (bf16 widened
-    to fp32 first, exactly; the scale rounded to bf16 as the twin rounds it), else through the
-    twin."""
+def quantize_per_token(
+    x: torch.Tensor, fp32_scale: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes int8 [M, K], scale [M, 1] in x's dtype, or fp32 with `fp32_scale`):
+    the codes and scales of `reference.quantize_per_token_int8` bit for bit, in C for fp32 and
+    bf16 rows (bf16 read as it is and widened exactly; its scale rounded to bf16 as the twin
+    rounds it, so fp32 holds it exactly), else through the twin."""
     lib = _library()
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
-        return reference.quantize_per_token_int8(x)
+        q, s = reference.quantize_per_token_int8(x)
+        return q, s.float() if fp32_scale else s
     bf16 = x.dtype == torch.bfloat16
-    if bf16 or x.stride(1) != 1:
-        x = x.float().contiguous()
+    if x.stride(1) != 1:
+        x = x.contiguous()
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.int8)
     scale = torch.empty(m, 1, dtype=torch.float32)
     if m:
-        lib.slimserve_quantize_per_token(
-            x.data_ptr(), x.stride(0), m, k, q.data_ptr(), scale.data_ptr(), int(bf16), _threads()
-        )
-    return q, scale.to(torch.bfloat16) if bf16 else scale
+        fn = lib.slimserve_quantize_per_token_bf16 if bf16 else lib.slimserve_quantize_per_token
+        extra = () if bf16 else (0,)
+        fn(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), scale.data_ptr(), *extra, _threads())
+    return q, scale.to(torch.bfloat16) if bf16 and not fp32_scale else scale
 
 
 def w8a8_gemm(

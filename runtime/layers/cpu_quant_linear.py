@@ -86,7 +86,7 @@ def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
     """x [..., K] -> [..., N] in x's dtype: `reference.linear_w8a8(x, codes, scale, bias)`."""
     k = w.codes.shape[1]
     flat = x.reshape(-1, k)
-    q, scale = cpu_quant_gemm.quantize_per_token(flat)
+    q, scale = cpu_quant_gemm.quantize_per_token(flat, fp32_scale=True)
     n = w.codes.shape[0]
     if w.packed is not None:  # written in x's dtype by the kernel: no fp32 copy to cast
         out = cpu_quant_gemm.w8a8_gemm_packed(q, scale, w.packed, w.scale, w.bias, x.dtype)

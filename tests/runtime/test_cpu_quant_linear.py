@@ -44,6 +44,9 @@ def test_codes_and_scales_equal_the_twin_bit_for_bit(rows):
         want_q, want_s = reference.quantize_per_token_int8(t)
         assert s.dtype == want_s.dtype
         assert torch.equal(q, want_q) and torch.equal(s, want_s)
+        q32, s32 = cpu_quant_gemm.quantize_per_token(t, fp32_scale=True)  # what the layers take
+        assert s32.dtype == torch.float32
+        assert torch.equal(q32, want_q) and torch.equal(s32, want_s.float())
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 96, 64), (7, 13, 40), (9, 200, 576), (33, 6, 1536)])
