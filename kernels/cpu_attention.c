@@ -251,11 +251,10 @@ INLINE int values_bf16(const float *s, const uint16_t *vc, const int32_t *table,
     for (int c0 = 0; c0 < D / 16; c0 += CCC)                                                    \
         values_bf16_pass(s, vc, table, bs, token_stride, hoff, begin, L, GG, CCC, c0, acc, D); \
     return 1
-#define VCASE(GG)                                                    \
-    case GG:                                                         \
-        if (D == 64 && GG <= 6) { VPASS(GG, 4); }                    \
-        if (GG <= 3) { VPASS(GG, 8 < D / 16 ? 8 : D / 16); }         \
-        if (GG <= 6) { VPASS(GG, 4); }                               \
+#define VCASE(GG)                                     \
+    case GG:                                          \
+        if (GG * (D / 16) <= 24) { VPASS(GG, D / 16); } \
+        if (GG <= 6) { VPASS(GG, 4); }                \
         VPASS(GG, 2)
     switch (G) {
         VCASE(1); VCASE(2); VCASE(3); VCASE(4); VCASE(5); VCASE(6); VCASE(7); VCASE(8);

@@ -102,13 +102,11 @@ NO_CONTRACT static inline __attribute__((always_inline)) void quantize_row(
     }
 }
 
-/* Per row of fp32 x [M, K] (row stride ldx): quantize_row, the scale rounded to bf16 if
- * bf16_scale. */
+/* Per row of fp32 x [M, K] (row stride ldx): quantize_row. */
 NO_CONTRACT void slimserve_quantize_per_token(const float *x, int64_t ldx, int64_t M, int64_t K,
-                                              int8_t *q, float *scale, int bf16_scale,
-                                              int num_threads) {
+                                              int8_t *q, float *scale, int num_threads) {
 #pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, 0, K, q + m * K, scale + m, bf16_scale);
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, 0, K, q + m * K, scale + m, 0);
 }
 
 /* The same for bf16 x [M, K] (raw bits, row stride ldx): each value widened exactly, the scale

@@ -46,7 +46,7 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 def _configure(lib: ctypes.CDLL) -> None:
     lib.slimserve_quantize_per_token.restype = None
-    lib.slimserve_quantize_per_token.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I, _I]
+    lib.slimserve_quantize_per_token.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I]
     lib.slimserve_quantize_per_token_bf16.restype = None
     lib.slimserve_quantize_per_token_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _P, _I]
     lib.slimserve_w8a8_gemm.restype = None
@@ -83,9 +83,15 @@ def quantize_per_token(
     scale = torch.empty(m, 1, dtype=torch.float32)
     if m:
         fn = lib.slimserve_quantize_per_token_bf16 if bf16 else lib.slimserve_quantize_per_token
-        extra = () if bf16 else (0,)
-        fn(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), scale.data_ptr(), *extra, _threads())
+        fn(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), scale.data_ptr(), _threads())
     return q, scale.to(torch.bfloat16) if bf16 and not fp32_scale else scale
+
+
+def _epilogue_operands(x_scale, w_scale, bias):
+    """The scales and bias as the C epilogue reads them: contiguous fp32 [M], [N], [N] or None."""
+    xs = x_scale.reshape(-1).float().contiguous()
+    ws = w_scale.reshape(-1).float().contiguous()
+    return xs, ws, None if bias is None else bias.float().contiguous()
 
 
 def w8a8_gemm(
@@ -106,9 +112,7 @@ def w8a8_gemm(
         )
     # the C kernel reads raw pointers: every operand contiguous fp32 / int8, held here
     q, weight = q.contiguous(), weight.contiguous()
-    xs = x_scale.reshape(-1).float().contiguous()
-    ws = w_scale.reshape(-1).float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
+    xs, ws, b = _epilogue_operands(x_scale, w_scale, bias)
     m, k = q.shape
     n = weight.shape[0]
     if w_sum is not None and (w_sum.dtype != torch.int32 or w_sum.shape != (n,)):
@@ -209,9 +213,7 @@ def w8a8_gemm_packed(
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"w8a8_gemm_packed writes float32 or bfloat16, not {out_dtype}")
     q = q.contiguous()
-    xs = x_scale.reshape(-1).float().contiguous()
-    ws = w_scale.reshape(-1).float().contiguous()
-    b = None if bias is None else bias.float().contiguous()
+    xs, ws, b = _epilogue_operands(x_scale, w_scale, bias)
     m, n = q.shape[0], weight.n
     out = torch.empty(m, n, dtype=out_dtype)
     if m == 0:
@@ -231,7 +233,9 @@ def w8a8_gemm_packed(
         _threads(),
     )
     if not done:
-        raise RuntimeError("w8a8_gemm_packed: this build has no VNNI path (check vnni() first)")
+        raise RuntimeError(
+            "w8a8_gemm_packed did nothing: no VNNI build (check vnni() first) or no memory"
+        )
     return out
 
 

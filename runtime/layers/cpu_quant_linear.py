@@ -78,8 +78,10 @@ def prepare(
     scale = weight_scale.detach().float().reshape(-1).contiguous()
     b = None if bias is None else bias.detach().float().contiguous()
     codes = weight.detach().contiguous()
-    packed = cpu_quant_gemm.pack(codes) if cpu_quant_gemm.packed_available() else None
-    return Int8Weight(codes, scale, b, cpu_quant_gemm.weight_sums(codes), packed)
+    if cpu_quant_gemm.packed_available():
+        packed = cpu_quant_gemm.pack(codes)
+        return Int8Weight(codes, scale, b, packed.w_sum, packed)
+    return Int8Weight(codes, scale, b, cpu_quant_gemm.weight_sums(codes))
 
 
 def linear(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
