@@ -90,6 +90,26 @@ def test_bf16_queries_on_a_bf16_cache_match_the_twin(h, h_kv, d, bs):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("h,h_kv,d,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (6, 2, 64, 64)])
+def test_many_sequences_copy_their_blocks_first(threads, h, h_kv, d, bs):
+    """With at least 4 sequences a thread, a task is a whole sequence, and a bf16 cache's blocks
+    are copied out together before the tiles read them (`gather_blocks`): the result is the
+    twin's within bf16 rounding, at one and two threads, whatever the block size."""
+    lens = [1, 15, 16, 17, bs + 1, 3 * bs + 5, 200, 33, 64, 129]
+    q, kc, vc, tables, ctx = _case(torch.bfloat16, h, h_kv, d, bs, lens, seed=3)
+    qb = q.to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ca.paged_attention_decode(qb, kc, vc, tables, ctx, d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    want = ra.paged_attention_decode(qb.float(), kc, vc, tables, ctx, d**-0.5)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
+
+
+@needs_kernel
 def test_query_dtype_kept_and_scale_tensors_taken():
     q, kc, vc, tables, ctx = _case(torch.bfloat16, 6, 2, 64, 16, [7, 40])
     qb = q.to(torch.bfloat16)

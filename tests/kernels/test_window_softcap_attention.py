@@ -84,6 +84,28 @@ def test_c_decode_kernel_matches_the_twin(dtype, window, softcap, bs):
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [None, 5, 17, 40])
+def test_c_decode_kernel_windows_many_sequences(window):
+    """Enough sequences that a task is a whole sequence (its bf16 blocks copied out first from
+    the window's first block on: runtime kernels/cpu_attention.c `gather_blocks`)."""
+    lens = [1, 3, 16, 17, 40, 100, 64, 65, 90, 31]
+    batch, kc, vc, g = mixed_batch(
+        [1] * len(lens), [n - 1 for n in lens], 16, 2, 64, torch.bfloat16, 9
+    )
+    q = (torch.randn(len(lens), 6, 64, generator=g) * 2).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = ca.paged_attention_decode(
+            q, kc, vc, batch.block_tables, batch.context_lens, 0.2, window=window
+        )
+    finally:
+        torch.set_num_threads(before)
+    want = _oracle(q.float(), kc.float(), vc.float(), batch, 0.2, window, None)
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
 def test_c_decode_kernel_refuses_a_zero_window():
     batch, kc, vc, g = mixed_batch([1], [4], 4, 1, 16, torch.float32)
     with pytest.raises(ValueError, match="window 0"):
