@@ -16,7 +16,9 @@
  * 203 us for 32 sequences of 192 tokens, 9 / 3 heads of 64, 2 threads, Zen 4 EPYC. A task
  * that covers a whole sequence first copies its blocks out together (gather_blocks): with 30
  * layers' caches cycling through DRAM as in a serving step, 524 -> 325 us on that shape (the
- * same cache read hot from L3: 172 -> 207 us).
+ * same cache read hot from L3: 172 -> 207 us). An fp8 cache's codes are copied out as their
+ * bf16 values (gather_fp8_as_bf16) and then take the bf16 tiles: cold 875 -> 270 us (half the
+ * bytes of bf16 to read; the code-by-code table lookup it replaces was compute-bound).
  *
  * A sliding window (window > 0) restricts a sequence of L cached tokens to its last `window`
  * keys (the query sits at position L - 1 and sees positions > L - 1 - window); the blocks before
@@ -334,6 +336,61 @@ static void gather_blocks(const char *kc, const char *vc, const int32_t *table, 
     }
 }
 
+#if defined(HAVE_BF16_TILES) && defined(__AVX512BW__)
+/* The bf16 bits of 32 float8_e4m3fn codes (every e4m3 value is a bf16 value): a normal code's
+ * exponent rebiased (7 -> 127) under its 3 mantissa bits, the subnormals (m * 2^-9) from a
+ * table, NaN (|code| 0x7f) as bf16's quiet NaN; the sign bit moved up. */
+static inline __m512i fp8_e4m3_to_bf16_bits(__m256i codes) {
+    const __m512i c = _mm512_cvtepu8_epi16(codes);
+    const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7f));
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
+    __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    /* m * 2^-9 for m = 0..7 (0x3B00 = 2^-9), repeated over the 32 lanes the index reads */
+    const __m512i sub = _mm512_set_epi16(
+        0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0,
+        0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0,
+        0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0,
+        0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0);
+    bits = _mm512_mask_permutexvar_epi16(bits, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
+                                         mag, sub);
+    bits = _mm512_mask_mov_epi16(bits, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)),
+                                 _mm512_set1_epi16(0x7fc0));
+    return _mm512_or_si512(bits, sign);
+}
+
+/* gather_blocks for fp8 caches, each code written as its bf16 value (two bytes) */
+static void gather_fp8_as_bf16(const uint8_t *kc, const uint8_t *vc, const int32_t *table, int b0,
+                               int b1, int64_t block_bytes, uint16_t *restrict kdst,
+                               uint16_t *restrict vdst) {
+    for (int b = b0; b < b1; b += GATHER_WAYS) {
+        const int w = b1 - b < GATHER_WAYS ? b1 - b : GATHER_WAYS;
+        const uint8_t *ks[GATHER_WAYS], *vs[GATHER_WAYS];
+        uint16_t *kd = kdst + (int64_t)(b - b0) * block_bytes, *vd = vdst + (int64_t)(b - b0) * block_bytes;
+        for (int i = 0; i < w; ++i) {
+            ks[i] = kc + (int64_t)table[b + i] * block_bytes;
+            vs[i] = vc + (int64_t)table[b + i] * block_bytes;
+        }
+        int64_t off = 0;
+        for (; off + 32 <= block_bytes; off += 32)
+            for (int i = 0; i < w; ++i) {
+                _mm512_storeu_si512((void *)(kd + i * block_bytes + off),
+                                    fp8_e4m3_to_bf16_bits(_mm256_loadu_si256((const __m256i *)(ks[i] + off))));
+                _mm512_storeu_si512((void *)(vd + i * block_bytes + off),
+                                    fp8_e4m3_to_bf16_bits(_mm256_loadu_si256((const __m256i *)(vs[i] + off))));
+            }
+        for (; off < block_bytes; ++off)
+            for (int i = 0; i < w; ++i) {
+                const float kv = fp8_e4m3_values[ks[i][off]], vv = fp8_e4m3_values[vs[i][off]];
+                uint32_t kb, vb;
+                memcpy(&kb, &kv, 4);
+                memcpy(&vb, &vv, 4);
+                kd[i * block_bytes + off] = (uint16_t)(kb >> 16);
+                vd[i * block_bytes + off] = (uint16_t)(vb >> 16);
+            }
+    }
+}
+#endif
+
 /* Attention of the query heads of KV heads [h0, h1) of one sequence (G = H / Hkv heads each).
  * gbuf (NULL: none): room for the sequence's key and value blocks and their table, where they
  * are copied first (gather_blocks) when the task covers every KV head. */
@@ -349,17 +406,32 @@ INLINE void attend(const float *q, const void *kc, const void *vc, int kind, int
     const int64_t R = kind == KV_INT8 ? D + 4 : kind == KV_INT4 ? D / 2 + 4 : D;
     const int64_t token_stride = (int64_t)Hkv * R;
 #ifdef HAVE_BF16_TILES
-    const int tiles = q_bf16 && kind == KV_BF16 && (D == 64 || D == 128) && bs % 16 == 0 && G <= 64;
+    const int tileable = q_bf16 && (D == 64 || D == 128) && bs % 16 == 0 && G <= 64;
 #endif
     if (gbuf && h0 == 0 && h1 == Hkv && L > begin) {
         const int b0 = begin / bs, b1 = (L + bs - 1) / bs;
         const int64_t block_bytes = (int64_t)bs * token_stride * (kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1);
-        char *kd = gbuf, *vd = gbuf + (int64_t)(b1 - b0) * block_bytes;
-        int32_t *local = (int32_t *)(vd + (int64_t)(b1 - b0) * block_bytes);
+        int widen = 0; /* fp8 codes copied out as their bf16 values, for the bf16 tiles */
+#if defined(HAVE_BF16_TILES) && defined(__AVX512BW__)
+        widen = kind == KV_FP8_E4M3 && tileable;
+#endif
+        const int64_t out_bytes = widen ? 2 * block_bytes : block_bytes;
+        char *kd = gbuf, *vd = gbuf + (int64_t)(b1 - b0) * out_bytes;
+        int32_t *local = (int32_t *)(vd + (int64_t)(b1 - b0) * out_bytes);
+#if defined(HAVE_BF16_TILES) && defined(__AVX512BW__)
+        if (widen) {
+            gather_fp8_as_bf16((const uint8_t *)kc, (const uint8_t *)vc, table, b0, b1, block_bytes,
+                               (uint16_t *)kd, (uint16_t *)vd);
+            kind = KV_BF16;
+        } else
+#endif
         gather_blocks((const char *)kc, (const char *)vc, table, b0, b1, block_bytes, kd, vd);
         for (int b = b0; b < b1; ++b) local[b] = b - b0;
         kc = kd, vc = vd, table = local;
     }
+#ifdef HAVE_BF16_TILES
+    const int tiles = tileable && kind == KV_BF16;
+#endif
     for (int h = h0; h < h1; ++h) {
         const float *qg = q + (int64_t)h * G * D;
 #ifdef HAVE_BF16_TILES
@@ -453,7 +525,7 @@ int slimserve_paged_decode_attention(const float *query, const void *key_cache,
         const int max_blocks = (max_len + block_size - 1) / block_size;
         const size_t row_bytes = kind == KV_F32 ? 4 * (size_t)D : kind == KV_BF16 ? 2 * (size_t)D
                                : kind == KV_INT8 ? (size_t)D + 4 : kind == KV_INT4 ? (size_t)D / 2 + 4
-                               : (size_t)D;
+                               : 2 * (size_t)D; /* fp8: room for its codes as bf16 values */
         const size_t gbytes = per_row == Hkv
             ? 2 * (size_t)max_blocks * block_size * Hkv * row_bytes + sizeof(int32_t) * (size_t)max_blocks : 0;
         const int gather = gbytes > 0 && gbytes <= GATHER_MAX_BYTES;

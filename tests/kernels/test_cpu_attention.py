@@ -90,23 +90,60 @@ def test_bf16_queries_on_a_bf16_cache_match_the_twin(h, h_kv, d, bs):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("h,h_kv,d,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (6, 2, 64, 64)])
-def test_many_sequences_copy_their_blocks_first(threads, h, h_kv, d, bs):
-    """With at least 4 sequences a thread, a task is a whole sequence, and a bf16 cache's blocks
-    are copied out together before the tiles read them (`gather_blocks`): the result is the
-    twin's within bf16 rounding, at one and two threads, whatever the block size."""
+def test_many_sequences_copy_their_blocks_first(dtype, threads, h, h_kv, d, bs):
+    """With at least 4 sequences a thread, a task is a whole sequence, and its cache blocks are
+    copied out together before the tiles read them (`gather_blocks`; an fp8 cache's codes as
+    their bf16 values, `gather_fp8_as_bf16`): the result is the twin's within bf16 rounding, at
+    one and two threads, whatever the block size."""
     lens = [1, 15, 16, 17, bs + 1, 3 * bs + 5, 200, 33, 64, 129]
-    q, kc, vc, tables, ctx = _case(torch.bfloat16, h, h_kv, d, bs, lens, seed=3)
+    q, kc, vc, tables, ctx = _case(dtype, h, h_kv, d, bs, lens, seed=3)
+    ks, vs = (0.5, 0.25) if dtype == torch.float8_e4m3fn else (1.0, 1.0)
     qb = q.to(torch.bfloat16)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = ca.paged_attention_decode(qb, kc, vc, tables, ctx, d**-0.5)
+        got = ca.paged_attention_decode(qb, kc, vc, tables, ctx, d**-0.5, ks, vs)
     finally:
         torch.set_num_threads(before)
-    want = ra.paged_attention_decode(qb.float(), kc, vc, tables, ctx, d**-0.5)
+    want = ra.paged_attention_decode(qb.float(), kc, vc, tables, ctx, d**-0.5, ks, vs)
     torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
+
+
+@needs_kernel
+def test_every_fp8_code_is_read_as_its_value():
+    """Keys and values that hold every finite float8_e4m3fn code (subnormals, zeros of both
+    signs, the largest +-448) through the whole-sequence path of a bf16 query: as the twin
+    reads them. A NaN code gives NaN, as in the twin."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    vals = codes.view(torch.float8_e4m3fn).float()
+    bs, h_kv, d, n = 16, 1, 64, 8
+    blocks = -(-vals.numel() // d) + 1
+    flat = torch.zeros(blocks * d)
+    flat[: vals.numel()] = vals
+    rows = flat.view(blocks, d)  # every code in some row; rows spread over tokens of 1 block each
+    kc = torch.zeros(n, bs, h_kv, d)
+    for i in range(n):
+        kc[i, : min(bs, blocks), 0] = rows[: min(bs, blocks)].roll(i, 0)
+    kc8 = kc.to(torch.float8_e4m3fn)
+    vc8 = kc.flip(-1).to(torch.float8_e4m3fn)
+    tables = torch.arange(n, dtype=torch.int32).view(n, 1)
+    ctx = torch.full((n,), bs, dtype=torch.int32)
+    q = (torch.randn(n, 4, d, generator=torch.Generator().manual_seed(1)) / 64).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = ca.paged_attention_decode(q, kc8, vc8, tables, ctx, d**-0.5, 0.5, 0.25)
+        kn = kc8.clone()
+        kn.view(torch.uint8)[0, 0, 0, 0] = 0x7F
+        nan = ca.paged_attention_decode(q, kn, vc8, tables, ctx, d**-0.5, 0.5, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    want = ra.paged_attention_decode(q.float(), kc8, vc8, tables, ctx, d**-0.5, 0.5, 0.25)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
+    assert nan[0].isnan().all() and not nan[1:].isnan().any()
 
 
 @needs_kernel
