@@ -20,6 +20,6 @@ setup(
         )
     ],
     package_data={
-        "slimserve.kernels": ["*.c"]
-    },  # C sources compiled at first use (kernels/cpu_attention.py)
+        "slimserve.kernels": ["*.c", "*.h"]
+    },  # C sources (and their headers) compiled at first use (kernels/cpu_build.py)
 )

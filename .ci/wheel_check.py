@@ -35,7 +35,8 @@ def main(wheel: str, repo: str) -> int:
     sources = {
         f"slimserve/{p.relative_to(root).as_posix()}"
         for layer in LAYERS
-        for p in (root / layer).rglob("*.c")
+        for pattern in ("*.c", "*.h")
+        for p in (root / layer).rglob(pattern)
     }
     for name in sorted(sources - names):
         missing.append(name)

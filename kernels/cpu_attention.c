@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8_E4M3 = 2, KV_INT8 = 3, KV_INT4 = 4 };
 /* or-ed into `kind` by the caller when every query value is a bf16 value (a bf16 model's) */
 enum { QUERY_BF16 = 16 };
@@ -64,25 +66,6 @@ static inline float f16_value(uint16_t h) {
 static inline float bf16_value(uint16_t x) {
     union { uint32_t u; float f; } bits = {(uint32_t)x << 16};
     return bits.f;
-}
-
-/* e^x for x <= 0 (scores less their maximum), vectorizable: x = n ln2 + r with |r| <= ln2 / 2,
- * e^r by its degree-6 Taylor polynomial (relative error < 2e-7 on that range), 2^n built in the
- * exponent bits; below -87 (e^x < 2^-126) the result is 0. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    /* n = round(x / ln2): adding 1.5 * 2^23 leaves no fraction bits, so the sum rounds (nearest) */
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t u; float f; } scale = {(uint32_t)((int32_t)n + 127) << 23};
-    return p * scale.f;
 }
 
 /* Scores of the G query heads qg [G, D] against `count` cached fp32 rows starting at k (row

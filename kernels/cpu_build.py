@@ -21,6 +21,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -53,6 +54,14 @@ def _compiler_version(cc: str) -> str:
         return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         return ""
+
+
+def _source_with_headers(path: Path) -> bytes:
+    """The C source's bytes followed by those of the local headers it includes (`#include
+    "x.h"`, beside it), so the cache key changes when a shared header does."""
+    source = path.read_bytes()
+    headers = re.findall(rb'^#include "([^"/]+)"', source, flags=re.MULTILINE)
+    return source + b"".join(b"\0" + path.with_name(h.decode()).read_bytes() for h in headers)
 
 
 def _cache_key(cc: str, flags: tuple[str, ...], source: bytes) -> str:
@@ -98,7 +107,7 @@ def library(name: str, configure: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL 
         reasons.append("no C compiler (set CC, or install cc/gcc/clang)")
         return None
     path = Path(__file__).with_name(f"{name}.c")
-    source = path.read_bytes()
+    source = _source_with_headers(path)
     folder = cache_root() / "cpu_kernels"
     for flags in FLAG_SETS:
         dest = folder / f"{name}-{_cache_key(cc, flags, source)}.so"

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 enum { K_F32 = 0, K_BF16 = 1, K_FP8_E4M3 = 2, K_INT8 = 3, K_INT4 = 4 };
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -141,6 +143,31 @@ void slimserve_rms_norm(const void *x, int64_t x_stride, const void *residual, i
     for (int64_t r = 0; r < rows; ++r) {
         if (kind == K_F32) rms_norm_row(x, x_stride, residual, r_stride, weight, out, summed, K_F32, r, hidden, eps);
         else rms_norm_row(x, x_stride, residual, r_stride, weight, out, summed, K_BF16, r, hidden, eps);
+    }
+}
+
+/* out [rows, I] = round(silu(gate)) * up for x [rows, 2I] = [gate | up] (row stride given), each
+ * product rounded to the dtype: the twin's `F.silu(gate) * up` (silu in fp32, rounded, then the
+ * product). silu(g) = g * sigmoid(g) with e = e^-|g|: sigmoid is 1 / (1 + e) for g >= 0 and
+ * e / (1 + e) below, so the exponential never overflows. */
+INLINE void silu_and_mul_row(const void *x, int64_t x_stride, void *out, int kind, int64_t r,
+                             int64_t I) {
+    const int64_t at = r * x_stride;
+#pragma omp simd
+    for (int64_t i = 0; i < I; ++i) {
+        const float g = load(x, kind, at + i), u = load(x, kind, at + I + i);
+        const float e = exp_nonpositive(g < 0.0f ? g : -g);
+        const float sig = (g < 0.0f ? e : 1.0f) / (1.0f + e);
+        store(out, kind, r * I + i, round_to(g * sig, kind) * u);
+    }
+}
+
+void slimserve_silu_and_mul(const void *x, int64_t x_stride, void *out, int kind, int64_t rows,
+                            int64_t I, int num_threads) {
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        if (kind == K_F32) silu_and_mul_row(x, x_stride, out, K_F32, r, I);
+        else silu_and_mul_row(x, x_stride, out, K_BF16, r, I);
     }
 }
 

@@ -1,15 +1,17 @@
 """A decoder layer's element-wise CPU ops in C (kernels/cpu_layer_ops.c, built and loaded by
-kernels/cpu_build.py): RMSNorm (with the residual add) and RoPE + KV-cache write, one pass over
-the data each where the torch twins run 5-15 ops (`reference.rms_norm`,
-`reference.fused_add_rms_norm`, `reference_attention.rope_and_write_kv`). Same signatures and
-the same rounding points as the twins; the math differs only in summation order and fused
-multiply-adds (tests/kernels/test_cpu_layer_ops.py holds them within one unit in the last place).
+kernels/cpu_build.py): RMSNorm (with the residual add), SiLU-and-multiply, and RoPE + KV-cache
+write, one pass over the data each where the torch twins run 2-15 ops (`reference.rms_norm`,
+`reference.fused_add_rms_norm`, `reference.silu_and_mul`,
+`reference_attention.rope_and_write_kv`). Same signatures and the same rounding points as the
+twins; the math differs only in summation order, fused multiply-adds and silu's exponential (a
+polynomial within 2e-7 relative, kernels/cpu_math.h), so tests/kernels/test_cpu_layer_ops.py
+holds them within one unit in the last place.
 
 Each function takes fp32 and bf16 tensors whose last dimension is contiguous; anything else
 (fp16, other layouts) goes to the twin, so callers need not check. Caches: fp32, bf16,
 float8_e4m3fn, or int8 / int4 rows (uint8, kernels/kv_quant.py: quantized per token and KV head
-as they are written, codes bit for bit with the twin). `available()` is False where the library does not build; runtime/layers/ops.py
-then keeps the twins.
+as they are written, codes bit for bit with the twin). `available()` is False where the library
+does not build; runtime/layers/ops.py then keeps the twins.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 def _configure(lib: ctypes.CDLL) -> None:
     lib.slimserve_rms_norm.restype = None
     lib.slimserve_rms_norm.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I, _I64, _I64, _F, _I]
+    lib.slimserve_silu_and_mul.restype = None
+    lib.slimserve_silu_and_mul.argtypes = [_P, _I64, _P, _I, _I64, _I64, _I]
     lib.slimserve_rope_write_kv.restype = _I
     lib.slimserve_rope_write_kv.argtypes = [
         _P,
@@ -110,6 +114,24 @@ def fused_add_rms_norm(
     ):
         return reference.fused_add_rms_norm(x, residual, weight, eps)
     return _norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`reference.silu_and_mul` in one pass: [rows, 2I] -> [rows, I], silu(gate) * up."""
+    if _library() is None or not _rows(x) or x.shape[1] % 2:
+        return reference.silu_and_mul(x)
+    inter = x.shape[1] // 2
+    out = torch.empty(x.shape[0], inter, dtype=x.dtype)
+    _library().slimserve_silu_and_mul(
+        x.data_ptr(),
+        x.stride(0),
+        out.data_ptr(),
+        _KINDS[x.dtype],
+        x.shape[0],
+        inter,
+        torch.get_num_threads(),
+    )
+    return out
 
 
 def _heads(t: torch.Tensor, dtype: torch.dtype) -> bool:

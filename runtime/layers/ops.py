@@ -4,7 +4,8 @@
 kernels on CUDA tensors and, on CPU, the pure-torch twins in kernels/reference.py and
 kernels/reference_attention.py except where C kernels build (the `CPU` table): the decode rows'
 attention (kernels/cpu_attention.py: it reads the paged cache in place where the twin gathers
-each context first), RMSNorm and RoPE + KV-cache write (kernels/cpu_layer_ops.py: one pass each).
+each context first), RMSNorm, SiLU-and-multiply and RoPE + KV-cache write
+(kernels/cpu_layer_ops.py: one pass each).
 `torch` is the twins alone: the oracle the kernel tests compare against.
 
 The choice is resolved once, not per op: `select(device)` reads the environment and returns
@@ -141,6 +142,7 @@ CPU = dataclasses.replace(
     TORCH,
     rms_norm=cpu_layer_ops.rms_norm,
     fused_add_rms_norm=cpu_layer_ops.fused_add_rms_norm,
+    silu_and_mul=cpu_layer_ops.silu_and_mul,
     rope_and_write_kv=cpu_layer_ops.rope_and_write_kv,
     plan_attention=_cpu_plan,
     attention=_cpu_attention,

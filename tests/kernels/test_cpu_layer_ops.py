@@ -1,5 +1,5 @@
 """The C element-wise ops (kernels/cpu_layer_ops.c) against their torch twins: RMSNorm with and
-without the residual, RoPE + KV-cache write into fp32, bf16 and fp8 caches (negative slots
+without the residual, SiLU-and-multiply, RoPE + KV-cache write into fp32, bf16 and fp8 caches (negative slots
 skipped, strided q/k/v views of one projection output), and the fallback to the twin for what
 the C code does not take."""
 
@@ -32,6 +32,32 @@ def test_rms_norm_matches_the_twin(dtype, rows, hidden):
     want_normed, want_summed = reference.fused_add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(summed, want_summed)  # one rounded add: exact
     torch.testing.assert_close(normed.float(), want_normed.float(), rtol=2 * _ulp(dtype), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (32, 1536), (5, 37)])
+def test_silu_and_mul_matches_the_twin(dtype, rows, inter):
+    g = torch.Generator().manual_seed(rows + inter)
+    x = (4 * torch.randn(rows, 2 * inter, generator=g)).to(dtype)
+    x[0, :4] = torch.tensor([0.0, -0.0, 90.0, -90.0])  # e^-|g| at 1 and far below the range
+    got = lo.silu_and_mul(x)
+    want = reference.silu_and_mul(x)
+    assert got.dtype == dtype and got.shape == (rows, inter)
+    # fp32: the exponential's polynomial and the division round differently; bf16: the silu's
+    # rounding point is the twin's, so a value differs only where fp32 silu sits on a bf16 tie
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * _ulp(dtype), atol=1e-6)
+    if dtype == torch.bfloat16:
+        assert (got != want).sum() <= max(1, got.numel() // 200)
+
+
+def test_silu_and_mul_takes_a_strided_view_and_leaves_fp16_to_the_twin():
+    x = torch.randn(6, 40).to(torch.bfloat16)
+    view = x[:, :20]  # rows 40 apart, 20 wide: gate 10, up 10
+    torch.testing.assert_close(
+        lo.silu_and_mul(view), reference.silu_and_mul(view), rtol=0.01, atol=1e-3
+    )
+    h = torch.randn(3, 8).half()
+    assert torch.equal(lo.silu_and_mul(h), reference.silu_and_mul(h))
 
 
 def test_rms_norm_takes_a_strided_row_view_and_leaves_fp16_to_the_twin():
