@@ -328,7 +328,8 @@ static inline __m512i fp8_e4m3_to_bf16_bits(__m256i codes) {
     const __m512i mag = _mm512_and_si512(c, _mm512_set1_epi16(0x7f));
     const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
     __m512i bits = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
-    /* m * 2^-9 for m = 0..7 (0x3B00 = 2^-9), repeated over the 32 lanes the index reads */
+    /* m * 2^-9 for m = 0..7 (0x3B00 = 2^-9), in lanes 0-7, the only ones read (the
+     * index is masked to m < 8); the other lanes repeat them */
     const __m512i sub = _mm512_set_epi16(
         0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0,
         0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0,

@@ -87,7 +87,7 @@ def test_c_decode_kernel_matches_the_twin(dtype, window, softcap, bs):
 @pytest.mark.parametrize("window", [None, 5, 17, 40])
 def test_c_decode_kernel_windows_many_sequences(window):
     """Enough sequences that a task is a whole sequence (its bf16 blocks copied out first from
-    the window's first block on: runtime kernels/cpu_attention.c `gather_blocks`)."""
+    the window's first block on: kernels/cpu_attention.c `gather_blocks`)."""
     lens = [1, 3, 16, 17, 40, 100, 64, 65, 90, 31]
     batch, kc, vc, g = mixed_batch(
         [1] * len(lens), [n - 1 for n in lens], 16, 2, 64, torch.bfloat16, 9
